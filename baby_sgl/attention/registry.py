@@ -1,0 +1,12 @@
+from __future__ import annotations
+
+from baby_sgl.attention.torch_native import TorchNativeAttnBackend
+
+ATTENTION_BACKENDS = {"torch_native": TorchNativeAttnBackend}
+
+
+def create_attention_backend(name: str):
+    try:
+        return ATTENTION_BACKENDS[name]()
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(ATTENTION_BACKENDS)}") from None

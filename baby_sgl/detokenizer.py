@@ -1,0 +1,21 @@
+"""Incremental detokenization: text grows token by token and never splits a multi-byte character."""
+
+from __future__ import annotations
+
+from baby_sgl.managers.req import Req
+
+
+def detokenize_step(tokenizer, req: Req, final: bool) -> None:
+    """Appends to req.text whatever the new output tokens complete.
+
+    The text is the difference between decoding the window [surr_offset:] and its already
+    emitted part [surr_offset:read_offset]: decoding with a little left context keeps
+    tokenizers' spacing rules (SentencePiece's leading space) the same as a whole decode."""
+    ids, skip = req.output_ids, req.sampling_params.skip_special_tokens
+    prefix = tokenizer.decode(ids[req.surr_offset : req.read_offset], skip_special_tokens=skip)
+    full = tokenizer.decode(ids[req.surr_offset :], skip_special_tokens=skip)
+    # "\ufffd" at the end means a character's bytes are still incomplete: wait for more tokens.
+    if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+        req.text += full[len(prefix) :]
+        req.surr_offset = req.read_offset
+        req.read_offset = len(ids)

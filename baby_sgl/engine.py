@@ -1,0 +1,222 @@
+"""The offline API, shaped like SGLang's `Engine`: tokenize, submit to the scheduler, collect."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from baby_sgl.managers.memory_checker import check_memory
+from baby_sgl.managers.req import Req
+from baby_sgl.managers.scheduler import Scheduler
+from baby_sgl.mem_cache.memory_pool import KVPool
+from baby_sgl.model_config import ModelConfig
+from baby_sgl.model_executor.model_runner import ModelRunner
+from baby_sgl.model_loader.loader import load_model
+from baby_sgl.sampling.sampling_params import SamplingParams
+from baby_sgl.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CPU_MAX_TOTAL_TOKENS = 32768  # KV pool cap on CPU when max_total_tokens is not given
+_SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class Engine:
+    """`Engine(model_path=None, **kwargs)`: keyword names are the CLI flags (see ServerArgs)."""
+
+    def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
+        self.server_args = args = ServerArgs(model_path=model_path, **kwargs)
+        self.device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        loaded = load_model(args.model_path)
+        self.model_config = cfg = ModelConfig.from_hf(loaded.hf_config)
+        self.dtype = self._pick_dtype(loaded.hf_config)
+        self.tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_path)
+        self.eos_token_ids = self._eos_ids(loaded.generation_config, cfg)
+        self.sampling_defaults = {k: loaded.generation_config[k] for k in _SAMPLING_DEFAULT_KEYS
+                                  if k in loaded.generation_config}
+        self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        runner = ModelRunner(cfg, loaded.weights, self.dtype, self.device)
+        self.max_total_tokens = self._pool_size(cfg)
+        self.scheduler = Scheduler(args, runner, self.tokenizer, self.eos_token_ids, self.max_total_tokens,
+                                   self.context_len)
+        self.model_path = loaded.source
+        logger.info("engine ready: %s, %s, %d KV slots", loaded.source, self.dtype, self.max_total_tokens)
+
+    # ---- set-up helpers ------------------------------------------------------------------
+    def _pick_dtype(self, hf_config: dict) -> torch.dtype:
+        if self.server_args.dtype != "auto":
+            return _DTYPES[self.server_args.dtype]
+        if self.device.type == "cpu":
+            return torch.float32  # CPUs without bf16 units are slower in bf16; float32 is exact
+        return _DTYPES.get(str(hf_config.get("torch_dtype") or hf_config.get("dtype")), torch.bfloat16)
+
+    def _eos_ids(self, gen: dict, cfg: ModelConfig) -> list[int]:
+        eos = gen.get("eos_token_id", cfg.eos_token_ids or self.tokenizer.eos_token_id)
+        return sorted({eos} if isinstance(eos, int) else set(eos or []))
+
+    def _pool_size(self, cfg: ModelConfig) -> int:
+        args = self.server_args
+        if args.max_total_tokens:
+            size = args.max_total_tokens
+        else:
+            per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            if self.device.type == "cuda":
+                size = int(torch.cuda.mem_get_info(self.device)[0] * 0.8) // per_token
+            else:
+                avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+                size = min(int(avail * 0.2) // per_token, _CPU_MAX_TOTAL_TOKENS)
+        size = size // args.page_size * args.page_size
+        if size < 2 * args.page_size:
+            raise ValueError(f"max_total_tokens={args.max_total_tokens} is too small for page_size={args.page_size}")
+        return size
+
+    # ---- requests ------------------------------------------------------------------------
+    def _make_reqs(self, prompt, input_ids, sampling_params, rid) -> list[Req | ValueError]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        single = isinstance(prompt, str) if prompt is not None else (not input_ids or isinstance(input_ids[0], int))
+        items = ([prompt] if single else list(prompt)) if prompt is not None else ([input_ids] if single else list(input_ids))
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        rids = rid if isinstance(rid, list) else [rid] * len(items)
+        if len(params) != len(items) or len(rids) != len(items):
+            raise ValueError(f"got {len(items)} prompts but {len(params)} sampling_params / {len(rids)} rids")
+        reqs: list[Req | ValueError] = []
+        for i, (item, sp, r) in enumerate(zip(items, params, rids)):
+            try:
+                reqs.extend(self._make_req(item, sp, r))
+            except ValueError as e:
+                reqs.append(ValueError(f"request {i}: {e}" if not single else str(e)))
+        return reqs, single
+
+    def _make_req(self, item: str | list[int], sampling_params: dict | None, rid: str | None) -> list[Req]:
+        params = SamplingParams.from_dict(sampling_params, self.sampling_defaults)
+        if isinstance(item, str):
+            if not item:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer.encode(item)
+        else:
+            ids = list(item)
+            if not ids:
+                raise ValueError("input_ids is empty")
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"input_ids holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        limit = min(self.context_len, self.max_total_tokens - self.server_args.page_size)
+        if len(ids) >= limit:
+            raise ValueError(f"prompt is too long: {len(ids)} tokens, the limit is {limit - 1} "
+                             f"(context length {self.context_len}, KV pool {self.max_total_tokens})")
+        base = rid or uuid.uuid4().hex
+        return [Req(base if params.n == 1 else f"{base}-{k}", ids, params) for k in range(params.n)]
+
+    def _result(self, req: Req) -> dict[str, Any]:
+        ts = req.time_stats
+        return {
+            "text": req.text,
+            "output_ids": list(req.output_ids),
+            "meta_info": {
+                "id": req.rid,
+                "prompt_tokens": len(req.origin_input_ids),
+                "completion_tokens": len(req.output_ids),
+                "cached_tokens": req.cached_tokens,
+                "finish_reason": req.finished_reason,
+                "e2e_latency": (ts.finished or ts.created) - ts.created,
+                "ttft": (ts.first_token - ts.created) if ts.first_token else None,
+            },
+        }
+
+    @staticmethod
+    def _error_result(err: ValueError) -> dict[str, Any]:
+        return {"text": "", "output_ids": [], "error": str(err),
+                "meta_info": {"finish_reason": {"type": "abort", "message": str(err)}}}
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
+                 rid: str | list[str] | None = None) -> dict | list[dict] | Iterator[dict]:
+        """One prompt -> a dict; several -> a list. A bad request raises ValueError when alone;
+        inside a batch it gets an `error` result and the others still run."""
+        reqs, single = self._make_reqs(prompt, input_ids, sampling_params, rid)
+        if single and len(reqs) == 1 and isinstance(reqs[0], ValueError):
+            raise reqs[0]
+        outputs: queue.Queue = queue.Queue()
+        live = [r for r in reqs if isinstance(r, Req)]
+        for req in live:
+            req.stream, req.on_output = stream, outputs.put
+            self.scheduler.submit(req)
+        chunks = self._stream(reqs, live, outputs)
+        if stream:
+            return chunks
+        for _ in chunks:
+            pass
+        results = [self._error_result(r) if isinstance(r, ValueError) else self._result(r) for r in reqs]
+        return results[0] if single and len(results) == 1 else results
+
+    def _stream(self, reqs: list, live: list[Req], outputs: queue.Queue) -> Iterator[dict]:
+        index = {id(r): i for i, r in enumerate(reqs)}
+        for i, r in enumerate(reqs):
+            if isinstance(r, ValueError):
+                yield {"index": i, **self._error_result(r)}
+        pending = len(live)
+        try:
+            while pending:
+                out = outputs.get()
+                req = out["req"]
+                pending -= out["finished"]
+                chunk = self._result(req)
+                chunk.update(text=out["text"], output_ids=out["output_ids"], index=index[id(req)])
+                yield chunk
+        finally:
+            for req in live:  # a consumer that stops early must not leave requests running
+                if not req.finished:
+                    self.abort_request(req.rid)
+
+    def chat(self, messages: list[dict], sampling_params: dict | None = None, stream: bool = False, **kw):
+        return self.generate(input_ids=self.apply_chat_template(messages), sampling_params=sampling_params,
+                             stream=stream, **kw)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- control -------------------------------------------------------------------------
+    def abort_request(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+
+    def check_memory(self) -> dict[str, int]:
+        """Asserts invariant 4 inside the scheduler thread; returns the slot counts."""
+        return self.scheduler.call(lambda: check_memory(self.scheduler))
+
+    def flush_cache(self) -> bool:
+        def flush() -> bool:
+            if self.scheduler.has_work():
+                return False
+            self.scheduler.tree_cache.evict(self.max_total_tokens)
+            return True
+
+        return self.scheduler.call(flush)
+
+    def get_server_info(self) -> dict[str, Any]:
+        info = {k: v for k, v in vars(self.server_args).items()}
+        info.update(max_total_tokens=self.max_total_tokens, context_len=self.context_len, dtype=str(self.dtype),
+                    model_path=self.model_path)
+        info.update(self.scheduler.call(lambda: dict(self.scheduler.stats)))
+        return info
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,69 @@
+"""One generation request as the scheduler sees it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from baby_sgl.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class TimeStats:
+    created: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class Req:
+    def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
+                 on_output: Callable[[dict[str, Any]], None] | None = None, stream: bool = False) -> None:
+        self.rid = rid
+        self.origin_input_ids = input_ids
+        self.output_ids: list[int] = []
+        self.sampling_params = sampling_params
+        self.on_output = on_output
+        self.stream = stream
+        self.time_stats = TimeStats()
+        self.finished_reason: dict[str, Any] | None = None
+        self.to_abort: str | None = None  # set by an abort; honoured at the next step
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (max over prefills)
+        self.is_retracted = False
+        # KV state: row `req_pool_idx` of the ReqToTokenPool holds kv_len slots; the first
+        # cache_protected_len of them are owned by the tree (locked through last_node).
+        self.req_pool_idx: int | None = None
+        self.kv_len = 0
+        self.cache_protected_len = 0
+        self.last_node: Any = None
+        # Set by the scheduler for the next extend pass.
+        self.prefix_indices: Any = None
+        self.extend_input_len = 0
+        self.is_chunked = False
+        # Incremental detokenization (see detokenizer.py).
+        self.text = ""
+        self.surr_offset = 0
+        self.read_offset = 0
+        self.sent_text_len = 0
+        self.sent_ids_len = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token of the sequence so far; token i has position i (invariant 1)."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def reset_kv_state(self) -> None:
+        self.req_pool_idx, self.kv_len, self.cache_protected_len, self.last_node = None, 0, 0, None
+        self.prefix_indices, self.extend_input_len, self.is_chunked = None, 0, False
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"

@@ -1,0 +1,105 @@
+"""The scheduler's view of one batch: it allocates request and KV slots, lays out the tensors of
+an extend or decode pass, and retracts requests when decode runs out of KV slots."""
+
+from __future__ import annotations
+
+import torch
+
+from baby_sgl.managers.req import Req
+from baby_sgl.mem_cache.allocator import PagedTokenAllocator
+from baby_sgl.mem_cache.memory_pool import ReqToTokenPool
+from baby_sgl.model_executor.forward_batch import ForwardMode
+from baby_sgl.model_executor.model_runner import ModelWorkerBatch
+
+
+class ScheduleBatch:
+    def __init__(self, reqs: list[Req], mode: ForwardMode, req_to_token_pool: ReqToTokenPool,
+                 allocator: PagedTokenAllocator, tree_cache) -> None:
+        self.reqs, self.mode = reqs, mode
+        self.req_to_token_pool, self.allocator, self.tree_cache = req_to_token_pool, allocator, tree_cache
+        self.prefix_lens: list[int] = []
+        self.seq_lens: list[int] = []
+        self.out_cache_loc: torch.Tensor | None = None
+
+    # ---- KV slots ------------------------------------------------------------------------
+    def alloc_token_slots(self, prefix_lens: list[int], seq_lens: list[int]) -> torch.Tensor | None:
+        """Slots for the new tokens of every request; evicts from the tree first if needed."""
+        alloc = self.allocator
+        need = sum(alloc.pages_needed(a, b) for a, b in zip(prefix_lens, seq_lens)) * alloc.page_size
+        if need > alloc.available_size():
+            self.tree_cache.evict(need - alloc.available_size())
+        table = self.req_to_token_pool.req_to_token
+        last_locs = [int(table[r.req_pool_idx, p - 1]) if p else -1 for r, p in zip(self.reqs, prefix_lens)]
+        return alloc.alloc_extend(prefix_lens, seq_lens, last_locs)
+
+    def decode_pages_needed(self) -> int:
+        return sum(self.allocator.pages_needed(r.kv_len, r.kv_len + 1) for r in self.reqs)
+
+    # ---- extend --------------------------------------------------------------------------
+    def prepare_for_extend(self) -> None:
+        """Gives new requests a row holding their cached prefix, then slots for the new tokens."""
+        for req in self.reqs:
+            if req.req_pool_idx is None:
+                req.req_pool_idx = self.req_to_token_pool.alloc()
+                assert req.req_pool_idx is not None, "admission let in more requests than slots"
+                prefix = req.prefix_indices
+                self.req_to_token_pool.write(req.req_pool_idx, 0, prefix.to(self.req_to_token_pool.req_to_token.device))
+                req.kv_len = req.cache_protected_len = len(prefix)
+        self.prefix_lens = [r.kv_len for r in self.reqs]
+        self.seq_lens = [r.kv_len + r.extend_input_len for r in self.reqs]
+        self.out_cache_loc = self.alloc_token_slots(self.prefix_lens, self.seq_lens)
+        assert self.out_cache_loc is not None, "admission let in more tokens than the pool holds"
+        self._write_rows()
+
+    def _write_rows(self) -> None:
+        start = 0
+        for req, a, b in zip(self.reqs, self.prefix_lens, self.seq_lens):
+            self.req_to_token_pool.write(req.req_pool_idx, a, self.out_cache_loc[start : start + b - a])
+            start += b - a
+
+    # ---- decode --------------------------------------------------------------------------
+    def prepare_for_decode(self) -> None:
+        self.prefix_lens = [r.kv_len for r in self.reqs]
+        self.seq_lens = [r.kv_len + 1 for r in self.reqs]
+        self.out_cache_loc = self.alloc_token_slots(self.prefix_lens, self.seq_lens)
+        assert self.out_cache_loc is not None, "decode was scheduled without enough KV slots"
+        self._write_rows()
+
+    def can_decode(self) -> bool:
+        need = self.decode_pages_needed() * self.allocator.page_size
+        return need <= self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def retract_decode(self) -> list[Req]:
+        """Removes requests until the rest can decode one more token. Victims release their KV
+        (whole pages stay cached in the tree) and will be prefilled again from input + output."""
+        # As SGLang: keep the requests that have produced the most; retract short-output ones first.
+        order = sorted(self.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+        retracted = []
+        while len(order) > 1 and not self.can_decode():
+            victim = order.pop()
+            self.reqs.remove(victim)
+            self.tree_cache.release_req(victim)
+            victim.is_retracted = True
+            retracted.append(victim)
+        return retracted
+
+    # ---- hand-off to the model runner ------------------------------------------------------
+    def get_model_worker_batch(self) -> ModelWorkerBatch:
+        if self.mode == ForwardMode.DECODE:
+            input_ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in self.reqs]
+            positions = torch.tensor(self.prefix_lens, dtype=torch.long)
+            ext = [1] * len(self.reqs)
+        else:
+            input_ids = [t for r, a, b in zip(self.reqs, self.prefix_lens, self.seq_lens) for t in r.fill_ids[a:b]]
+            positions = torch.cat([torch.arange(a, b) for a, b in zip(self.prefix_lens, self.seq_lens)])
+            ext = [b - a for a, b in zip(self.prefix_lens, self.seq_lens)]
+        return ModelWorkerBatch(
+            mode=self.mode,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=self.out_cache_loc,
+            req_pool_indices=[r.req_pool_idx for r in self.reqs],
+            seq_lens=self.seq_lens,
+            extend_prefix_lens=self.prefix_lens,
+            extend_seq_lens=ext,
+        )

@@ -1,0 +1,90 @@
+"""Which waiting requests to prefill next, within the KV and token budgets."""
+
+from __future__ import annotations
+
+import enum
+
+from baby_sgl.managers.req import Req
+from baby_sgl.mem_cache.allocator import PagedTokenAllocator
+
+# Output tokens a running request is assumed to still need, at most, when reserving KV room.
+_MAX_RESERVED_PER_REQ = 4096
+
+
+def match_prefix(req: Req, tree_cache) -> None:
+    """Finds the request's cached prefix. The last token is always computed, because its
+    logits give the next token, so at most len - 1 tokens can come from the cache."""
+    req.prefix_indices, req.last_node = tree_cache.match_prefix(req.fill_ids[: req.seqlen - 1])
+
+
+def sort_waiting(waiting: list[Req], policy: str, tree_cache) -> None:
+    """fcfs keeps arrival order; lpm puts the longest cached prefix first (stable on ties)."""
+    for req in waiting:
+        match_prefix(req, tree_cache)
+    if policy == "lpm":
+        waiting.sort(key=lambda r: -len(r.prefix_indices))
+
+
+class AddResult(enum.Enum):
+    CONTINUE = enum.auto()
+    NO_ROOM = enum.auto()  # out of KV slots, prefill tokens or chunk budget: stop adding
+
+
+def reserved_tokens(req: Req, ratio: float) -> int:
+    remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
+    return int(min(remaining, _MAX_RESERVED_PER_REQ) * ratio)
+
+
+class PrefillAdder:
+    def __init__(self, tree_cache, allocator: PagedTokenAllocator, running: list[Req], new_token_ratio: float,
+                 max_prefill_tokens: int, chunked_prefill_size: int | None) -> None:
+        self.tree_cache, self.allocator, self.ratio = tree_cache, allocator, new_token_ratio
+        self.page_size = allocator.page_size
+        # KV room kept for the decode steps of requests already running.
+        self.reserved = sum(reserved_tokens(r, new_token_ratio) + self.page_size for r in running)
+        self.rem_input_tokens = max_prefill_tokens
+        self.rem_chunk_tokens = chunked_prefill_size or float("inf")
+        self.can_run: list[Req] = []
+        self.new_chunked_req: Req | None = None
+
+    @property
+    def rem_total_tokens(self) -> int:
+        return self.allocator.available_size() + self.tree_cache.evictable_size() - self.reserved
+
+    def add_chunked_req(self, req: Req) -> bool:
+        """Next chunk of a request whose prefill is split across steps, if KV room allows."""
+        extend = min(req.seqlen - req.kv_len, self._chunk_room())
+        if extend + self.page_size > self.rem_total_tokens:
+            return False
+        self._add(req, extend)
+        return True
+
+    def add_one_req(self, req: Req) -> AddResult:
+        extend = req.seqlen - len(req.prefix_indices)
+        if self.can_run and extend > self.rem_input_tokens:
+            return AddResult.NO_ROOM
+        # Lock first: the matched prefix must survive this step's evictions, so it no longer
+        # counts as room that eviction could free.
+        self.tree_cache.inc_lock_ref(req.last_node)
+        if extend + reserved_tokens(req, self.ratio) + self.page_size > self.rem_total_tokens:
+            self.tree_cache.dec_lock_ref(req.last_node)
+            return AddResult.NO_ROOM
+        req.cached_tokens = max(req.cached_tokens, len(req.prefix_indices))
+        self._add(req, min(extend, self._chunk_room()))
+        return AddResult.NO_ROOM if req.is_chunked or self.rem_chunk_tokens <= 0 else AddResult.CONTINUE
+
+    def _chunk_room(self) -> int:
+        room = self.rem_chunk_tokens
+        # A chunk ends on a page boundary so the tree can take all of it between chunks.
+        return room if room == float("inf") else max(room // self.page_size * self.page_size, self.page_size)
+
+    def _add(self, req: Req, extend: int) -> None:
+        start = req.kv_len if req.req_pool_idx is not None else len(req.prefix_indices)
+        req.extend_input_len = extend
+        req.is_chunked = start + extend < req.seqlen
+        if req.is_chunked:
+            self.new_chunked_req = req
+        self.can_run.append(req)
+        self.reserved += extend + reserved_tokens(req, self.ratio) + self.page_size
+        self.rem_input_tokens -= extend
+        self.rem_chunk_tokens -= extend

@@ -1,0 +1,300 @@
+"""The scheduler: an event loop that admits requests, forms extend and decode batches, runs them
+and hands results back. It runs in its own thread; everything it owns is touched only there."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from baby_sgl.detokenizer import detokenize_step
+from baby_sgl.managers.memory_checker import check_memory
+from baby_sgl.managers.req import Req
+from baby_sgl.managers.schedule_batch import ScheduleBatch
+from baby_sgl.managers.schedule_policy import AddResult, PrefillAdder, sort_waiting
+from baby_sgl.mem_cache.allocator import PagedTokenAllocator
+from baby_sgl.mem_cache.chunk_cache import ChunkCache
+from baby_sgl.mem_cache.radix_cache import RadixCache
+from baby_sgl.model_executor.forward_batch import ForwardMode
+from baby_sgl.model_executor.model_runner import ModelRunner
+from baby_sgl.sampling.sampler import Sampler
+from baby_sgl.server_args import ServerArgs
+from baby_sgl.trace import Tracer
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.002
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, runner: ModelRunner, tokenizer, eos_token_ids: list[int],
+                 max_total_tokens: int, context_len: int) -> None:
+        self.args, self.runner, self.tokenizer = args, runner, tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.context_len = context_len
+        self.tracer = Tracer(args.trace_file) if args.trace_file else None
+        runner.init_memory_pool(max_total_tokens, args.max_running_requests, context_len)
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.allocator = PagedTokenAllocator(max_total_tokens, args.page_size, runner.device)
+        cache_cls = ChunkCache if args.disable_radix_cache else RadixCache
+        self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, self.tracer)
+        self.sampler = Sampler(runner.cfg.vocab_size, sorted(self.eos_token_ids), args.random_seed)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.cur_batch: ScheduleBatch | None = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
+                      "forward_steps": 0}
+        self.inbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name="baby-sgl-scheduler", daemon=True)
+        self.thread.start()
+
+    # ---- called from other threads -------------------------------------------------------
+    def submit(self, req: Req) -> None:
+        self.inbox.put(("req", req))
+
+    def abort(self, rid: str) -> None:
+        self.inbox.put(("abort", rid))
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Runs fn in the scheduler thread between steps and returns its result."""
+        done: queue.Queue = queue.Queue()
+        self.inbox.put(("call", fn, done))
+        ok, value = done.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.inbox.put(("stop",))
+        self.thread.join(timeout=30)
+        if self.tracer:
+            self.tracer.close()
+
+    # ---- the loop ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.has_work())
+            if self._stop.is_set():
+                break
+            try:
+                self.step()
+            except Exception as e:  # a bug, not bad input: fail every request, keep the loop alive
+                logger.exception("scheduler step failed")
+                self.error = e
+                self._fail_all(f"internal error: {e}")
+            if self.args.debug_memory_check:
+                check_memory(self)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                msg = self.inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            kind = msg[0]
+            if kind == "req":
+                self.waiting.append(msg[1])
+            elif kind == "abort":
+                self._mark_abort(msg[1])
+            elif kind == "call":
+                try:
+                    msg[2].put((True, msg[1]()))
+                except Exception as e:
+                    msg[2].put((False, e))
+            elif kind == "stop":
+                return
+
+    def _mark_abort(self, rid: str) -> None:
+        for req in self.waiting + self.running + ([self.chunked_req] if self.chunked_req else []):
+            if req.rid == rid:
+                req.to_abort = "aborted by request"
+
+    def step(self) -> None:
+        self._handle_aborts()
+        self.cur_batch = None
+        batch = self._get_new_batch_prefill()
+        if batch is None and self.running:
+            batch = self._get_decode_batch()
+        if batch is None:
+            return
+        mwb = batch.get_model_worker_batch()
+        if self.tracer:
+            self._trace_batch(batch, mwb)
+        logits = self.runner.forward(mwb)
+        self.stats["forward_steps"] += 1
+        self._process_result(batch, logits)
+
+    # ---- forming batches -----------------------------------------------------------------
+    def _new_schedule_batch(self, reqs: list[Req], mode: ForwardMode) -> ScheduleBatch:
+        self.cur_batch = ScheduleBatch(reqs, mode, self.req_to_token_pool, self.allocator, self.tree_cache)
+        return self.cur_batch
+
+    def _get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
+                             self.args.max_prefill_tokens, self.args.chunked_prefill_size)
+        if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
+            return None
+        if adder.new_chunked_req is None:
+            sort_waiting(self.waiting, self.args.schedule_policy, self.tree_cache)
+            slots = min(len(self.req_to_token_pool.free_slots),
+                        self.args.max_running_requests - len(self.running) - len(adder.can_run))
+            for req in list(self.waiting):
+                if len(adder.can_run) >= slots or adder.add_one_req(req) == AddResult.NO_ROOM:
+                    break
+        if not adder.can_run:
+            return None
+        for req in adder.can_run:
+            if req in self.waiting:
+                self.waiting.remove(req)
+        self.chunked_req = adder.new_chunked_req
+        batch = self._new_schedule_batch(adder.can_run, ForwardMode.EXTEND)
+        batch.prepare_for_extend()
+        return batch
+
+    def _get_decode_batch(self) -> ScheduleBatch | None:
+        batch = self._new_schedule_batch(self.running, ForwardMode.DECODE)
+        if not batch.can_decode():
+            retracted = batch.retract_decode()
+            self.stats["num_retractions"] += len(retracted)
+            self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+            for req in retracted:
+                if self.tracer:
+                    self.tracer.event("retract", rid=req.rid, output_len=len(req.output_ids))
+            self.waiting[:0] = retracted  # resume before newer arrivals
+            self.running = batch.reqs
+            if not batch.can_decode():  # one request alone outgrew the pool
+                self._finish(batch.reqs[0], {"type": "abort", "message": "KV cache pool is too small for this request"})
+                self.running = []
+                return None
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        batch.prepare_for_decode()
+        return batch
+
+    # ---- results -------------------------------------------------------------------------
+    def _process_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
+        next_ids = self.sampler(logits, batch.reqs)
+        still_running = []
+        for req, seq_len, token in zip(batch.reqs, batch.seq_lens, next_ids):
+            req.kv_len = seq_len
+            if req.is_chunked:
+                self.tree_cache.cache_unfinished_req(req)
+                continue
+            if req.to_abort:
+                self._finish(req, {"type": "abort", "message": req.to_abort})
+                continue
+            if batch.mode == ForwardMode.EXTEND:
+                self.stats["prompt_tokens"] += req.extend_input_len
+                self.stats["cached_tokens"] += len(req.prefix_indices) if req.prefix_indices is not None else 0
+            self._append_token(req, token)
+            if req.finished:
+                self.tree_cache.release_req(req)
+            else:
+                if batch.mode == ForwardMode.EXTEND:
+                    self.tree_cache.cache_unfinished_req(req)
+                still_running.append(req)
+            self._emit(req)
+        if batch.mode == ForwardMode.EXTEND:
+            self.running.extend(still_running)
+        else:
+            self.running = still_running
+
+    def _append_token(self, req: Req, token: int) -> None:
+        req.output_ids.append(token)
+        self.stats["generation_tokens"] += 1
+        if req.time_stats.first_token is None:
+            req.time_stats.first_token = time.perf_counter()
+        p = req.sampling_params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            req.finished_reason = {"type": "stop", "matched": token}
+        elif len(req.output_ids) >= p.max_new_tokens or req.seqlen >= self.context_len:
+            req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+        text_before = len(req.text)
+        detokenize_step(self.tokenizer, req, final=req.finished)
+        if not req.finished and p.stop:
+            self._check_stop_strings(req, max(0, text_before - max(map(len, p.stop)) + 1))
+
+    def _check_stop_strings(self, req: Req, start: int) -> None:
+        """Looks for a stop string in the text that could contain one only now."""
+        hits = [(pos, s) for s in req.sampling_params.stop if (pos := req.text.find(s, start)) >= 0]
+        if hits:
+            pos, matched = min(hits)
+            if not req.sampling_params.no_stop_trim:
+                req.text = req.text[:pos]
+            req.finished_reason = {"type": "stop", "matched": matched}
+
+    def _finish(self, req: Req, reason: dict) -> None:
+        req.finished_reason = reason
+        self.tree_cache.release_req(req)
+        self._emit(req)
+
+    def _emit(self, req: Req) -> None:
+        """Sends the new text and ids to whoever waits for this request (stream) or the whole
+        result when it finishes."""
+        if req.finished:
+            req.time_stats.finished = time.perf_counter()
+        elif not req.stream:
+            return
+        text_end = len(req.text)
+        if not req.finished and req.sampling_params.stop:
+            # Hold back what could still become the start of a stop string.
+            text_end = max(req.sent_text_len, text_end - max(map(len, req.sampling_params.stop)) + 1)
+        out = {
+            "rid": req.rid,
+            "text": req.text[req.sent_text_len : text_end],
+            "output_ids": req.output_ids[req.sent_ids_len :],
+            "finished": req.finished,
+            "finish_reason": req.finished_reason,
+            "req": req,
+        }
+        req.sent_text_len, req.sent_ids_len = text_end, len(req.output_ids)
+        if req.on_output:
+            req.on_output(out)
+
+    # ---- aborts and failures -------------------------------------------------------------
+    def _handle_aborts(self) -> None:
+        for req in [r for r in self.waiting if r.to_abort]:
+            self.waiting.remove(req)
+            self._finish(req, {"type": "abort", "message": req.to_abort})
+        if self.chunked_req is not None and self.chunked_req.to_abort:
+            req, self.chunked_req = self.chunked_req, None
+            self._finish(req, {"type": "abort", "message": req.to_abort})
+        for req in [r for r in self.running if r.to_abort]:
+            self.running.remove(req)
+            self._finish(req, {"type": "abort", "message": req.to_abort})
+
+    def _fail_all(self, message: str) -> None:
+        reqs = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
+        reqs += [r for r in (self.cur_batch.reqs if self.cur_batch else []) if r not in reqs]
+        self.waiting, self.running, self.chunked_req = [], [], None
+        for req in reqs:
+            if not req.finished:
+                self._finish(req, {"type": "abort", "message": message})
+
+    def _trace_batch(self, batch: ScheduleBatch, mwb) -> None:
+        self.tracer.event(
+            "batch",
+            mode=batch.mode.name,
+            rids=[r.rid for r in batch.reqs],
+            prefix_lens=batch.prefix_lens,
+            extend_lens=mwb.extend_seq_lens,
+            positions=[[a, b - 1] for a, b in zip(batch.prefix_lens, batch.seq_lens)],
+            kv_slots=batch.out_cache_loc.tolist(),
+            cache_hits=[r.cached_tokens for r in batch.reqs],
+        )

@@ -1,0 +1,55 @@
+"""Page allocator for KV slots: slot = page * page_size + offset.
+
+A request's row is filled page by page: new tokens first fill the rest of its last page,
+then take fresh pages. Frees always start on a page boundary, so whole pages go back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagedTokenAllocator:
+    def __init__(self, num_slots: int, page_size: int, device: torch.device) -> None:
+        assert num_slots % page_size == 0
+        self.page_size = page_size
+        self.size = num_slots
+        self.device = device
+        self.free_pages: list[int] = list(range(num_slots // page_size))
+
+    def available_size(self) -> int:
+        return len(self.free_pages) * self.page_size
+
+    def pages_needed(self, prefix_len: int, seq_len: int) -> int:
+        """Fresh pages needed to grow a row from prefix_len to seq_len tokens."""
+        p = self.page_size
+        return (seq_len + p - 1) // p - (prefix_len + p - 1) // p
+
+    def alloc_extend(self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
+        """Slots for tokens prefix_len..seq_len-1 of each request, concatenated; None if out of memory.
+        last_locs[i] is the slot of token prefix_len-1 (ignored when prefix_len is page-aligned)."""
+        p = self.page_size
+        need = sum(self.pages_needed(a, b) for a, b in zip(prefix_lens, seq_lens))
+        if need > len(self.free_pages):
+            return None
+        pages = self.free_pages[len(self.free_pages) - need :]
+        del self.free_pages[len(self.free_pages) - need :]
+        out, used = [], 0
+        for prefix, seq, last in zip(prefix_lens, seq_lens, last_locs):
+            tail = min(seq, (prefix + p - 1) // p * p) - prefix  # room left in the last page
+            if tail > 0:
+                out.append(torch.arange(last + 1, last + 1 + tail))
+            n = self.pages_needed(prefix, seq)
+            if n:
+                mine = torch.tensor(pages[used : used + n])
+                slots = (mine[:, None] * p + torch.arange(p)[None, :]).flatten()
+                out.append(slots[: seq - prefix - tail])
+                used += n
+        return torch.cat(out).to(self.device) if out else torch.empty(0, dtype=torch.int64, device=self.device)
+
+    def free(self, slots: torch.Tensor) -> None:
+        if len(slots) == 0:
+            return
+        first = int(slots[0])
+        assert first % self.page_size == 0, f"free must start on a page boundary, got slot {first}"
+        self.free_pages.extend((slots[:: self.page_size] // self.page_size).tolist())

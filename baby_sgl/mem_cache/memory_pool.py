@@ -1,0 +1,46 @@
+"""Request slots (rows of KV slot indices) and the per-layer K/V buffers."""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Maps a request slot to the row of KV slot indices holding its tokens, in position order."""
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device) -> None:
+        self.size = size
+        self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int64, device=device)
+        self.free_slots = list(range(size))
+
+    def alloc(self) -> int | None:
+        return self.free_slots.pop() if self.free_slots else None
+
+    def free(self, slot: int) -> None:
+        assert slot not in self.free_slots, f"request slot {slot} freed twice"
+        self.free_slots.append(slot)
+
+    def write(self, slot: int, start: int, indices: torch.Tensor) -> None:
+        self.req_to_token[slot, start : start + len(indices)] = indices
+
+
+class KVPool:
+    """One K and one V buffer per layer, indexed by KV slot: [num_slots, num_kv_heads, head_dim]."""
+
+    def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.size = size
+        shape = (size, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer_id][loc] = k
+        self.v_buffers[layer_id][loc] = v
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8

@@ -1,0 +1,198 @@
+"""RadixAttention's prefix cache: a radix tree over token ids whose values are KV slot indices.
+
+The tree only owns whole pages (invariant 3): keys are cut to multiples of page_size and a
+child is found by its first page. Nodes with lock_ref > 0 are in use by running requests
+(protected); unlocked leaves are evicted in LRU order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from baby_sgl.mem_cache.allocator import PagedTokenAllocator
+from baby_sgl.mem_cache.memory_pool import ReqToTokenPool
+
+if TYPE_CHECKING:
+    from baby_sgl.managers.req import Req
+    from baby_sgl.trace import Tracer
+
+_counter = itertools.count()
+
+
+class TreeNode:
+    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> None:
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access_time = time.monotonic()
+        self.id = next(_counter)
+
+    def __lt__(self, other: TreeNode) -> bool:  # heap order for LRU eviction
+        return (self.last_access_time, self.id) < (other.last_access_time, other.id)
+
+
+def _match_len(a: list[int], b: list[int], page: int) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n // page * page
+
+
+class RadixCache:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: PagedTokenAllocator,
+                 tracer: Tracer | None = None) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.tracer = tracer
+        self.reset()
+
+    def reset(self) -> None:
+        self.root = TreeNode([], torch.empty(0, dtype=torch.int64), None)
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_size_ = 0
+        self.protected_size_ = 0
+
+    # ---- lookup and insertion -------------------------------------------------------------
+    def _child_key(self, key: list[int]) -> tuple[int, ...]:
+        return tuple(key[: self.page_size])
+
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached page-aligned prefix of key: (its KV slots, the node where it ends)."""
+        key = key[: len(key) // self.page_size * self.page_size]
+        node, values, now = self.root, [], time.monotonic()
+        while key and (child := node.children.get(self._child_key(key))) is not None:
+            n = _match_len(child.key, key, self.page_size)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access_time = now
+            values.append(child.value)
+            node, key = child, key[n:]
+        slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        return slots, node
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Adds key -> value (page-aligned). Returns how much of key was already cached: the
+        caller owns value[:that] as duplicates and must free what it does not keep."""
+        assert len(key) % self.page_size == 0 and len(key) == len(value)
+        node, done, now = self.root, 0, time.monotonic()
+        while done < len(key) and (child := node.children.get(self._child_key(key[done:]))) is not None:
+            n = _match_len(child.key, key[done:], self.page_size)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access_time = now
+            node, done = child, done + n
+        if done < len(key):
+            leaf = TreeNode(key[done:], value[done:].clone().cpu(), node)
+            node.children[self._child_key(leaf.key)] = leaf
+            self.evictable_size_ += len(leaf.key)
+            if self.tracer:
+                self.tracer.event("cache_insert", tokens=len(leaf.key), cached=done)
+        return done
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cuts child after n tokens; returns the new upper node, which keeps child's locks."""
+        parent = child.parent
+        upper = TreeNode(child.key[:n], child.value[:n], parent)
+        upper.lock_ref, upper.last_access_time = child.lock_ref, child.last_access_time
+        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        upper.children[self._child_key(child.key)] = child
+        parent.children[self._child_key(upper.key)] = upper
+        return upper
+
+    # ---- locks and eviction ---------------------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size_ -= len(node.key)
+                self.protected_size_ += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            assert node.lock_ref > 0, "lock released twice"
+            if node.lock_ref == 1:
+                self.evictable_size_ += len(node.key)
+                self.protected_size_ -= len(node.key)
+            node.lock_ref -= 1
+            node = node.parent
+
+    def evict(self, num_tokens: int) -> int:
+        """Frees at least num_tokens slots from unlocked leaves, least recently used first."""
+        heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            leaf = heapq.heappop(heap)
+            self.allocator.free(leaf.value)
+            freed += len(leaf.key)
+            self.evictable_size_ -= len(leaf.key)
+            parent = leaf.parent
+            del parent.children[self._child_key(leaf.key)]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        if freed and self.tracer:
+            self.tracer.event("cache_evict", tokens=freed)
+        return freed
+
+    def evictable_size(self) -> int:
+        return self.evictable_size_
+
+    def protected_size(self) -> int:
+        return self.protected_size_
+
+    def _nodes(self) -> list[TreeNode]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            out.extend(node.children.values())
+            stack.extend(node.children.values())
+        return out
+
+    def all_slots(self) -> torch.Tensor:
+        values = [n.value for n in self._nodes()]
+        return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+
+    # ---- request lifecycle ----------------------------------------------------------------
+    def _row(self, req: Req) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].cpu()
+
+    def cache_unfinished_req(self, req: Req) -> None:
+        """Gives the request's whole computed pages to the tree and repoints its row at the
+        tree's slots, so later requests can share them while this one keeps running."""
+        aligned = req.kv_len // self.page_size * self.page_size
+        if aligned <= req.cache_protected_len:
+            return
+        tokens, slots = req.fill_ids[:aligned], self._row(req)[:aligned]
+        known = self.insert(tokens, slots)
+        self.allocator.free(slots[req.cache_protected_len : known])
+        new_slots, node = self.match_prefix(tokens)
+        assert len(new_slots) == aligned
+        self.req_to_token_pool.write(req.req_pool_idx, 0, new_slots.to(self.req_to_token_pool.req_to_token.device))
+        self.inc_lock_ref(node)
+        self.dec_lock_ref(req.last_node)
+        req.last_node, req.cache_protected_len = node, aligned
+
+    def release_req(self, req: Req) -> None:
+        """The one way a request's KV leaves it (finish, abort, retract): whole pages go to the
+        tree, duplicates and the unaligned tail go back to the allocator, the slot is freed."""
+        if req.req_pool_idx is None:
+            return
+        row = self._row(req)
+        aligned = req.kv_len // self.page_size * self.page_size
+        known = self.insert(req.fill_ids[:aligned], row[:aligned]) if aligned else 0
+        self.allocator.free(row[req.cache_protected_len : known])
+        self.allocator.free(row[aligned:])
+        self.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.reset_kv_state()

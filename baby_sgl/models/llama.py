@@ -1,0 +1,130 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama) and Qwen2, our own PyTorch code.
+
+q/k/v and gate/up projections are fused into one matmul each; `load_weights` maps the
+Hugging Face tensor names onto the fused parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baby_sgl.layers.layernorm import RMSNorm
+from baby_sgl.layers.rotary_embedding import RotaryEmbedding
+from baby_sgl.model_config import ModelConfig
+from baby_sgl.model_executor.forward_batch import ForwardBatch
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(fb.positions, q, k)
+        fb.kv_pool.set_kv_buffer(self.layer_id, fb.out_cache_loc, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        out = fb.attn_backend.forward(q, self.layer_id, self.scale, fb)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), fb)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Returns next-token logits (float32), one row per request."""
+        x = self.embed_tokens(fb.input_ids)
+        for layer in self.layers:
+            x = layer(x, fb)
+        # Only each request's last token needs logits: skip the vocab matmul for the rest.
+        x = self.norm(x[fb.last_token_indices()])
+        return self.lm_head(x).float()
+
+    _FUSED = {  # HF name piece -> (our fused parameter, shard index)
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            target, shard = name, None
+            for piece, (fused, idx) in self._FUSED.items():
+                if f".{piece}." in name:
+                    target, shard = name.replace(piece, fused), idx
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
+            param = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    param.copy_(tensor)
+                else:
+                    param[self._shard_rows(target, shard)].copy_(tensor)
+            loaded.add(target)
+        missing = set(params) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+    def _shard_rows(self, target: str, shard: int) -> slice:
+        cfg = self.config
+        if "qkv_proj" in target:
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)][shard]
+        return slice(shard * cfg.intermediate_size, (shard + 1) * cfg.intermediate_size)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Same graph as Llama; ModelConfig turns on the q/k/v biases for this architecture."""

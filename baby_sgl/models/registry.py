@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+from torch import nn
+
+from baby_sgl.model_config import ModelConfig
+from baby_sgl.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def get_model_class(cfg: ModelConfig) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[cfg.architecture]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {cfg.architecture!r}; supported: {sorted(MODEL_REGISTRY)}") from None

@@ -1,0 +1,86 @@
+"""Batched next-token selection: penalties, greedy, temperature, top-k, top-p, min-p, seeds.
+
+Sampling uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1) picks i with probability
+p_i). A request with a seed draws its noise from a generator seeded by (seed, step), over the
+whole vocabulary in vocabulary order, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from baby_sgl.managers.req import Req
+
+_TOPK_FAST_PATH = 1024
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], random_seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator().manual_seed(random_seed)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+        logits = logits[:, : self.vocab_size]
+        if any(r.sampling_params.has_penalties for r in reqs):
+            logits = self._apply_penalties(logits.clone(), reqs)
+        if any(len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs):
+            logits = self._block_stop_tokens(logits.clone(), reqs)
+        next_ids = logits.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
+        if sampled:
+            rows = torch.tensor(sampled)
+            next_ids[rows] = self._sample(logits[rows], [reqs[i] for i in sampled])
+        return next_ids.tolist()
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        params = [r.sampling_params for r in reqs]
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+        probs = torch.softmax(logits / temps, dim=-1)
+        top_ks = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+        kmax = max(top_ks)
+        if kmax <= _TOPK_FAST_PATH:
+            probs_sort, idx = probs.topk(kmax, dim=-1)
+        else:
+            probs_sort, idx = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(probs_sort.shape[1])
+        drop = ranks[None, :] >= torch.tensor(top_ks)[:, None]
+        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)[:, None]
+        drop |= (probs_sort.cumsum(dim=-1) - probs_sort) > top_p  # keep the smallest set reaching top_p
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)[:, None]
+        drop |= probs_sort < probs_sort[:, :1] * min_p
+        probs_sort = probs_sort.masked_fill(drop, 0.0)
+        noise = self._noise(reqs).gather(1, idx)
+        choice = (probs_sort / noise).argmax(dim=-1, keepdim=True)
+        return idx.gather(1, choice).squeeze(1)
+
+    def _noise(self, reqs: list[Req]) -> torch.Tensor:
+        noise = torch.empty(len(reqs), self.vocab_size).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            seed = r.sampling_params.seed
+            if seed is not None:
+                g = torch.Generator().manual_seed((seed * 1_000_003 + len(r.output_ids)) % (2**63))
+                noise[i].exponential_(generator=g)
+        return noise
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        for i, r in enumerate(reqs):
+            p = r.sampling_params
+            if not p.has_penalties:
+                continue
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.origin_input_ids) | set(r.output_ids)), dtype=torch.long)
+                row = logits[i, seen]
+                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            if r.output_ids and (p.frequency_penalty or p.presence_penalty):
+                counts = torch.bincount(torch.tensor(r.output_ids), minlength=logits.shape[1])[: logits.shape[1]]
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        return logits
+
+    def _block_stop_tokens(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        for i, r in enumerate(reqs):
+            p = r.sampling_params
+            if len(r.output_ids) < p.min_new_tokens:
+                stops = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+                logits[i, [t for t in stops if t < logits.shape[1]]] = float("-inf")
+        return logits

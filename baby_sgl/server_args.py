@@ -1,0 +1,56 @@
+"""Engine and server settings: one dataclass whose field names are the CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerArgs:
+    model_path: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    page_size: int = 1
+    disable_radix_cache: bool = False
+    chunked_prefill_size: int = 2048
+    max_prefill_tokens: int = 8192
+    max_total_tokens: int | None = None
+    max_running_requests: int = 64
+    schedule_policy: str = "fcfs"
+    context_length: int | None = None
+    random_seed: int = 0
+    trace_file: str | None = None
+    debug_memory_check: bool = False
+    host: str = "127.0.0.1"
+    port: int = 30000
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be 'fcfs' or 'lpm', got {self.schedule_policy!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
+            self.chunked_prefill_size = None  # SGLang: -1 disables chunking
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Adds one --flag per field (underscores become dashes), as in SGLang."""
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type == "bool":
+                parser.add_argument(flag, action="store_true", default=f.default)
+            else:
+                kind = int if "int" in f.type else str
+                parser.add_argument(flag, type=kind, default=f.default)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})

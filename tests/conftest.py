@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny random checkpoints built with transformers' config classes, the default
+model, and a reference greedy generator (transformers' own `generate`, one prompt at a time)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+TINY_KW = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+
+
+def _save_tiny(path, kind: str) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**TINY_KW, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY_KW, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2))
+    # Larger weights make the logits decisive, so greedy choices are not near-ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    # A byte-level BPE tokenizer with no merges: every byte is a token, so any text encodes.
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"])}
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    for ch in sorted(byte_chars):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    fast.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> str:
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+def hf_greedy(model, prompts_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy output ids, one prompt at a time (no padding effects)."""
+    outs = []
+    for ids in prompts_ids:
+        x = torch.tensor([ids])
+        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
+        outs.append(y[0, len(ids):].tolist())
+    return outs
