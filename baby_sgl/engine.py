@@ -6,7 +6,7 @@ import logging
 import os
 import queue
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -79,7 +79,8 @@ class Engine:
         return size
 
     # ---- requests ------------------------------------------------------------------------
-    def _make_reqs(self, prompt, input_ids, sampling_params, rid) -> list[Req | ValueError]:
+    def _make_reqs(self, prompt, input_ids, sampling_params, rid, return_logprob: bool = False,
+                   top_logprobs_num: int = 0) -> tuple[list[Req | ValueError], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         single = isinstance(prompt, str) if prompt is not None else (not input_ids or isinstance(input_ids[0], int))
@@ -91,13 +92,16 @@ class Engine:
         reqs: list[Req | ValueError] = []
         for i, (item, sp, r) in enumerate(zip(items, params, rids)):
             try:
-                reqs.extend(self._make_req(item, sp, r))
+                reqs.extend(self._make_req(item, sp, r, return_logprob, top_logprobs_num))
             except ValueError as e:
                 reqs.append(ValueError(f"request {i}: {e}" if not single else str(e)))
         return reqs, single
 
-    def _make_req(self, item: str | list[int], sampling_params: dict | None, rid: str | None) -> list[Req]:
+    def _make_req(self, item: str | list[int], sampling_params: dict | None, rid: str | None,
+                  return_logprob: bool, top_logprobs_num: int) -> list[Req]:
         params = SamplingParams.from_dict(sampling_params, self.sampling_defaults)
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
+            raise ValueError(f"top_logprobs_num must be an integer in [0, 20], got {top_logprobs_num!r}")
         if isinstance(item, str):
             if not item:
                 raise ValueError("prompt is empty")
@@ -115,11 +119,14 @@ class Engine:
             raise ValueError(f"prompt is too long: {len(ids)} tokens, the limit is {limit - 1} "
                              f"(context length {self.context_len}, KV pool {self.max_total_tokens})")
         base = rid or uuid.uuid4().hex
-        return [Req(base if params.n == 1 else f"{base}-{k}", ids, params) for k in range(params.n)]
+        reqs = [Req(base if params.n == 1 else f"{base}-{k}", ids, params) for k in range(params.n)]
+        for req in reqs:
+            req.return_logprob, req.top_logprobs_num = return_logprob or top_logprobs_num > 0, top_logprobs_num
+        return reqs
 
     def _result(self, req: Req) -> dict[str, Any]:
         ts = req.time_stats
-        return {
+        result = {
             "text": req.text,
             "output_ids": list(req.output_ids),
             "meta_info": {
@@ -132,18 +139,45 @@ class Engine:
                 "ttft": (ts.first_token - ts.created) if ts.first_token else None,
             },
         }
+        if req.return_logprob:
+            result["meta_info"]["output_token_logprobs"] = list(req.output_token_logprobs)
+            if req.top_logprobs_num:
+                result["meta_info"]["output_top_logprobs"] = list(req.output_top_logprobs)
+        return result
 
     @staticmethod
     def _error_result(err: ValueError) -> dict[str, Any]:
         return {"text": "", "output_ids": [], "error": str(err),
                 "meta_info": {"finish_reason": {"type": "abort", "message": str(err)}}}
 
+    def submit(self, prompt: str | None = None, sampling_params: dict | None = None,
+               input_ids: list[int] | None = None, rid: str | None = None, stream: bool = False,
+               on_output: Callable[[dict], None] | None = None, return_logprob: bool = False,
+               top_logprobs_num: int = 0) -> list[Req]:
+        """Starts one request (n of them if sampling_params has n > 1) and returns at once.
+        on_output(chunk) is called from the scheduler thread with each new piece (stream) or
+        only the final result; chunk["finished"] tells which. Raises ValueError on bad input."""
+        reqs, _ = self._make_reqs(prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num)
+        if isinstance(reqs[0], ValueError):
+            raise reqs[0]
+        for req in reqs:
+            req.stream, req.on_output = stream, (lambda out, cb=on_output: cb(self._chunk(out)))
+            self.scheduler.submit(req)
+        return reqs
+
+    def _chunk(self, out: dict) -> dict:
+        """A scheduler output as the API shows it: the new text and ids, meta_info so far."""
+        chunk = self._result(out["req"])
+        chunk.update(text=out["text"], output_ids=out["output_ids"], finished=out["finished"])
+        return chunk
+
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
-                 rid: str | list[str] | None = None) -> dict | list[dict] | Iterator[dict]:
+                 rid: str | list[str] | None = None, return_logprob: bool = False,
+                 top_logprobs_num: int = 0) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> a dict; several -> a list. A bad request raises ValueError when alone;
         inside a batch it gets an `error` result and the others still run."""
-        reqs, single = self._make_reqs(prompt, input_ids, sampling_params, rid)
+        reqs, single = self._make_reqs(prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num)
         if single and len(reqs) == 1 and isinstance(reqs[0], ValueError):
             raise reqs[0]
         outputs: queue.Queue = queue.Queue()
@@ -168,11 +202,8 @@ class Engine:
         try:
             while pending:
                 out = outputs.get()
-                req = out["req"]
                 pending -= out["finished"]
-                chunk = self._result(req)
-                chunk.update(text=out["text"], output_ids=out["output_ids"], index=index[id(req)])
-                yield chunk
+                yield {**self._chunk(out), "index": index[id(out["req"])]}
         finally:
             for req in live:  # a consumer that stops early must not leave requests running
                 if not req.finished:
@@ -209,7 +240,7 @@ class Engine:
         info = {k: v for k, v in vars(self.server_args).items()}
         info.update(max_total_tokens=self.max_total_tokens, context_len=self.context_len, dtype=str(self.dtype),
                     model_path=self.model_path)
-        info.update(self.scheduler.call(lambda: dict(self.scheduler.stats)))
+        info.update(self.scheduler.call(self.scheduler.load_info))
         return info
 
     def shutdown(self) -> None:

@@ -31,6 +31,11 @@ class Req:
         self.to_abort: str | None = None  # set by an abort; honoured at the next step
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (max over prefills)
         self.is_retracted = False
+        # Log-probabilities, SGLang's format: [logprob, token_id, None] per output token.
+        self.return_logprob = False
+        self.top_logprobs_num = 0
+        self.output_token_logprobs: list[list] = []
+        self.output_top_logprobs: list[list[list]] = []
         # KV state: row `req_pool_idx` of the ReqToTokenPool holds kv_len slots; the first
         # cache_protected_len of them are owned by the tree (locked through last_node).
         self.req_pool_idx: int | None = None

@@ -95,6 +95,13 @@ class Scheduler:
             if self.args.debug_memory_check:
                 check_memory(self)
 
+    def load_info(self) -> dict[str, Any]:
+        """Counters and gauges for /server_info and /metrics (call through `call`)."""
+        used = self.allocator.size - self.allocator.available_size() - self.tree_cache.evictable_size()
+        return {**self.stats, "num_running_reqs": len(self.running) + (self.chunked_req is not None),
+                "num_waiting_reqs": len(self.waiting), "kv_used_tokens": used,
+                "kv_cached_tokens": self.tree_cache.evictable_size(), "kv_total_tokens": self.allocator.size}
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req)
 

@@ -22,6 +22,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
         logits = logits[:, : self.vocab_size]
+        raw = logits
         if any(r.sampling_params.has_penalties for r in reqs):
             logits = self._apply_penalties(logits.clone(), reqs)
         if any(len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs):
@@ -31,7 +32,24 @@ class Sampler:
         if sampled:
             rows = torch.tensor(sampled)
             next_ids[rows] = self._sample(logits[rows], [reqs[i] for i in sampled])
-        return next_ids.tolist()
+        ids = next_ids.tolist()
+        if any(r.return_logprob for r in reqs):
+            self._record_logprobs(raw, reqs, ids)
+        return ids
+
+    @staticmethod
+    def _record_logprobs(logits: torch.Tensor, reqs: list[Req], ids: list[int]) -> None:
+        """Log-probabilities under the model's own distribution (before penalties and temperature)."""
+        rows = [i for i, r in enumerate(reqs) if r.return_logprob]
+        logprobs = torch.log_softmax(logits[rows], dim=-1)
+        k = max(reqs[i].top_logprobs_num for i in rows)
+        top = logprobs.topk(k, dim=-1) if k else None
+        for j, i in enumerate(rows):
+            req = reqs[i]
+            req.output_token_logprobs.append([float(logprobs[j, ids[i]]), ids[i], None])
+            if req.top_logprobs_num:
+                vals, idx = top.values[j, : req.top_logprobs_num].tolist(), top.indices[j, : req.top_logprobs_num].tolist()
+                req.output_top_logprobs.append([[v, t, None] for v, t in zip(vals, idx)])
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         params = [r.sampling_params for r in reqs]

@@ -1,0 +1,29 @@
+"""Helpers shared by the tests."""
+
+from __future__ import annotations
+
+import random
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+# Every setting the engine must be exact under (invariant 6).
+CONFIGS = {
+    "radix": {},
+    "no-radix": {"disable_radix_cache": True},
+    "page16": {"page_size": 16},
+    "chunked": {"chunked_prefill_size": 16, "page_size": 4},
+    "retract": {"max_total_tokens": 320, "page_size": 4},
+    "retract-page1-lpm": {"max_total_tokens": 256, "schedule_policy": "lpm"},
+}
+
+
+def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def shared_prefix_prompts(n: int, vocab: int, prefix_len: int, seed: int = 1) -> list[list[int]]:
+    """Prompts sharing a long prefix: they exercise the cache within one batch and across batches."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 30))] for _ in range(n)]

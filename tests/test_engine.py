@@ -1,0 +1,167 @@
+"""The offline Engine API: results, streaming, chat, aborts, bad input, trace log, cache reuse."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from baby_sgl import Engine
+from helpers import GREEDY, random_prompts
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    with Engine(tiny_llama, max_total_tokens=4096) as eng:
+        yield eng
+
+
+@pytest.fixture(autouse=True)
+def memory_clean(engine):
+    yield
+    engine.check_memory()
+
+
+def test_result_shape(engine):
+    out = engine.generate("Hello there", {"max_new_tokens": 5, **GREEDY})
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == 5 == len(out["output_ids"])
+    assert meta["prompt_tokens"] == len(engine.tokenizer.encode("Hello there"))
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+
+
+def test_batch_returns_list_in_order(engine):
+    prompts = ["a", "bb", "ccc"]
+    outs = engine.generate(prompts, [{"max_new_tokens": n, **GREEDY} for n in (1, 2, 3)])
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [1, 2, 3]
+
+
+def test_stream_concatenates_to_final_text(engine):
+    for prompt in ["Tell me a story", "用中文介绍一下量子计算"]:
+        params = {"max_new_tokens": 24, "temperature": 0.8, "seed": 7}
+        final = engine.generate(prompt, params)
+        chunks = list(engine.generate(prompt, params, stream=True))
+        assert chunks[-1]["finished"]
+        assert "".join(c["text"] for c in chunks) == final["text"]
+        assert [t for c in chunks for t in c["output_ids"]] == final["output_ids"]
+
+
+def test_extending_prompt_reuses_cache(engine):
+    base = random_prompts(1, 512, 60, 61, seed=5)[0]
+    first = engine.generate(input_ids=base, sampling_params={"max_new_tokens": 8, **GREEDY})
+    longer = base + first["output_ids"] + [7, 8, 9]
+    out = engine.generate(input_ids=longer, sampling_params={"max_new_tokens": 8, **GREEDY})
+    assert out["meta_info"]["cached_tokens"] >= len(base)
+    with Engine(engine.model_path, disable_radix_cache=True) as plain:
+        ref = plain.generate(input_ids=longer, sampling_params={"max_new_tokens": 8, **GREEDY})
+        assert ref["meta_info"]["cached_tokens"] == 0
+        plain.check_memory()
+    assert out["output_ids"] == ref["output_ids"]
+
+
+def test_chat_applies_template(engine):
+    messages = [{"role": "user", "content": "hi"}]
+    ids = engine.apply_chat_template(messages)
+    assert engine.tokenizer.decode(ids).endswith("assistant: ")
+    out = engine.chat(messages, {"max_new_tokens": 3, **GREEDY})
+    assert out["meta_info"]["prompt_tokens"] == len(ids)
+
+
+def test_stop_conditions(engine):
+    out = engine.generate("abc", {"max_new_tokens": 20, **GREEDY})
+    token = out["output_ids"][3]
+    stopped = engine.generate("abc", {"max_new_tokens": 20, **GREEDY, "stop_token_ids": [token]})
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
+    assert stopped["output_ids"] == out["output_ids"][: out["output_ids"].index(token) + 1]
+    text = out["text"]
+    stop = text[4:6]
+    if stop and "\ufffd" not in stop:
+        by_str = engine.generate("abc", {"max_new_tokens": 20, **GREEDY, "stop": stop})
+        assert by_str["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert by_str["text"] == text[: text.index(stop)]
+
+
+def test_eos_ends_generation_unless_ignored(engine):
+    eos = engine.eos_token_ids[0]
+    out = engine.generate("xyz", {"max_new_tokens": 10, "temperature": 0, "min_new_tokens": 0,
+                                  "stop_token_ids": [], "repetition_penalty": 1.0})
+    assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+    forced = engine.generate("xyz", {"max_new_tokens": 10, **GREEDY, "min_new_tokens": 10})
+    assert eos not in forced["output_ids"]
+
+
+def test_abort_running_request(engine):
+    results = []
+    stream = engine.generate("long one", {"max_new_tokens": 500, **GREEDY}, stream=True, rid="to-abort")
+
+    def consume():
+        for chunk in stream:
+            results.append(chunk)
+            if len(results) == 3:
+                engine.abort_request("to-abort")
+
+    t = threading.Thread(target=consume)
+    t.start()
+    t.join(timeout=60)
+    assert results[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert results[-1]["meta_info"]["completion_tokens"] < 500
+
+
+def test_stopping_a_stream_early_frees_the_request(engine):
+    stream = engine.generate("abandon", {"max_new_tokens": 300, **GREEDY}, stream=True)
+    next(stream)
+    stream.close()
+    for _ in range(100):  # the abort reaches the scheduler at its next step
+        if engine.get_server_info()["num_running_reqs"] == 0:
+            break
+        threading.Event().wait(0.05)
+    engine.check_memory()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"prompt": ""}, "prompt is empty"),
+    ({"input_ids": []}, "input_ids is empty"),
+    ({"input_ids": [1, 2, 99999]}, "outside the vocabulary"),
+    ({"input_ids": [5] * 5000}, "prompt is too long"),
+    ({"prompt": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"prompt": "x", "sampling_params": {"temperature": -0.5}}, "temperature"),
+    ({"prompt": "x", "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"prompt": "x", "sampling_params": {"top_k": 0}}, "top_k"),
+    ({"prompt": "x", "sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
+    ({"prompt": "x", "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
+])
+def test_bad_input_is_refused_with_a_clear_error(engine, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(**kwargs)
+
+
+def test_bad_request_in_batch_spares_the_others(engine):
+    outs = engine.generate(["fine", "", "also fine"], {"max_new_tokens": 3, **GREEDY})
+    assert "prompt is empty" in outs[1]["error"]
+    assert outs[0]["meta_info"]["completion_tokens"] == 3 == outs[2]["meta_info"]["completion_tokens"]
+
+
+def test_trace_file_records_batches_and_cache_events(tiny_llama, tmp_path):
+    path = tmp_path / "trace.jsonl"
+    with Engine(tiny_llama, trace_file=str(path), max_total_tokens=128) as eng:
+        prompts = random_prompts(6, 512, 30, 40, seed=3)
+        eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, **GREEDY})
+        eng.generate(input_ids=prompts[:1], sampling_params={"max_new_tokens": 2, **GREEDY})
+        eng.check_memory()
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    kinds = {e["event"] for e in events}
+    assert {"batch", "cache_insert", "cache_evict", "retract"} <= kinds
+    extend = next(e for e in events if e["event"] == "batch" and e["mode"] == "EXTEND")
+    for (start, end), prefix, ext in zip(extend["positions"], extend["prefix_lens"], extend["extend_lens"]):
+        assert start == prefix and end == prefix + ext - 1  # absolute positions (invariant 1)
+    assert sum(extend["extend_lens"]) == len(extend["kv_slots"])
+
+
+def test_context_manager_and_server_info(tiny_llama):
+    with Engine(tiny_llama, page_size=8, max_total_tokens=1000) as eng:
+        info = eng.get_server_info()
+        assert info["page_size"] == 8 and info["max_total_tokens"] == 1000 // 8 * 8
+        eng.check_memory()
