@@ -19,6 +19,9 @@ class ServerArgs:
     max_total_tokens: int | None = None
     max_running_requests: int = 64
     schedule_policy: str = "fcfs"
+    # Scales the KV room reserved for running requests' future tokens: lower admits more
+    # requests at once and retracts more often (0 reserves nothing).
+    schedule_conservativeness: float = 1.0
     context_length: int | None = None
     random_seed: int = 0
     trace_file: str | None = None
@@ -47,7 +50,7 @@ class ServerArgs:
             if f.type == "bool":
                 parser.add_argument(flag, action="store_true", default=f.default)
             else:
-                kind = int if "int" in f.type else str
+                kind = int if "int" in f.type else float if "float" in f.type else str
                 parser.add_argument(flag, type=kind, default=f.default)
 
     @classmethod

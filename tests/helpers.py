@@ -12,7 +12,7 @@ CONFIGS = {
     "no-radix": {"disable_radix_cache": True},
     "page16": {"page_size": 16},
     "chunked": {"chunked_prefill_size": 16, "page_size": 4},
-    "retract": {"max_total_tokens": 320, "page_size": 4},
+    "retract": {"max_total_tokens": 320, "page_size": 4, "schedule_conservativeness": 0.0},
     "retract-page1-lpm": {"max_total_tokens": 256, "schedule_policy": "lpm"},
 }
 

@@ -28,6 +28,8 @@ from baby_sgl.trace import Tracer
 
 logger = logging.getLogger(__name__)
 
+# Fraction of their remaining max_new_tokens that running requests are assumed to still need:
+# starts high, decays while decode goes well, is reset by a retraction (as SGLang does).
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.002
 
 
@@ -48,7 +50,9 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.cur_batch: ScheduleBatch | None = None
-        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        c = args.schedule_conservativeness
+        self.init_ratio, self.min_ratio = min(INIT_NEW_TOKEN_RATIO * c, 1.0), min(MIN_NEW_TOKEN_RATIO * c, 1.0)
+        self.new_token_ratio = self.init_ratio
         self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
                       "forward_steps": 0}
         self.inbox: queue.Queue = queue.Queue()
@@ -179,7 +183,7 @@ class Scheduler:
         if not batch.can_decode():
             retracted = batch.retract_decode()
             self.stats["num_retractions"] += len(retracted)
-            self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+            self.new_token_ratio = self.init_ratio
             for req in retracted:
                 if self.tracer:
                     self.tracer.event("retract", rid=req.rid, output_len=len(req.output_ids))
@@ -190,7 +194,7 @@ class Scheduler:
                 self.running = []
                 return None
         else:
-            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, self.min_ratio)
         batch.prepare_for_decode()
         return batch
 

@@ -1,0 +1,74 @@
+"""The default model (SmolLM2-135M-Instruct, GGUF): our loader and engine against transformers'
+own GGUF loading and `generate`, under every cache setting."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from baby_sgl import Engine
+from baby_sgl.model_loader.loader import default_model_path
+from conftest import hf_greedy
+from helpers import CONFIGS, GREEDY
+
+MAX_NEW = 12
+QUESTIONS = [
+    "What is the capital of France?", "Give three tips to improve public speaking.",
+    "Explain the concept of attention in transformer models.", "Write a haiku about autumn.",
+    "What is 17 times 3?", "Summarize the key benefits of unit testing in software engineering.",
+    "用中文介绍一下量子计算的基本原理。", "给出三条关于上海旅游的建议。",
+    "Draft a short professional email requesting a project status update.", "Name a primary color.",
+    "Why is the sky blue?", "Translate 'good morning' into French.", "What does a CPU do?",
+    "List two mammals that can fly or glide.", "How many days are in a leap year?", "Say hello.",
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    with Engine() as engine:
+        prompts = [engine.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+        engine.check_memory()
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.float32).eval()
+    return prompts, hf_greedy(hf, prompts, MAX_NEW), hf
+
+
+@pytest.mark.parametrize("config", ["radix", "no-radix", "page16", "chunked", "retract"])
+def test_default_model_matches_transformers(reference, config):
+    prompts, expected, _ = reference
+    kwargs = dict(CONFIGS[config])
+    if config == "retract":
+        kwargs["max_total_tokens"] = 400
+    with Engine(**kwargs) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW})
+        for i, out in enumerate(outs):
+            assert out["output_ids"] == expected[i], f"question {i} differs under {config}"
+        if config == "retract":
+            assert engine.get_server_info()["num_retractions"] > 0
+        engine.check_memory()
+
+
+def test_default_model_first_step_logprobs(reference):
+    prompts, _, hf = reference
+    with Engine() as engine:
+        outs = engine.generate(input_ids=prompts[:4], sampling_params={**GREEDY, "max_new_tokens": 1},
+                               top_logprobs_num=5)
+        for p, out in zip(prompts[:4], outs):
+            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0, -1].float(), dim=-1)
+            for logprob, token, _ in out["meta_info"]["output_top_logprobs"][0]:
+                assert abs(logprob - ref[token].item()) < 1e-4
+        engine.check_memory()
+
+
+def test_default_model_answers_read_as_answers():
+    with Engine() as engine:
+        out = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
+                          {"max_new_tokens": 20, "temperature": 0})
+        assert "Paris" in out["text"]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+        engine.check_memory()

@@ -1,0 +1,94 @@
+"""Sampling: validation, seeded reproducibility alone and in a batch, and each filter's effect."""
+
+from __future__ import annotations
+
+import pytest
+
+from baby_sgl import Engine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    with Engine(tiny_llama, max_total_tokens=4096) as eng:
+        yield eng
+
+
+@pytest.fixture(autouse=True)
+def memory_clean(engine):
+    yield
+    engine.check_memory()
+
+
+SAMPLED = {"max_new_tokens": 16, "temperature": 0.9, "top_k": 50, "top_p": 0.95, "ignore_eos": True}
+
+
+def test_seeded_output_is_the_same_alone_and_in_a_batch(engine):
+    params = {**SAMPLED, "seed": 1234}
+    alone = engine.generate("the seed", params)["output_ids"]
+    others = [{**SAMPLED, "seed": s} for s in range(5)] + [params] + [SAMPLED] * 3
+    batch = engine.generate(["x", "yy", "zzz", "w", "v", "the seed", "u", "t", "s"], others)
+    assert batch[5]["output_ids"] == alone
+    assert engine.generate("the seed", {**params, "seed": 99})["output_ids"] != alone
+
+
+def test_unseeded_sampling_varies(engine):
+    outs = engine.generate(["same"] * 4, {**SAMPLED, "temperature": 1.5, "top_k": -1, "top_p": 1.0})
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1
+
+
+def test_top_k_one_is_greedy(engine):
+    greedy = engine.generate("k", {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
+    top1 = engine.generate("k", {"max_new_tokens": 12, "temperature": 1.3, "top_k": 1, "ignore_eos": True})
+    assert greedy["output_ids"] == top1["output_ids"]
+
+
+def test_filters_keep_tokens_inside_the_allowed_set(engine):
+    params = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+    top = engine.generate("f", params, top_logprobs_num=3)["meta_info"]["output_top_logprobs"][0]
+    allowed = {t for _, t, _ in top}
+    outs = engine.generate(["f"] * 12, {**params, "temperature": 2.0, "top_k": 3})
+    assert {o["output_ids"][0] for o in outs} <= allowed
+    outs = engine.generate(["f"] * 12, {**params, "temperature": 1.0, "min_p": 1.0})
+    assert {o["output_ids"][0] for o in outs} == {top[0][1]}  # min_p=1 keeps only the most likely
+    outs = engine.generate(["f"] * 12, {**params, "temperature": 1.0, "top_p": 1e-6})
+    assert {o["output_ids"][0] for o in outs} == {top[0][1]}
+
+
+def test_penalties_change_repetition(engine):
+    base = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    plain = engine.generate("aaaa", base)["output_ids"]
+    penalised = engine.generate("aaaa", {**base, "frequency_penalty": 2.0})["output_ids"]
+    assert len(set(penalised)) >= len(set(plain))
+    rep = engine.generate("aaaa", {**base, "repetition_penalty": 2.0})["output_ids"]
+    pres = engine.generate("aaaa", {**base, "presence_penalty": 2.0})["output_ids"]
+    assert rep != plain or pres != plain or penalised != plain
+
+
+def test_min_new_tokens_blocks_stop_tokens(engine):
+    first = engine.generate("m", {"max_new_tokens": 8, "temperature": 0})["output_ids"][0]
+    out = engine.generate("m", {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [first],
+                                "min_new_tokens": 3})
+    assert out["output_ids"][0] != first and len(out["output_ids"]) >= 3
+
+
+def test_logprobs_are_consistent(engine):
+    out = engine.generate("lp", {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+                          return_logprob=True, top_logprobs_num=2)
+    meta = out["meta_info"]
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    for (lp, tok, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        assert lp <= 0 and top[0][1] == tok and top[0][0] == pytest.approx(lp)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("min_p", 1.5), ("frequency_penalty", 3), ("presence_penalty", -3), ("repetition_penalty", 0),
+    ("min_new_tokens", 500), ("stop", [""]), ("seed", "abc"), ("n", 0), ("stop_token_ids", [-1]),
+])
+def test_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams.from_dict({field: value})
+
+
+def test_defaults_and_sglang_spellings():
+    p = SamplingParams.from_dict({"stop": "END", "sampling_seed": 3}, defaults={"temperature": 0.6})
+    assert p.stop == ["END"] and p.seed == 3 and p.temperature == 0.6
