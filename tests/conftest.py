@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
+
 import pytest
 import torch
 
