@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baby_sgl.layers.layernorm import RMSNorm
+from baby_sgl.layers.linear import Linear
 from baby_sgl.layers.rotary_embedding import RotaryEmbedding
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.forward_batch import ForwardBatch
@@ -24,8 +25,8 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
         self.scale = cfg.head_dim**-0.5
 
@@ -43,8 +44,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -72,8 +73,17 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+
+    def use_transposed_weights(self) -> None:
+        """Switches every projection to the [in, out] layout (see layers/linear.py)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.use_transposed()
+                # Drop the [out, in] copy, except the embedding table tied to lm_head.
+                if not (module is self.lm_head and self.config.tie_word_embeddings):
+                    module.weight = None
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

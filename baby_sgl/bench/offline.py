@@ -1,0 +1,134 @@
+"""`baby-sgl bench offline`: throughput of the engine on a fixed workload, optionally next to
+transformers (`--compare hf`) on the very same prompts, in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+
+import torch
+
+from baby_sgl.bench.roofline import measure_roofs
+from baby_sgl.bench.workloads import Workload, one_batch_workload, random_workload, shared_prefix_workload
+from baby_sgl.engine import Engine
+from baby_sgl.server_args import ServerArgs
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_engine(engine: Engine, wl: Workload) -> dict:
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in wl.output_lens]
+    engine.generate(input_ids=wl.prompts[:1], sampling_params={"max_new_tokens": 2})  # warm-up
+    engine.flush_cache()
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=wl.prompts, sampling_params=params)
+    dt = time.perf_counter() - t0
+    out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
+    return {
+        "engine": "baby-sgl", "seconds": dt, "requests_per_s": len(outs) / dt,
+        "input_tok_s": wl.input_tokens / dt, "output_tok_s": out_tokens / dt,
+        "total_tok_s": (wl.input_tokens + out_tokens) / dt, "cache_hit_rate": cached / wl.input_tokens,
+        "ttft_mean_s": sum(o["meta_info"]["ttft"] for o in outs) / len(outs),
+        "outputs": [o["output_ids"] for o in outs],
+    }
+
+
+def run_one_batch(engine: Engine, wl: Workload) -> dict:
+    """Prefill latency of the whole batch, then the median decode step (streamed timestamps)."""
+    params = {"max_new_tokens": wl.output_lens[0], "temperature": 0, "ignore_eos": True}
+    engine.generate(input_ids=wl.prompts[:1], sampling_params={"max_new_tokens": 2})
+    engine.flush_cache()
+    stamps, t0 = [], time.perf_counter()
+    for chunk in engine.generate(input_ids=wl.prompts, sampling_params=params, stream=True):
+        if chunk["index"] == 0:
+            stamps.append(time.perf_counter())
+    steps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    n_out = len(wl.prompts) * wl.output_lens[0]
+    return {"engine": "baby-sgl", "prefill_s": stamps[0] - t0, "decode_step_median_s": steps[len(steps) // 2],
+            "seconds": stamps[-1] - t0, "output_tok_s": n_out / (stamps[-1] - t0)}
+
+
+def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
+    if args.workload == "random":
+        return random_workload(args.num_prompts, vocab, (args.input_min, args.input_max),
+                               (args.output_min, args.output_max), args.seed)
+    if args.workload == "shared-prefix":
+        return shared_prefix_workload(args.groups, args.prompts_per_group, args.system_len, args.question_len,
+                                      args.output_len, vocab, args.seed)
+    return one_batch_workload(args.batch, args.input_len, args.output_len, vocab, args.seed)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", choices=["random", "shared-prefix", "one-batch"], default="random")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-min", type=int, default=32)
+    p.add_argument("--input-max", type=int, default=512)
+    p.add_argument("--output-min", type=int, default=32)
+    p.add_argument("--output-max", type=int, default=256)
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--prompts-per-group", type=int, default=8)
+    p.add_argument("--system-len", type=int, default=1024)
+    p.add_argument("--question-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--compare", choices=["hf"], default=None, help="also run transformers on the same prompts")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--output-file", default=None, help="append the results as one JSON line")
+    ServerArgs.add_cli_args(p)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="baby-sgl bench offline")
+    add_args(p)
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sa = ServerArgs.from_cli_args(args)
+    kwargs = {k: v for k, v in vars(sa).items() if k not in ("host", "port", "log_level")}
+    with Engine(**kwargs) as engine:
+        wl = build_workload(args, engine.model_config.vocab_size)
+        result = run_one_batch(engine, wl) if args.workload == "one-batch" else run_engine(engine, wl)
+        roofs = measure_roofs(engine)
+        model_path, dtype = engine.model_path, engine.dtype
+    report = {"workload": wl.name, "num_prompts": len(wl.prompts), "input_tokens": wl.input_tokens,
+              "output_tokens": sum(wl.output_lens), "dtype": str(dtype), "threads": torch.get_num_threads(),
+              "server_args": kwargs, "roofs": roofs, "results": [result]}
+    if "total_tok_s" in result:
+        result["compute_roof_fraction"] = result["total_tok_s"] / roofs["compute_roof_tok_s"]
+    if "decode_step_median_s" in result:
+        result["bandwidth_roof_ratio"] = result["decode_step_median_s"] / roofs["bandwidth_roof_step_s"]
+    if args.compare == "hf":
+        from baby_sgl.bench.hf_baseline import compare_hf
+
+        report["results"] += compare_hf(model_path, dtype, wl, result)
+    report["peak_rss_mb"] = peak_rss_mb()
+    print_report(report)
+    if args.output_file:
+        for r in report["results"]:
+            r.pop("outputs", None)
+        with open(args.output_file, "a") as f:
+            f.write(json.dumps(report) + "\n")
+    return 0
+
+
+def print_report(report: dict) -> None:
+    print(f"workload {report['workload']}: {report['num_prompts']} prompts, {report['input_tokens']} input tokens, "
+          f"{report['output_tokens']} output tokens, {report['dtype']}, {report['threads']} threads")
+    roofs = report["roofs"]
+    print(f"roofs: matmul {roofs['gflops']:.0f} GFLOP/s -> {roofs['compute_roof_tok_s']:.0f} tok/s; "
+          f"read {roofs['read_gb_s']:.1f} GB/s -> batch-1 decode step >= {roofs['bandwidth_roof_step_s'] * 1e3:.1f} ms")
+    base = report["results"][0]
+    for r in report["results"]:
+        fields = [f"{k}={v:.4g}" for k, v in r.items() if isinstance(v, float)]
+        ratio = ""
+        if r is not base and r.get("output_tok_s"):
+            ratio = f"  (baby-sgl is {base['output_tok_s'] / r['output_tok_s']:.2f}x)"
+        print(f"  {r['engine']:>28s}: " + " ".join(fields) + ratio)
+    print(f"peak RSS {report['peak_rss_mb']:.0f} MB")

@@ -1,0 +1,40 @@
+"""The machine's roofs, measured by the bench itself: matmul throughput at the model's shapes and
+memory read bandwidth, turned into tokens/s and decode-step bounds for the loaded model."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from baby_sgl.engine import Engine
+
+
+def _best_of(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_roofs(engine: Engine) -> dict[str, float]:
+    cfg, dtype = engine.model_config, engine.dtype
+    a = torch.randn(512, cfg.hidden_size, dtype=dtype)
+    b = torch.randn(cfg.hidden_size, 2 * cfg.intermediate_size, dtype=dtype)
+    gflops = 2 * a.shape[0] * a.shape[1] * b.shape[1] / _best_of(lambda: a @ b) / 1e9
+    big = torch.ones(128 * 1024 * 1024 // 4, dtype=torch.float32)  # 128 MB, well past the caches
+    read_gb_s = big.numel() * 4 / _best_of(lambda: big.sum()) / 1e9
+    model = engine.scheduler.runner.model
+    matmul_params = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
+    if cfg.tie_word_embeddings:
+        matmul_params += model.lm_head.weight.numel()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    flop_per_token = 2 * matmul_params
+    return {
+        "gflops": gflops, "read_gb_s": read_gb_s, "gflop_per_token": flop_per_token / 1e9,
+        "compute_roof_tok_s": gflops * 1e9 / flop_per_token,
+        "weight_mb": weight_bytes / 1e6, "bandwidth_roof_step_s": weight_bytes / (read_gb_s * 1e9),
+    }
