@@ -7,12 +7,7 @@ import json
 import logging
 import sys
 
-from baby_sgl.server_args import ServerArgs
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    sa = ServerArgs.from_cli_args(args)
-    return {k: v for k, v in vars(sa).items() if k not in ("host", "port", "log_level")}
+from baby_sgl.server_args import ServerArgs, engine_kwargs
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -31,7 +26,7 @@ def _generate(args: argparse.Namespace) -> int:
               "top_k": args.top_k}
     if args.seed is not None:
         params["seed"] = args.seed
-    with Engine(**_engine_kwargs(args)) as engine:
+    with Engine(**engine_kwargs(args)) as engine:
         ids = [engine.apply_chat_template([{"role": "user", "content": p}]) if args.chat else None for p in prompts]
         if len(prompts) == 1 and not args.json:  # one prompt: stream it to the terminal
             stream = engine.generate(input_ids=ids[0], sampling_params=params, stream=True) if args.chat else \
@@ -58,7 +53,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from baby_sgl.demo import run_demo
 
-    ok = run_demo(_engine_kwargs(args), args.comprehensive, args.seed, args.max_new_tokens)
+    ok = run_demo(engine_kwargs(args), args.comprehensive, args.seed, args.max_new_tokens)
     return 0 if ok else 1
 
 

@@ -57,3 +57,9 @@ class ServerArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+
+def engine_kwargs(args: ServerArgs | argparse.Namespace) -> dict:
+    """The Engine's keyword arguments: every setting but the server's own."""
+    sa = args if isinstance(args, ServerArgs) else ServerArgs.from_cli_args(args)
+    return {k: v for k, v in vars(sa).items() if k not in ("host", "port", "log_level")}

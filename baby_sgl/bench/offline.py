@@ -13,7 +13,7 @@ import torch
 from baby_sgl.bench.roofline import measure_roofs
 from baby_sgl.bench.workloads import Workload, one_batch_workload, random_workload, shared_prefix_workload
 from baby_sgl.engine import Engine
-from baby_sgl.server_args import ServerArgs
+from baby_sgl.server_args import ServerArgs, engine_kwargs
 
 
 def peak_rss_mb() -> float:
@@ -90,8 +90,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    sa = ServerArgs.from_cli_args(args)
-    kwargs = {k: v for k, v in vars(sa).items() if k not in ("host", "port", "log_level")}
+    kwargs = engine_kwargs(args)
     with Engine(**kwargs) as engine:
         wl = build_workload(args, engine.model_config.vocab_size)
         result = run_one_batch(engine, wl) if args.workload == "one-batch" else run_engine(engine, wl)

@@ -1,0 +1,19 @@
+"""`baby-sgl serve` / `python -m baby_sgl.launch_server`: the HTTP server with every Engine flag."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from baby_sgl.server_args import ServerArgs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="baby-sgl serve")
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from baby_sgl.entrypoints.http_server import launch_server
+
+    launch_server(args)
+    return 0

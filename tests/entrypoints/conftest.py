@@ -1,0 +1,52 @@
+"""A real server on a loopback port, started once for the module's tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from baby_sgl import Engine
+from baby_sgl.entrypoints.http_server import create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    engine = Engine(tiny_llama, max_total_tokens=8192, max_running_requests=48)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    yield base
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def memory_clean(server):
+    yield
+    for _ in range(100):  # aborts from disconnects land at the scheduler's next step
+        r = httpx.get(server + "/debug/check_memory")
+        info = httpx.get(server + "/server_info").json()
+        if r.status_code == 200 and info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+            return
+        time.sleep(0.05)
+    assert r.status_code == 200, r.text
