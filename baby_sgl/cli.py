@@ -57,13 +57,12 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _delegate(module: str):
-    def run(args: argparse.Namespace) -> int:
-        import importlib
-
-        return importlib.import_module(module).main(args.rest) or 0
-
-    return run
+# Subcommands with parsers of their own: everything after the name is theirs.
+_DELEGATED = {
+    "serve": ("baby_sgl.entrypoints.launch_server", "start the HTTP server (SGLang and OpenAI APIs)"),
+    "chat": ("baby_sgl.entrypoints.chat_cli", "interactive chat in the terminal"),
+    "bench": ("baby_sgl.bench.cli", "benchmarks: bench offline | bench serving"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,18 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_args(demo)
     ServerArgs.add_cli_args(demo)
     demo.set_defaults(func=_demo)
-    for name, module, help_ in [
-        ("serve", "baby_sgl.entrypoints.launch_server", "start the HTTP server (SGLang and OpenAI APIs)"),
-        ("chat", "baby_sgl.entrypoints.chat_cli", "interactive chat in the terminal"),
-        ("bench", "baby_sgl.bench.cli", "benchmarks: bench offline | bench serving"),
-    ]:
-        p = sub.add_parser(name, help=help_, add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=_delegate(module))
+    for name, (_, help_) in _DELEGATED.items():
+        sub.add_parser(name, help=help_, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _DELEGATED:
+        import importlib
+
+        return importlib.import_module(_DELEGATED[argv[0]][0]).main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "warning").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -42,9 +42,13 @@ def hf_generate_batch(model, wl: Workload) -> dict:
 
     cfg = GenerationConfig(max_new_tokens=max(wl.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        model.generate_batch(inputs=wl.prompts, generation_config=cfg)
-    return _summary("transformers generate_batch", wl, time.perf_counter() - t0)
+    outputs = model.generate_batch(inputs=wl.prompts, generation_config=cfg)
+    dt = time.perf_counter() - t0
+    produced = sorted(len(o.generated_tokens) for o in outputs.values())
+    if len(produced) != len(wl.prompts) or produced[0] < min(wl.output_lens):
+        raise RuntimeError(f"generate_batch returned {len(produced)} of {len(wl.prompts)} requests, "
+                           f"shortest {produced[0] if produced else 0} tokens")
+    return _summary("transformers generate_batch", wl, dt)
 
 
 def _summary(name: str, wl: Workload, dt: float) -> dict:
@@ -53,7 +57,7 @@ def _summary(name: str, wl: Workload, dt: float) -> dict:
             "output_tok_s": out / dt, "total_tok_s": (wl.input_tokens + out) / dt}
 
 
-def compare_hf(model_path: str, dtype: torch.dtype, wl: Workload, ours: dict) -> list[dict]:
+def compare_hf(model_path: str, dtype: torch.dtype, wl: Workload) -> list[dict]:
     model = load_hf_model(model_path, dtype)
     results = [hf_static(model, wl)]
     try:

@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
     if args.compare == "hf":
         from baby_sgl.bench.hf_baseline import compare_hf
 
-        report["results"] += compare_hf(model_path, dtype, wl, result)
+        report["results"] += compare_hf(model_path, dtype, wl)
     report["peak_rss_mb"] = peak_rss_mb()
     print_report(report)
     if args.output_file:

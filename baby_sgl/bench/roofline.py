@@ -8,6 +8,7 @@ import time
 import torch
 
 from baby_sgl.engine import Engine
+from baby_sgl.layers.linear import Linear
 
 
 def _best_of(fn, repeats: int = 5) -> float:
@@ -28,10 +29,10 @@ def measure_roofs(engine: Engine) -> dict[str, float]:
     big = torch.ones(128 * 1024 * 1024 // 4, dtype=torch.float32)  # 128 MB, well past the caches
     read_gb_s = big.numel() * 4 / _best_of(lambda: big.sum()) / 1e9
     model = engine.scheduler.runner.model
-    matmul_params = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
-    if cfg.tie_word_embeddings:
-        matmul_params += model.lm_head.weight.numel()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    matmul_params = sum((m.weight_t if m.weight_t is not None else m.weight).numel() for m in linears)
+    # What a decode step must read: every projection once, plus the norms (embedding rows are few).
+    weight_bytes = matmul_params * torch.finfo(dtype).bits // 8
     flop_per_token = 2 * matmul_params
     return {
         "gflops": gflops, "read_gb_s": read_gb_s, "gflop_per_token": flop_per_token / 1e9,

@@ -25,6 +25,19 @@ def sort_waiting(waiting: list[Req], policy: str, tree_cache) -> None:
         waiting.sort(key=lambda r: -len(r.prefix_indices))
 
 
+# A waiting request whose uncached part starts with this many tokens of a request already in the
+# batch waits one step: next step that prefix is in the tree and it is not computed twice.
+IN_BATCH_PREFIX_THRESHOLD = 32
+
+
+def shares_uncached_prefix(req: Req, batch: list[Req]) -> bool:
+    k = len(req.prefix_indices) + IN_BATCH_PREFIX_THRESHOLD
+    if req.seqlen <= k:
+        return False
+    head = req.fill_ids[:k]
+    return any(other.fill_ids[:k] == head for other in batch)
+
+
 class AddResult(enum.Enum):
     CONTINUE = enum.auto()
     NO_ROOM = enum.auto()  # out of KV slots, prefill tokens or chunk budget: stop adding

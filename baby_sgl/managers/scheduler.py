@@ -16,7 +16,7 @@ from baby_sgl.detokenizer import detokenize_step
 from baby_sgl.managers.memory_checker import check_memory
 from baby_sgl.managers.req import Req
 from baby_sgl.managers.schedule_batch import ScheduleBatch
-from baby_sgl.managers.schedule_policy import AddResult, PrefillAdder, sort_waiting
+from baby_sgl.managers.schedule_policy import AddResult, PrefillAdder, shares_uncached_prefix, sort_waiting
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.mem_cache.chunk_cache import ChunkCache
 from baby_sgl.mem_cache.radix_cache import RadixCache
@@ -165,7 +165,10 @@ class Scheduler:
             sort_waiting(self.waiting, self.args.schedule_policy, self.tree_cache)
             slots = min(len(self.req_to_token_pool.free_slots),
                         self.args.max_running_requests - len(self.running) - len(adder.can_run))
+            share = not self.args.disable_radix_cache
             for req in list(self.waiting):
+                if share and shares_uncached_prefix(req, adder.can_run):
+                    continue
                 if len(adder.can_run) >= slots or adder.add_one_req(req) == AddResult.NO_ROOM:
                     break
         if not adder.can_run:

@@ -202,3 +202,29 @@ def test_health_answers_while_busy(server):
 
     status, elapsed = asyncio.run(scenario())
     assert status == 200 and elapsed < 1.0
+
+
+def test_bench_serving_against_our_server(server, tmp_path):
+    from baby_sgl.entrypoints.bench_serving import main
+
+    out = tmp_path / "bench.jsonl"
+    for backend, dataset in [("sglang", "random"), ("openai", "shared-prefix")]:
+        code = main(["--base-url", server, "--backend", backend, "--dataset", dataset, "--num-prompts", "6",
+                     "--random-input-max", "40", "--random-output-min", "4", "--random-output-max", "8", "--gsp-num-groups", "2",
+                     "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "40", "--gsp-output-len", "4",
+                     "--request-rate", "50", "--output-file", str(out)])
+        assert code == 0
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["completed"] == 6 and r["failed"] == 0 and r["output_token_throughput"] > 0 for r in runs)
+    assert runs[0]["ttft_s"]["p50"] > 0 and runs[0]["tpot_s"]["mean"] > 0
+
+
+def test_chat_cli_against_our_server(server):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "baby_sgl.cli", "chat", "--base-url", server, "--max-new-tokens", "4",
+                           "--temperature", "0"], input="hello\n/reset\nagain\n/exit\n", capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("assistant> ") == 2

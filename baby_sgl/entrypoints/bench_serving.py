@@ -1,0 +1,178 @@
+"""`baby-sgl bench serving --base-url URL`: load test of any SGLang- or OpenAI-compatible server.
+
+Requests arrive as a Poisson process (--request-rate) or at fixed concurrency (--max-concurrency);
+each is streamed so time to first token (TTFT), inter-token latency (ITL) and time per output
+token (TPOT) are measured at the client."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str = ""
+
+
+def _words(rng: random.Random, n: int) -> str:
+    """Random text of about n tokens (common short words tokenize to about one token each)."""
+    vocab = "time year people way day man thing woman life child world school state family student group".split()
+    return " ".join(rng.choice(vocab) for _ in range(n))
+
+
+def build_prompts(args: argparse.Namespace) -> list[tuple[str, int]]:
+    rng = random.Random(args.seed)
+    if args.dataset == "random":
+        return [(_words(rng, rng.randint(args.random_input_min, args.random_input_max)),
+                 rng.randint(args.random_output_min, args.random_output_max)) for _ in range(args.num_prompts)]
+    prompts = []
+    for _ in range(args.gsp_num_groups):
+        system = _words(rng, args.gsp_system_prompt_len)
+        prompts += [(system + " " + _words(rng, args.gsp_question_len), args.gsp_output_len)
+                    for _ in range(args.gsp_prompts_per_group)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, prompt: str, max_tokens: int) -> Result:
+    res, t0 = Result(), time.perf_counter()
+    if args.backend == "sglang":
+        url, body = "/generate", {"text": prompt, "stream": True,
+                                  "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
+    else:
+        url, body = "/v1/completions", {"model": args.model or "default", "prompt": prompt, "max_tokens": max_tokens,
+                                        "temperature": 0, "stream": True, "ignore_eos": True,
+                                        "stream_options": {"include_usage": True}}
+    last = None
+    try:
+        async with client.stream("POST", args.base_url + url, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data, now = json.loads(line[6:]), time.perf_counter()
+                produced = _tokens_so_far(args.backend, data, res.output_tokens)
+                if produced > res.output_tokens:
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itls += [(now - last) / (produced - res.output_tokens)] * (produced - res.output_tokens)
+                    last, res.output_tokens = now, produced
+                res.prompt_tokens = _prompt_tokens(args.backend, data) or res.prompt_tokens
+        res.latency, res.ok = time.perf_counter() - t0, True
+    except httpx.HTTPError as e:
+        res.error = repr(e)
+    return res
+
+
+def _tokens_so_far(backend: str, data: dict, current: int) -> int:
+    if backend == "sglang":
+        return data["meta_info"]["completion_tokens"]
+    if data.get("usage"):
+        return max(current, data["usage"]["completion_tokens"])
+    return current + (1 if data["choices"] and data["choices"][0].get("text") else 0)
+
+
+def _prompt_tokens(backend: str, data: dict) -> int:
+    if backend == "sglang":
+        return data["meta_info"]["prompt_tokens"]
+    return (data.get("usage") or {}).get("prompt_tokens", 0)
+
+
+async def run(args: argparse.Namespace) -> dict:
+    prompts = build_prompts(args)
+    rng = random.Random(args.seed + 1)
+    limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=httpx.Limits(max_connections=1000)) as c:
+        async def guarded(p: str, n: int) -> Result:
+            async with limit:
+                return await one_request(c, args, p, n)
+
+        t0, tasks = time.perf_counter(), []
+        for p, n in prompts:
+            tasks.append(asyncio.create_task(guarded(p, n)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    return summarize(results, duration)
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+    q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
+    return {"mean": statistics.fmean(values), "p50": q[49], "p90": q[89], "p99": q[98]}
+
+
+def summarize(results: list[Result], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "request_throughput": len(ok) / duration, "input_token_throughput": in_tokens / duration,
+        "output_token_throughput": out_tokens / duration, "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_s": _stats([r.ttft for r in ok]), "itl_s": _stats([x for r in ok for x in r.itls]),
+        "tpot_s": _stats(tpot), "e2e_latency_s": _stats([r.latency for r in ok]),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+    }
+
+
+def print_summary(s: dict) -> None:
+    print(f"completed {s['completed']}, failed {s['failed']}, duration {s['duration_s']:.2f} s")
+    print(f"throughput: {s['request_throughput']:.2f} req/s, input {s['input_token_throughput']:.1f} tok/s, "
+          f"output {s['output_token_throughput']:.1f} tok/s, total {s['total_token_throughput']:.1f} tok/s")
+    for key in ("ttft_s", "itl_s", "tpot_s", "e2e_latency_s"):
+        v = s[key]
+        print(f"{key[:-2]:>12s} ms: mean {v['mean'] * 1e3:8.1f}  p50 {v['p50'] * 1e3:8.1f}  "
+              f"p90 {v['p90'] * 1e3:8.1f}  p99 {v['p99'] * 1e3:8.1f}")
+    for e in s["errors"]:
+        print(f"error: {e}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="baby-sgl bench serving")
+    p.add_argument("--base-url", default="http://127.0.0.1:30000")
+    p.add_argument("--backend", choices=["sglang", "openai"], default="sglang")
+    p.add_argument("--model", default=None)
+    p.add_argument("--dataset", choices=["random", "shared-prefix"], default="random")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--random-input-min", type=int, default=32)
+    p.add_argument("--random-input-max", type=int, default=256)
+    p.add_argument("--random-output-min", type=int, default=16)
+    p.add_argument("--random-output-max", type=int, default=64)
+    p.add_argument("--gsp-num-groups", type=int, default=4)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=8)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=512)
+    p.add_argument("--gsp-question-len", type=int, default=32)
+    p.add_argument("--gsp-output-len", type=int, default=32)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--output-file", default=None)
+    args = p.parse_args(argv)
+    summary = asyncio.run(run(args))
+    print_summary(summary)
+    if args.output_file:
+        with open(args.output_file, "a") as f:
+            f.write(json.dumps({"args": vars(args) | {"request_rate": str(args.request_rate)}, **summary}) + "\n")
+    return 0 if summary["failed"] == 0 else 1

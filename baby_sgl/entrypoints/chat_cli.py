@@ -1,0 +1,74 @@
+"""`baby-sgl chat`: an interactive terminal chat that streams tokens, against a local engine
+(any Engine flag) or a running server (--base-url, OpenAI chat API)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+
+from baby_sgl.server_args import ServerArgs, engine_kwargs
+
+
+def _local_stream(engine, messages: list[dict], max_tokens: int, temperature: float) -> Iterator[str]:
+    for chunk in engine.chat(messages, {"max_new_tokens": max_tokens, "temperature": temperature}, stream=True):
+        yield chunk["text"]
+
+
+def _remote_stream(base_url: str, messages: list[dict], max_tokens: int, temperature: float) -> Iterator[str]:
+    import httpx
+
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, "stream": True}
+    with httpx.stream("POST", base_url.rstrip("/") + "/v1/chat/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(r.read().decode())
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[6:])["choices"]
+                if choices:
+                    yield choices[0]["delta"].get("content") or ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="baby-sgl chat")
+    p.add_argument("--base-url", default=None, help="talk to a running server instead of a local engine")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.7)
+    ServerArgs.add_cli_args(p)
+    args = p.parse_args(argv)
+    engine = None
+    if not args.base_url:
+        from baby_sgl.engine import Engine
+
+        engine = Engine(**engine_kwargs(args))
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("baby-sgl chat: type a message, /reset to start over, /exit or Ctrl-D to leave.", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("you> ").strip()
+            except EOFError:
+                break
+            if line in ("/exit", "/quit"):
+                break
+            if line == "/reset":
+                messages = messages[:1] if args.system else []
+                continue
+            if not line:
+                continue
+            messages.append({"role": "user", "content": line})
+            stream = _remote_stream(args.base_url, messages, args.max_new_tokens, args.temperature) if args.base_url \
+                else _local_stream(engine, messages, args.max_new_tokens, args.temperature)
+            print("assistant> ", end="", flush=True)
+            reply = ""
+            for piece in stream:
+                reply += piece
+                print(piece, end="", flush=True)
+            print()
+            messages.append({"role": "assistant", "content": reply})
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    return 0

@@ -1,0 +1,25 @@
+"""Smoke test: the offline bench runs end to end on a tiny workload (benchmarks are not tests)."""
+
+from __future__ import annotations
+
+import json
+
+from baby_sgl.bench.offline import main
+
+
+def test_bench_offline_runs_each_workload(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    common = ["--model-path", tiny_llama, "--output-file", str(out), "--output-len", "4"]
+    assert main(["--workload", "random", "--num-prompts", "4", "--input-min", "8", "--input-max", "16",
+                 "--output-min", "2", "--output-max", "4", "--compare", "hf", *common]) == 0
+    assert main(["--workload", "shared-prefix", "--groups", "2", "--prompts-per-group", "2", "--system-len", "32",
+                 "--question-len", "4", *common]) == 0
+    assert main(["--workload", "one-batch", "--batch", "2", "--input-len", "8", *common]) == 0
+    reports = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["workload"] for r in reports] == ["random", "shared-prefix", "one-batch"]
+    engines = [r["engine"] for r in reports[0]["results"]]
+    assert engines[0] == "baby-sgl" and "transformers generate (static)" in engines
+    assert all("error" not in r for r in reports[0]["results"]), reports[0]["results"]
+    assert reports[1]["results"][0]["cache_hit_rate"] > 0.3
+    assert reports[2]["results"][0]["decode_step_median_s"] > 0
+    assert "roofs" in capsys.readouterr().out
