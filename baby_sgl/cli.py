@@ -100,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "warning").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:  # bad flags or a missing model: say so plainly
+        print(f"baby-sgl: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,5 +1,4 @@
-"""Shared fixtures: tiny random checkpoints built with transformers' config classes, the default
-model, and a reference greedy generator (transformers' own `generate`, one prompt at a time)."""
+"""Shared fixtures: tiny random checkpoints built with transformers' config classes."""
 
 from __future__ import annotations
 
@@ -10,10 +9,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 import pytest
 import torch
 
+from helpers import TINY_KW
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-TINY_KW = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
 
 
 def _save_tiny(path, kind: str) -> str:
@@ -54,14 +53,3 @@ def tiny_llama(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> str:
     return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
-
-
-def hf_greedy(model, prompts_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy output ids, one prompt at a time (no padding effects)."""
-    outs = []
-    for ids in prompts_ids:
-        x = torch.tensor([ids])
-        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                           eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
-        outs.append(y[0, len(ids):].tolist())
-    return outs

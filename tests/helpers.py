@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import random
 
+import torch
+
+TINY_KW = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 # Every setting the engine must be exact under (invariant 6).
@@ -11,8 +16,9 @@ CONFIGS = {
     "radix": {},
     "no-radix": {"disable_radix_cache": True},
     "page16": {"page_size": 16},
-    "chunked": {"chunked_prefill_size": 16, "page_size": 4},
-    "retract": {"max_total_tokens": 320, "page_size": 4, "schedule_conservativeness": 0.0},
+    "chunked": {"chunked_prefill_size": 16, "page_size": 4, "debug_memory_check": True},
+    "retract": {"max_total_tokens": 320, "page_size": 4, "schedule_conservativeness": 0.0,
+                "debug_memory_check": True},
     "retract-page1-lpm": {"max_total_tokens": 256, "schedule_policy": "lpm"},
 }
 
@@ -27,3 +33,14 @@ def shared_prefix_prompts(n: int, vocab: int, prefix_len: int, seed: int = 1) ->
     rng = random.Random(seed)
     prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
     return [prefix + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 30))] for _ in range(n)]
+
+
+def hf_greedy(model, prompts_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy output ids, one prompt at a time (no padding effects)."""
+    outs = []
+    for ids in prompts_ids:
+        x = torch.tensor([ids])
+        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
+        outs.append(y[0, len(ids):].tolist())
+    return outs

@@ -97,7 +97,12 @@ class Scheduler:
                 self.error = e
                 self._fail_all(f"internal error: {e}")
             if self.args.debug_memory_check:
-                check_memory(self)
+                try:
+                    check_memory(self)
+                except AssertionError as e:
+                    logger.error("memory check failed after a step: %s", e)
+                    self.error = e
+                    self._fail_all(f"internal error: {e}")
 
     def load_info(self) -> dict[str, Any]:
         """Counters and gauges for /server_info and /metrics (call through `call`)."""

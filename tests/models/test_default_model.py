@@ -10,8 +10,7 @@ import torch
 
 from baby_sgl import Engine
 from baby_sgl.model_loader.loader import default_model_path
-from conftest import hf_greedy
-from helpers import CONFIGS, GREEDY
+from helpers import CONFIGS, GREEDY, hf_greedy
 
 MAX_NEW = 12
 QUESTIONS = [

@@ -8,8 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from baby_sgl import Engine
-from conftest import hf_greedy
-from helpers import CONFIGS, GREEDY, random_prompts, shared_prefix_prompts
+from helpers import CONFIGS, GREEDY, hf_greedy, random_prompts, shared_prefix_prompts
 
 MAX_NEW = 24
 
