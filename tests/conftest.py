@@ -53,3 +53,18 @@ def tiny_llama(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> str:
     return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="module")
+def _tiny_engine(tiny_llama):
+    from baby_sgl import Engine
+
+    with Engine(tiny_llama, max_total_tokens=4096) as eng:
+        yield eng
+
+
+@pytest.fixture
+def engine(_tiny_engine):
+    """A shared engine on the tiny Llama; the memory invariant is checked after each test."""
+    yield _tiny_engine
+    _tiny_engine.check_memory()

@@ -11,18 +11,6 @@ from baby_sgl import Engine
 from helpers import GREEDY, random_prompts
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama):
-    with Engine(tiny_llama, max_total_tokens=4096) as eng:
-        yield eng
-
-
-@pytest.fixture(autouse=True)
-def memory_clean(engine):
-    yield
-    engine.check_memory()
-
-
 def test_result_shape(engine):
     out = engine.generate("Hello there", {"max_new_tokens": 5, **GREEDY})
     assert set(out) == {"text", "output_ids", "meta_info"}

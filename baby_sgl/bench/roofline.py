@@ -30,7 +30,7 @@ def measure_roofs(engine: Engine) -> dict[str, float]:
     read_gb_s = big.numel() * 4 / _best_of(lambda: big.sum()) / 1e9
     model = engine.scheduler.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    matmul_params = sum((m.weight_t if m.weight_t is not None else m.weight).numel() for m in linears)
+    matmul_params = sum(m.weight.numel() for m in linears)
     # What a decode step must read: every projection once, plus the norms (embedding rows are few).
     weight_bytes = matmul_params * torch.finfo(dtype).bits // 8
     flop_per_token = 2 * matmul_params

@@ -41,8 +41,6 @@ class ModelRunner:
         model.tie_weights()
         model.load_weights(weights)
         self.model = model.to(dtype).eval()
-        if device.type == "cpu" and dtype == torch.float32:
-            self.model.use_transposed_weights()
         self.attn_backend = create_attention_backend(attention_backend)
         self.req_to_token_pool: ReqToTokenPool | None = None
         self.kv_pool: KVPool | None = None

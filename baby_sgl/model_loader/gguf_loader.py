@@ -1,7 +1,8 @@
-"""Reads a GGUF file (llama.cpp's format): config from its metadata, weights dequantized to
-float32 with the `gguf` package, and a Hugging Face tokenizer converted from its vocabulary.
+"""Reads a GGUF file (llama.cpp's format) as a Hugging Face checkpoint: a config.json-like dict built
+from its metadata, float32 weights with Hugging Face names (dequantized with the `gguf` package), and a
+Hugging Face tokenizer converted from its vocabulary.
 
-Conversions are slow (the tokenizer takes ~10 s to build), so their results are cached under
+Converting is slow next to loading (the tokenizer alone takes ~10 s), so both results are cached under
 $BABY_SGL_CACHE_DIR (default ~/.cache/baby_sgl), keyed by the file's path, size and mtime.
 """
 
@@ -10,138 +11,222 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGUFReader, ReaderTensor
+from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
-from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
+# Part of the cache key: bump it whenever the conversion's output changes, so stale caches are ignored.
+_CACHE_VERSION = 1
+
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# llama.cpp keeps Llama 3.1's rope scaling as this tensor of per-frequency divisors, not as metadata.
+_ROPE_FREQS = "rope_freqs.weight"
 
 
-def cache_root() -> str:
-    return os.environ.get("BABY_SGL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "baby_sgl")
+def load_gguf(path: str) -> tuple[dict, dict[str, torch.Tensor], str]:
+    """Returns (hf_config, float32 state_dict with Hugging Face names, tokenizer_dir)."""
+    path = os.path.abspath(path)
+    root = os.environ.get("BABY_SGL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "baby_sgl")
+    key = _cache_key(path)
+    tokenizer_dir = os.path.join(root, "tokenizers", key)
+    weights_file = os.path.join(root, "weights", f"{key}.safetensors")
+    config_file = os.path.join(root, "weights", f"{key}.json")
+
+    have_weights = os.path.isfile(weights_file) and os.path.isfile(config_file)
+    if not (have_weights and os.path.isdir(tokenizer_dir)):
+        logger.info("converting %s to a Hugging Face checkpoint (once; cached under %s)", path, root)
+    if not os.path.isdir(tokenizer_dir):
+        _write_atomically(tokenizer_dir, lambda tmp: _convert_tokenizer(path, tmp))
+    if have_weights:
+        with open(config_file) as f:
+            return json.load(f), load_file(weights_file), tokenizer_dir
+
+    config, state_dict = _convert_weights(path)
+    _write_atomically(weights_file, lambda tmp: save_file(state_dict, tmp))
+    # The config goes last: its presence tells a later load that the weights file is complete.
+    _write_atomically(config_file, lambda tmp: _write_json(config, tmp))
+    return config, state_dict, tokenizer_dir
 
 
 def _cache_key(path: str) -> str:
     st = os.stat(path)
-    return hashlib.sha1(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return hashlib.sha1(repr((path, st.st_size, st.st_mtime_ns, _CACHE_VERSION)).encode()).hexdigest()
 
 
-def load_gguf(path: str) -> tuple[dict, dict[str, torch.Tensor], str]:
-    """Returns (Hugging Face style config dict, float32 state dict with HF names, tokenizer dir)."""
-    key = _cache_key(path)
-    tok_dir = os.path.join(cache_root(), "tokenizers", key)
-    weights_dir = os.path.join(cache_root(), "weights", key)
-    if not os.path.isdir(tok_dir):
-        _atomic_dir(tok_dir, lambda tmp: _convert_tokenizer(path, tmp))
-    if not os.path.isdir(weights_dir):
-        _atomic_dir(weights_dir, lambda tmp: _convert_weights(path, tmp))
-    with open(os.path.join(weights_dir, "config.json")) as f:
-        config = json.load(f)
-    return config, load_file(os.path.join(weights_dir, "model.safetensors")), tok_dir
-
-
-def _atomic_dir(target: str, build) -> None:
-    """Builds into a temporary dir and renames it, so a crash never leaves a half-written cache."""
+def _write_atomically(target: str, write: Callable[[str], None]) -> None:
+    """Has `write` create a file or dir at a fresh path beside `target`, then renames it into place, so
+    a crash never leaves a half-written cache entry. Concurrent converters produce the same content, so
+    losing the race for a directory (rename refuses a non-empty target) is fine."""
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(target))
+    scratch = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".tmp-")
     try:
-        build(tmp)
+        tmp = os.path.join(scratch, "out")
+        write(tmp)
         os.rename(tmp, target)
     except OSError:
-        if not os.path.isdir(target):
+        if not os.path.exists(target):
             raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _write_json(obj: Any, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
 
 
 def _convert_tokenizer(path: str, out_dir: str) -> None:
     from transformers import AutoTokenizer
 
-    logger.info("converting the tokenizer of %s (cached afterwards)", path)
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    tok.save_pretrained(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    # Keep the chat template inside tokenizer_config.json (not a separate chat_template.jinja), where
+    # readers of the directory other than recent transformers also look for it.
+    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
 
 
-def _convert_weights(path: str, out_dir: str) -> None:
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    logger.info("dequantizing %s to float32 (cached afterwards)", path)
+def _convert_weights(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     reader = GGUFReader(path)
-    config = _config(reader)
-    state = {}
-    for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor"):
-        name = _hf_name(t.name)
-        if name is None:
-            raise ValueError(f"GGUF tensor {t.name!r} is not supported")
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
-        w = w.reshape([int(d) for d in reversed(t.shape)]) if w.dim() > 1 else w.reshape(-1)
-        state[name] = _unpermute(name, w, config)
-    config["tie_word_embeddings"] = "lm_head.weight" not in state
-    save_file(state, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f)
+    tensors = {t.name: t for t in reader.tensors}
+    config = _hf_config(reader, tensors)
+    state_dict = {}
+    for name, tensor in tensors.items():
+        if name == _ROPE_FREQS:  # already folded into config["rope_scaling"]
+            continue
+        hf_name = _hf_name(name)
+        weight = torch.tensor(dequantize(tensor.data, tensor.tensor_type), dtype=torch.float32)
+        # GGUF lists dimensions innermost first; Hugging Face (and numpy) outermost first: [out, in].
+        weight = weight.reshape([int(d) for d in reversed(tensor.shape)])
+        if config["model_type"] == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
+            heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
+            weight = _unpermute_rows(weight, heads)
+        state_dict[hf_name] = weight
+    return config, state_dict
 
 
-def _hf_name(name: str) -> str | None:
-    base, _, suffix = name.rpartition(".")  # suffix: weight or bias
+def _hf_name(name: str) -> str:
+    base, _, suffix = name.rpartition(".")  # suffix: "weight" or "bias"
+    parts = base.split(".")
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{suffix}"
-    parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    return None
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face Llama/Qwen2 counterpart")
 
 
-def _unpermute(name: str, w: torch.Tensor, config: dict) -> torch.Tensor:
-    """llama.cpp stores Llama's Q and K rows interleaved for its rotary kernel; undo that so
-    the weights match the rotate-half layout of Hugging Face checkpoints."""
-    if config["model_type"] != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
-        return w
-    heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter reorders each Llama head's Q/K rows (and biases) from the rotate-half layout
+    of Hugging Face checkpoints, [x0..x(d/2-1), y0..y(d/2-1)], to the interleaved one of its rotary kernel,
+    [x0, y0, x1, y1, ...]. Undo it so the weights equal the original checkpoint's."""
+    head_dim = weight.shape[0] // heads
+    per_head = weight.reshape(heads, head_dim // 2, 2, *weight.shape[1:])
+    return per_head.transpose(1, 2).reshape(weight.shape)
 
 
-def _config(reader) -> dict:
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-    arch = meta["general.architecture"]
+def _hf_config(reader: GGUFReader, tensors: dict[str, ReaderTensor]) -> dict:
+    def meta(key: str, default: Any = None) -> Any:
+        field = reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    arch = meta("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHITECTURES)}")
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors) or meta.get(f"{arch}.rope.scaling.type"):
-        raise ValueError("GGUF files with rope scaling are not supported; load the Hugging Face checkpoint")
-    heads = meta[f"{arch}.attention.head_count"]
-    hidden = meta[f"{arch}.embedding_length"]
-    eos = reader.fields["tokenizer.ggml.eos_token_id"].contents()
+    hidden = meta(f"{arch}.embedding_length")
+    heads = meta(f"{arch}.attention.head_count")
+    head_dim = meta(f"{arch}.attention.key_length") or hidden // heads
+    rope_theta = meta(f"{arch}.rope.freq_base", 10000.0)
+    # Instruct models stop at an end-of-turn token that may differ from the end-of-text one.
+    eos_ids = [meta(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
+    eos_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
+
     return {
         "architectures": [_ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": meta[f"{arch}.feed_forward_length"],
-        "num_hidden_layers": meta[f"{arch}.block_count"],
+        "intermediate_size": meta(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": meta(f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": meta.get(f"{arch}.attention.head_count_kv", heads),
-        "head_dim": meta.get(f"{arch}.rope.dimension_count", hidden // heads),
-        "rms_norm_eps": meta[f"{arch}.attention.layer_norm_rms_epsilon"],
-        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
-        "rope_scaling": None,
-        "max_position_embeddings": meta[f"{arch}.context_length"],
-        "vocab_size": meta.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
-        "bos_token_id": reader.fields["tokenizer.ggml.bos_token_id"].contents()
-        if "tokenizer.ggml.bos_token_id" in reader.fields else None,
-        "eos_token_id": eos,
+        "num_key_value_heads": meta(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        # GGUF stores it as float32; its shortest decimal gives back the checkpoint's 1e-05, not 9.99999974e-06.
+        "rms_norm_eps": float(str(np.float32(meta(f"{arch}.attention.layer_norm_rms_epsilon")))),
+        "rope_theta": rope_theta,
+        "rope_scaling": _rope_scaling(meta, arch, tensors, head_dim, rope_theta),
+        "max_position_embeddings": meta(f"{arch}.context_length"),
+        # The embedding's row count, not the token list's length: some vocabularies are padded.
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "bos_token_id": meta("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
         "torch_dtype": "float32",
+    }
+
+
+def _rope_scaling(
+    meta: Callable[..., Any], arch: str, tensors: dict[str, ReaderTensor], head_dim: int, theta: float
+) -> dict | None:
+    kind = meta(f"{arch}.rope.scaling.type", "none")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(meta(f"{arch}.rope.scaling.factor"))}
+    if kind != "none":
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported")
+    if _ROPE_FREQS not in tensors:
+        return None
+    divisors = np.asarray(dequantize(tensors[_ROPE_FREQS].data, tensors[_ROPE_FREQS].tensor_type), np.float64)
+    original_context = meta(f"{arch}.rope.scaling.original_context_length") or 8192  # Llama 3's
+    return _llama3_rope_scaling(divisors, head_dim, theta, original_context)
+
+
+def _llama3_rope_scaling(divisors: np.ndarray, head_dim: int, theta: float, original_context: int) -> dict:
+    """Recovers Hugging Face's "llama3" rope_scaling from llama.cpp's per-frequency divisors: 1 for short
+    wavelengths, `factor` for long ones, and between them 1 / ((1 - s) / factor + s), where
+    s = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor).
+    s is linear in the frequency, so a line fitted through the blended divisors gives both freq factors.
+    (Any original_context yields the same divisors with matching freq factors, so assuming one is safe.)"""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    factor = float(divisors.max())
+    x = original_context * inv_freq / (2 * math.pi)  # original_context / wavelength
+    blended = (divisors > 1 + 1e-4) & (divisors < factor * (1 - 1e-4))
+    if blended.sum() < 2:
+        raise ValueError(f"{_ROPE_FREQS} has too few blended frequencies to recover llama3 rope scaling")
+    s = (1 / divisors[blended] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(x[blended], s, 1)  # s = (x - low) / (high - low)
+    low = -intercept / slope
+    high = low + 1 / slope
+    # Rounding drops float32 noise, so typical values come back exact (1.0 and 4.0).
+    low, high = round(float(low), 4), round(float(high), 4)
+
+    s_all = (x - low) / (high - low)
+    expected = np.where(s_all > 1, 1.0, np.where(s_all < 0, factor, 1 / ((1 - s_all) / factor + s_all)))
+    if not np.allclose(expected, divisors, rtol=1e-3):
+        raise ValueError(f"{_ROPE_FREQS} does not follow llama3 rope scaling")
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original_context,
     }

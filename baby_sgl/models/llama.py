@@ -76,15 +76,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
-    def use_transposed_weights(self) -> None:
-        """Switches every projection to the [in, out] layout (see layers/linear.py)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.use_transposed()
-                # Drop the [out, in] copy, except the embedding table tied to lm_head.
-                if not (module is self.lm_head and self.config.tie_word_embeddings):
-                    module.weight = None
-
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

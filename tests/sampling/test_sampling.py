@@ -4,19 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from baby_sgl import Engine, SamplingParams
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_llama):
-    with Engine(tiny_llama, max_total_tokens=4096) as eng:
-        yield eng
-
-
-@pytest.fixture(autouse=True)
-def memory_clean(engine):
-    yield
-    engine.check_memory()
+from baby_sgl import SamplingParams
 
 
 SAMPLED = {"max_new_tokens": 16, "temperature": 0.9, "top_k": 50, "top_p": 0.95, "ignore_eos": True}
