@@ -1,45 +1,132 @@
-"""Runs engine requests from asyncio: results come back from the scheduler thread through
-call_soon_threadsafe, and a consumer that goes away (client disconnect) aborts its requests."""
+"""The asyncio face of an Engine for the HTTP server (the role of SGLang's TokenizerManager).
+
+Results come back from the scheduler thread through call_soon_threadsafe. Every request is
+streamed from the engine, even when the client wants one response: the time of each piece is
+what the inter-token latency metric measures. Metrics are recorded in the scheduler thread as
+pieces are delivered, so requests whose client left still count. A consumer that goes away
+(a client disconnect, a cancelled task) aborts its requests, so their KV is freed at the next
+step."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from baby_sgl.engine import Engine
+from baby_sgl.entrypoints.metrics import Metrics
+from baby_sgl.managers.req import Req
+
+# How often a waiting request checks that its client is still there (SGLang: every 4 s).
+DISCONNECT_POLL_S = 0.5
 
 
-async def stream_requests(engine: Engine, items: list[dict[str, Any]], stream: bool,
-                          on_finished: Callable[[dict], None] | None = None) -> AsyncIterator[tuple[int, dict]]:
-    """Submits one engine request per item (a dict of `Engine.submit` arguments) and yields
-    (index, chunk); an item with n > 1 yields its copies under consecutive indices. Raises
-    ValueError (nothing left running) if any item is invalid."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
+class AsyncEngine:
+    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+        self.engine, self.metrics = engine, metrics
+        # The rid a client gave -> its engine requests (n > 1 runs copies "rid-0", "rid-1", ...),
+        # so /abort_request with that rid reaches all of them and a reused rid is refused.
+        self.active: dict[str, list[Req]] = {}
 
-    def deliver(chunk: dict) -> None:  # called in the scheduler thread
-        loop.call_soon_threadsafe(queue.put_nowait, chunk)
+    def abort(self, rid: str) -> None:
+        for req in self.active.get(rid, []):
+            self.engine.abort_request(req.rid)
+        if rid not in self.active:
+            self.engine.abort_request(rid)  # maybe one copy of an n > 1 request
 
-    submitted = []
-    try:
-        for item in items:
-            submitted += engine.submit(**item, stream=stream, on_output=deliver)
-    except ValueError:
-        for req in submitted:
-            engine.abort_request(req.rid)
-        raise
-    index = {req.rid: i for i, req in enumerate(submitted)}
-    pending = len(submitted)
-    try:
-        while pending:
-            chunk = await queue.get()
-            if chunk["finished"]:
-                pending -= 1
-                if on_finished:
-                    on_finished(chunk["meta_info"])
-            yield index[chunk["meta_info"]["id"]], chunk
-    finally:
-        for req in submitted:
-            if not req.finished:
-                engine.abort_request(req.rid)
+    async def generate(self, items: list[dict[str, Any]], stream: bool,
+                       disconnected: Callable[[], Awaitable[bool]] | None = None
+                       ) -> AsyncIterator[tuple[int, dict]]:
+        """Submits one engine request per item (a dict of `Engine.submit` arguments) and yields
+        (index, chunk): every piece if `stream`, else only each request's whole result. An item
+        with n > 1 yields its copies under consecutive indices. Raises ValueError, with nothing
+        left running, if any item is invalid. `disconnected` is polled while waiting; when it
+        says so the requests are aborted and the iteration ends."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        last_piece: dict[str, float] = {}  # rid -> time of its previous piece; scheduler thread only
+
+        def deliver(chunk: dict) -> None:  # called in the scheduler thread
+            self._observe(chunk, last_piece)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, chunk)
+            except RuntimeError:  # the server stopped; nobody is waiting for this any more
+                pass
+
+        submitted, keys = self._submit(items, deliver)
+        index = {req.rid: i for i, req in enumerate(submitted)}
+        partial: dict[int, dict] = {}
+        pending = len(submitted)
+        watcher = asyncio.create_task(_watch(disconnected, queue)) if disconnected else None
+        try:
+            while pending:
+                chunk = await queue.get()
+                if chunk is None:  # the client left
+                    return
+                i = index[chunk["meta_info"]["id"]]
+                pending -= chunk["finished"]
+                if stream:
+                    yield i, chunk
+                else:
+                    partial[i] = _merge(partial.get(i), chunk)
+                    if chunk["finished"]:
+                        yield i, partial.pop(i)
+        finally:
+            if watcher:
+                watcher.cancel()
+            for req in submitted:
+                if not req.finished:
+                    self.engine.abort_request(req.rid)
+            for key in keys:
+                self.active.pop(key, None)
+
+    def _submit(self, items: list[dict[str, Any]], deliver: Callable[[dict], None]) -> tuple[list[Req], list[str]]:
+        given = [item["rid"] for item in items if item.get("rid") is not None]
+        clash = next((r for r in given if r in self.active or given.count(r) > 1), None)
+        if clash is not None:
+            raise ValueError(f"duplicate request id {clash!r}: a request with this rid is still running")
+        submitted: list[Req] = []
+        keys: list[str] = []
+        try:
+            for item in items:
+                reqs = self.engine.submit(**item, stream=True, on_output=deliver)
+                submitted += reqs
+                keys.append(item.get("rid") or reqs[0].rid)
+                self.active[keys[-1]] = reqs
+        except ValueError:
+            for req in submitted:
+                self.engine.abort_request(req.rid)
+            for key in keys:
+                self.active.pop(key, None)
+            raise
+        return submitted, keys
+
+    def _observe(self, chunk: dict, last_piece: dict[str, float]) -> None:
+        """Inter-token latency as SGLang measures it: the time since the request's previous
+        piece, shared by the tokens this piece brought."""
+        rid, now, new = chunk["meta_info"]["id"], time.perf_counter(), len(chunk["output_ids"])
+        if new and rid in last_piece:
+            self.metrics.observe_inter_token_latency(now - last_piece[rid], new)
+        if new:
+            last_piece[rid] = now
+        if chunk["finished"]:
+            last_piece.pop(rid, None)
+            self.metrics.observe_finished(chunk["meta_info"])
+
+
+async def _watch(disconnected: Callable[[], Awaitable[bool]], queue: asyncio.Queue) -> None:
+    """Polls on a clock, not between pieces: a busy stream must notice a departure too."""
+    while not await disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    queue.put_nowait(None)
+
+
+def _merge(acc: dict | None, chunk: dict) -> dict:
+    """One request's pieces joined: the engine guarantees the texts concatenate to the result."""
+    if acc is None:
+        return {**chunk, "output_ids": list(chunk["output_ids"])}
+    acc["text"] += chunk["text"]
+    acc["output_ids"] += chunk["output_ids"]
+    acc["meta_info"], acc["finished"] = chunk["meta_info"], chunk["finished"]
+    return acc

@@ -11,6 +11,7 @@ import asyncio
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -29,20 +30,46 @@ class Result:
 
 
 def _words(rng: random.Random, n: int) -> str:
-    """Random text of about n tokens (common short words tokenize to about one token each)."""
+    """Random text of about n tokens, when no tokenizer is at hand (short common words
+    tokenize to about one token each)."""
     vocab = "time year people way day man thing woman life child world school state family student group".split()
     return " ".join(rng.choice(vocab) for _ in range(n))
 
 
-def build_prompts(args: argparse.Namespace) -> list[tuple[str, int]]:
+def _random_text(rng: random.Random, n: int, tokenizer) -> str:
+    """n random tokens decoded to text (SGLang's random dataset); re-encoding may shift the
+    count a little, which is why the server's own prompt_tokens are what gets reported."""
+    if tokenizer is None:
+        return _words(rng, n)
+    special = set(tokenizer.all_special_ids)
+    ids = [t for t in (rng.randrange(len(tokenizer)) for _ in range(2 * n + 8)) if t not in special][:n]
+    return tokenizer.decode(ids)
+
+
+def load_tokenizer(args: argparse.Namespace):
+    """The tokenizer named by --tokenizer, else the one the server reports; None if neither loads."""
+    name = args.tokenizer
+    try:
+        if name is None:
+            info = httpx.get(args.base_url + "/get_model_info", timeout=10).json()
+            name = info.get("tokenizer_path") or info.get("model_path")
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # any server or model: fall back to word text rather than give up
+        print(f"no tokenizer ({e!r:.200}); prompts are random words", file=sys.stderr)
+        return None
+
+
+def build_prompts(args: argparse.Namespace, tokenizer=None) -> list[tuple[str, int]]:
     rng = random.Random(args.seed)
     if args.dataset == "random":
-        return [(_words(rng, rng.randint(args.random_input_min, args.random_input_max)),
+        return [(_random_text(rng, rng.randint(args.random_input_min, args.random_input_max), tokenizer),
                  rng.randint(args.random_output_min, args.random_output_max)) for _ in range(args.num_prompts)]
     prompts = []
     for _ in range(args.gsp_num_groups):
-        system = _words(rng, args.gsp_system_prompt_len)
-        prompts += [(system + " " + _words(rng, args.gsp_question_len), args.gsp_output_len)
+        system = _random_text(rng, args.gsp_system_prompt_len, tokenizer)
+        prompts += [(system + " " + _random_text(rng, args.gsp_question_len, tokenizer), args.gsp_output_len)
                     for _ in range(args.gsp_prompts_per_group)]
     rng.shuffle(prompts)
     return prompts
@@ -51,10 +78,10 @@ def build_prompts(args: argparse.Namespace) -> list[tuple[str, int]]:
 async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, prompt: str, max_tokens: int) -> Result:
     res, t0 = Result(), time.perf_counter()
     if args.backend == "sglang":
-        url, body = "/generate", {"text": prompt, "stream": True,
-                                  "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
+        params = {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        url, body = "/generate", {"text": prompt, "stream": True, "sampling_params": params}
     else:
-        url, body = "/v1/completions", {"model": args.model or "default", "prompt": prompt, "max_tokens": max_tokens,
+        url, body = "/v1/completions", {"model": args.model, "prompt": prompt, "max_tokens": max_tokens,
                                         "temperature": 0, "stream": True, "ignore_eos": True,
                                         "stream_options": {"include_usage": True}}
     last = None
@@ -67,6 +94,9 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, promp
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data, now = json.loads(line[6:]), time.perf_counter()
+                if "error" in data:  # servers report a failure inside a 200 stream this way
+                    res.error = str(data["error"])[:300]
+                    return res
                 produced = _tokens_so_far(args.backend, data, res.output_tokens)
                 if produced > res.output_tokens:
                     if last is None:
@@ -76,8 +106,8 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, promp
                     last, res.output_tokens = now, produced
                 res.prompt_tokens = _prompt_tokens(args.backend, data) or res.prompt_tokens
         res.latency, res.ok = time.perf_counter() - t0, True
-    except httpx.HTTPError as e:
-        res.error = repr(e)
+    except Exception as e:  # a broken stream or body counts as a failed request, not a crash
+        res.error = repr(e)[:300]
     return res
 
 
@@ -95,8 +125,18 @@ def _prompt_tokens(backend: str, data: dict) -> int:
     return (data.get("usage") or {}).get("prompt_tokens", 0)
 
 
+def _served_model(args: argparse.Namespace) -> str:
+    """OpenAI-compatible servers want a model name; the first one they list is the one served."""
+    try:
+        return httpx.get(args.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    except Exception:
+        return "default"
+
+
 async def run(args: argparse.Namespace) -> dict:
-    prompts = build_prompts(args)
+    prompts = build_prompts(args, None if args.no_tokenizer else load_tokenizer(args))
+    if args.backend == "openai" and args.model is None:
+        args.model = _served_model(args)
     rng = random.Random(args.seed + 1)
     limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=httpx.Limits(max_connections=1000)) as c:
@@ -128,22 +168,36 @@ def summarize(results: list[Result], duration: float) -> dict:
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration, "input_token_throughput": in_tokens / duration,
         "output_token_throughput": out_tokens / duration, "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "ttft_s": _stats([r.ttft for r in ok]), "itl_s": _stats([x for r in ok for x in r.itls]),
+        "ttft_s": _stats([r.ttft for r in ok if r.output_tokens]), "itl_s": _stats([x for r in ok for x in r.itls]),
         "tpot_s": _stats(tpot), "e2e_latency_s": _stats([r.latency for r in ok]),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
     }
 
 
-def print_summary(s: dict) -> None:
-    print(f"completed {s['completed']}, failed {s['failed']}, duration {s['duration_s']:.2f} s")
-    print(f"throughput: {s['request_throughput']:.2f} req/s, input {s['input_token_throughput']:.1f} tok/s, "
-          f"output {s['output_token_throughput']:.1f} tok/s, total {s['total_token_throughput']:.1f} tok/s")
-    for key in ("ttft_s", "itl_s", "tpot_s", "e2e_latency_s"):
-        v = s[key]
-        print(f"{key[:-2]:>12s} ms: mean {v['mean'] * 1e3:8.1f}  p50 {v['p50'] * 1e3:8.1f}  "
-              f"p90 {v['p90'] * 1e3:8.1f}  p99 {v['p99'] * 1e3:8.1f}")
+def print_summary(s: dict, args: argparse.Namespace) -> None:
+    """A table laid out as SGLang's bench_serving prints it, so results compare at a glance."""
+    rows = [("Backend", args.backend), ("Dataset", args.dataset), ("Traffic request rate", args.request_rate),
+            ("Max request concurrency", args.max_concurrency or "not set"),
+            ("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
+            ("Benchmark duration (s)", f"{s['duration_s']:.2f}"), ("Total input tokens", s["total_input_tokens"]),
+            ("Total generated tokens", s["total_output_tokens"]),
+            ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
+            ("Input token throughput (tok/s)", f"{s['input_token_throughput']:.2f}"),
+            ("Output token throughput (tok/s)", f"{s['output_token_throughput']:.2f}"),
+            ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}")]
+    print("{:=^60}".format(" Serving Benchmark Result "))
+    for name, value in rows:
+        print(f"{name + ':':<44}{value:>16}")
+    for key, title in (("e2e_latency_s", "End-to-End Latency"), ("ttft_s", "Time to First Token"),
+                       ("tpot_s", "Time per Output Token (excl. 1st token)"), ("itl_s", "Inter-token Latency")):
+        print("{:-^60}".format(title))
+        short = {"e2e_latency_s": "E2E Latency", "ttft_s": "TTFT", "tpot_s": "TPOT", "itl_s": "ITL"}[key]
+        for stat in ("mean", "p50", "p90", "p99"):
+            print(f"{stat.capitalize() + ' ' + short + ' (ms):':<44}{s[key][stat] * 1e3:>16.2f}")
+    print("=" * 60)
     for e in s["errors"]:
         print(f"error: {e}")
 
@@ -153,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base-url", default="http://127.0.0.1:30000")
     p.add_argument("--backend", choices=["sglang", "openai"], default="sglang")
     p.add_argument("--model", default=None)
-    p.add_argument("--dataset", choices=["random", "shared-prefix"], default="random")
+    p.add_argument("--dataset", choices=["random", "shared-prefix", "generated-shared-prefix"], default="random",
+                   help="random token prompts, or groups of prompts sharing a system prompt")
+    p.add_argument("--tokenizer", default=None, help="for random token text (default: the server's)")
+    p.add_argument("--no-tokenizer", action="store_true", help="random words instead of random tokens")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--random-input-min", type=int, default=32)
     p.add_argument("--random-input-max", type=int, default=256)
@@ -171,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-file", default=None)
     args = p.parse_args(argv)
     summary = asyncio.run(run(args))
-    print_summary(summary)
+    print_summary(summary, args)
     if args.output_file:
         with open(args.output_file, "a") as f:
             f.write(json.dumps({"args": vars(args) | {"request_rate": str(args.request_rate)}, **summary}) + "\n")

@@ -7,22 +7,28 @@ import argparse
 import json
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from baby_sgl.server_args import ServerArgs, engine_kwargs
 
+if TYPE_CHECKING:  # the engine (and torch) load only when chatting locally
+    from baby_sgl.engine import Engine
 
-def _local_stream(engine, messages: list[dict], max_tokens: int, temperature: float) -> Iterator[str]:
+
+def _local_stream(engine: Engine, messages: list[dict], max_tokens: int, temperature: float) -> Iterator[str]:
     for chunk in engine.chat(messages, {"max_new_tokens": max_tokens, "temperature": temperature}, stream=True):
         yield chunk["text"]
 
 
-def _remote_stream(base_url: str, messages: list[dict], max_tokens: int, temperature: float) -> Iterator[str]:
+def _remote_stream(base_url: str, model: str, messages: list[dict], max_tokens: int,
+                   temperature: float) -> Iterator[str]:
     import httpx
 
-    body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature, "stream": True}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
+            "stream": True}
     with httpx.stream("POST", base_url.rstrip("/") + "/v1/chat/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
-            raise RuntimeError(r.read().decode())
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:500]}")
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 choices = json.loads(line[6:])["choices"]
@@ -30,9 +36,31 @@ def _remote_stream(base_url: str, messages: list[dict], max_tokens: int, tempera
                     yield choices[0]["delta"].get("content") or ""
 
 
+def _print_reply(stream: Iterator[str]) -> str | None:
+    """Prints the reply as it streams. Ctrl-C stops the reply, not the chat (closing the
+    stream aborts the request); an error is shown and the turn is dropped (None)."""
+    print("assistant> ", end="", flush=True)
+    reply = ""
+    try:
+        for piece in stream:
+            reply += piece
+            print(piece, end="", flush=True)
+    except KeyboardInterrupt:
+        print(" [interrupted]", end="")
+    except Exception as e:  # a server that went away or refused the request
+        print(f"\n[error: {e}]", file=sys.stderr)
+        return None
+    finally:
+        if hasattr(stream, "close"):
+            stream.close()
+    print()
+    return reply
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="baby-sgl chat")
     p.add_argument("--base-url", default=None, help="talk to a running server instead of a local engine")
+    p.add_argument("--model", default="default", help="model name sent to the server (with --base-url)")
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.7)
@@ -49,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             try:
                 line = input("you> ").strip()
-            except EOFError:
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: leave
+                print(file=sys.stderr)
                 break
             if line in ("/exit", "/quit"):
                 break
@@ -59,15 +88,13 @@ def main(argv: list[str] | None = None) -> int:
             if not line:
                 continue
             messages.append({"role": "user", "content": line})
-            stream = _remote_stream(args.base_url, messages, args.max_new_tokens, args.temperature) if args.base_url \
-                else _local_stream(engine, messages, args.max_new_tokens, args.temperature)
-            print("assistant> ", end="", flush=True)
-            reply = ""
-            for piece in stream:
-                reply += piece
-                print(piece, end="", flush=True)
-            print()
-            messages.append({"role": "assistant", "content": reply})
+            stream = _remote_stream(args.base_url, args.model, messages, args.max_new_tokens, args.temperature) \
+                if args.base_url else _local_stream(engine, messages, args.max_new_tokens, args.temperature)
+            reply = _print_reply(stream)
+            if reply is None:
+                messages.pop()  # the turn failed; let the user try again
+            else:
+                messages.append({"role": "assistant", "content": reply})
     finally:
         if engine is not None:
             engine.shutdown()

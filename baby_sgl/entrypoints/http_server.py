@@ -1,15 +1,15 @@
 """The HTTP server: SGLang's native API (/generate, /health, ...) plus the OpenAI-compatible
-routes from openai_api.py, over one Engine. Engine calls that wait on the scheduler run in a
-worker thread so the event loop (and /health) stays responsive."""
+routes from openai_api.py, over one Engine. The engine runs in its own thread; calls that
+wait for it (server info, cache flush, memory check) go through a worker thread, so the event
+loop, and with it /health, never waits on engine work."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,51 +17,61 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baby_sgl.engine import Engine
-from baby_sgl.entrypoints.async_bridge import stream_requests
+from baby_sgl.entrypoints.async_bridge import AsyncEngine
 from baby_sgl.entrypoints.metrics import Metrics
+from baby_sgl.entrypoints.openai_api import add_openai_routes
 from baby_sgl.entrypoints.protocol import AbortRequest, GenerateRequest
+from baby_sgl.entrypoints.responses import SSE_DONE, error_response, first_item, sse
+from baby_sgl.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-
-def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "internal_error"
-    if status == 404:
-        kind = "not_found_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
-
-
-def sse(payload: Any) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # as SGLang: an engine that cannot make one token is unhealthy
 
 
 def create_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="baby-sgl")
-    app.state.engine, app.state.metrics = engine, Metrics()
+    app.state.engine = engine
     app.state.model_name = os.path.basename(engine.model_path.rstrip("/"))
+    app.state.metrics = Metrics(app.state.model_name)
+    app.state.async_engine = AsyncEngine(engine, app.state.metrics)
     _install_error_handlers(app)
     _add_native_routes(app)
-    from baby_sgl.entrypoints.openai_api import add_openai_routes
-
     add_openai_routes(app)
     return app
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+    kind = first.get("type")
+    if kind == "json_invalid":
+        return f"malformed JSON: {first.get('ctx', {}).get('error', 'cannot parse the body')}", None
+    if kind == "extra_forbidden":
+        return f"unknown field {where!r}", where
+    if where is None and kind in ("model_attributes_type", "dict_type"):  # e.g. curl -d without a JSON header
+        return "the body must be a JSON object, sent with Content-Type: application/json", None
+    return first.get("msg", "invalid request") + (f" (field: {where})" if where else ""), where
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        what = "malformed JSON" if first.get("type") == "json_invalid" else first.get("msg", "invalid request")
-        return error_response(f"{what}" + (f" (field: {where})" if where else ""), 400, where or None)
+        message, param = _validation_message(exc)
+        return error_response(message, 400, param)
 
-    @app.exception_handler(ValueError)
+    @app.exception_handler(ValueError)  # the engine's word for bad input
     async def bad_value(_: Request, exc: ValueError) -> JSONResponse:
         return error_response(str(exc), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return error_response(f"internal error: {exc!r}", 500)
 
 
 def _native_items(body: GenerateRequest) -> tuple[list[dict], bool]:
@@ -87,6 +97,7 @@ def _native_items(body: GenerateRequest) -> tuple[list[dict], bool]:
 
 def _add_native_routes(app: FastAPI) -> None:
     engine: Engine = app.state.engine
+    aengine: AsyncEngine = app.state.async_engine
     metrics: Metrics = app.state.metrics
 
     @app.get("/health")
@@ -95,8 +106,17 @@ def _add_native_routes(app: FastAPI) -> None:
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        async for _ in stream_requests(engine, [{"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}], False):
-            pass
+        async def one_token() -> dict:
+            item = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}
+            return [chunk async for _, chunk in aengine.generate([item], stream=False)][0]
+
+        try:
+            out = await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return error_response("the engine did not produce a token in time", 503)
+        reason = out["meta_info"]["finish_reason"] or {}
+        if reason.get("type") == "abort":
+            return error_response(f"the engine failed: {reason.get('message')}", 503)
         return Response(status_code=200)
 
     @app.get("/model_info")
@@ -112,14 +132,13 @@ def _add_native_routes(app: FastAPI) -> None:
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
-        ok = await asyncio.to_thread(engine.flush_cache)
-        if not ok:
+        if not await asyncio.to_thread(engine.flush_cache):
             return error_response("cannot flush the cache while requests are running", 400)
         return Response("Cache flushed.\n", status_code=200)
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest) -> Response:
-        engine.abort_request(body.rid)
+        aengine.abort(body.rid)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -135,24 +154,17 @@ def _add_native_routes(app: FastAPI) -> None:
             return error_response(f"memory check failed: {e}", 500)
 
     @app.post("/generate")
-    async def generate(body: GenerateRequest):
+    async def generate(body: GenerateRequest, request: Request):
         items, single = _native_items(body)
-        chunks = stream_requests(engine, items, body.stream, metrics.observe_finished)
+        chunks = aengine.generate(items, body.stream, request.is_disconnected)
         if body.stream:
-            first = await _first(chunks)  # raises ValueError -> 400 before the stream starts
+            first = await first_item(chunks)  # raises ValueError -> 400 before the stream starts
             return StreamingResponse(_native_sse(first, chunks), media_type="text/event-stream")
-        results: dict[int, dict] = {}
-        async for i, chunk in chunks:
-            results[i] = chunk
+        results = {i: chunk async for i, chunk in chunks}
+        if await request.is_disconnected():
+            return Response(status_code=499)  # nobody to answer; the requests were aborted
         out = [{k: v for k, v in results[i].items() if k != "finished"} for i in sorted(results)]
         return out[0] if single and len(out) == 1 else out
-
-
-async def _first(chunks: AsyncIterator) -> tuple | None:
-    try:
-        return await chunks.__anext__()
-    except StopAsyncIteration:
-        return None
 
 
 async def _native_sse(first: tuple | None, chunks: AsyncIterator) -> AsyncIterator[str]:
@@ -170,18 +182,20 @@ async def _native_sse(first: tuple | None, chunks: AsyncIterator) -> AsyncIterat
             yield event(*first)
         async for i, chunk in chunks:
             yield event(i, chunk)
-        yield "data: [DONE]\n\n"
+        yield SSE_DONE
     finally:
-        await chunks.aclose()
+        await chunks.aclose()  # a cancelled stream (client gone) aborts its requests here
 
 
-def launch_server(server_args) -> None:
+def launch_server(server_args: ServerArgs) -> None:
     import uvicorn
 
     from baby_sgl.server_args import engine_kwargs
 
     engine = Engine(**engine_kwargs(server_args))
     app = create_app(engine)
+    print(f"baby-sgl: serving {app.state.model_name} at http://{server_args.host}:{server_args.port}",
+          file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
                     timeout_keep_alive=5)

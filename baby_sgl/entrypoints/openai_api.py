@@ -6,13 +6,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI
-from fastapi.responses import StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
 
 from baby_sgl.engine import Engine
-from baby_sgl.entrypoints.async_bridge import stream_requests
-from baby_sgl.entrypoints.http_server import _first, sse
 from baby_sgl.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from baby_sgl.entrypoints.responses import SSE_DONE, first_item, sse
 
 
 def _finish_reason(meta: dict) -> str | None:
@@ -51,9 +50,17 @@ def _completion_logprobs(engine: Engine, meta: dict, start: int) -> dict:
             "top_logprobs": [{_token_str(engine, t): v for v, t, _ in top} for top in tops], "text_offset": []}
 
 
+def _copies(item: dict, n: int) -> list[dict]:
+    """n choices as n engine requests. With a seed, choice k draws from seed + k: OpenAI gives
+    different choices for one seeded request, and choice 0 still equals the n=1 answer."""
+    seed = item["sampling_params"].get("seed")
+    if seed is None:
+        return [item] * n
+    return [item | {"sampling_params": item["sampling_params"] | {"seed": seed + k}} for k in range(n)]
+
+
 def add_openai_routes(app: FastAPI) -> None:
     engine: Engine = app.state.engine
-    metrics = app.state.metrics
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -61,50 +68,47 @@ def add_openai_routes(app: FastAPI) -> None:
                                             "owned_by": "baby-sgl", "max_model_len": engine.context_len}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        prompts = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) \
-            else [body.prompt]
-        top = body.logprobs or 0
-        items = [{("prompt" if isinstance(p, str) else "input_ids"): p,
-                  "sampling_params": body.sampling_params(16 if body.max_tokens is None else body.max_tokens)
-                  | {"n": 1}, "return_logprob": body.logprobs is not None, "top_logprobs_num": top}
-                 for p in prompts for _ in range(body.n)]
-        return await _respond(app, items, body, "text_completion", len(prompts), body.n,
-                              lambda meta, start: _completion_logprobs(engine, meta, start)
-                              if body.logprobs is not None else None)
+    async def completions(body: CompletionRequest, request: Request):
+        batch = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
+        prompts = body.prompt if batch else [body.prompt]
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
+        items = [item for p in prompts for item in _copies({
+            ("prompt" if isinstance(p, str) else "input_ids"): p, "sampling_params": body.sampling_params(max_tokens),
+            "return_logprob": body.logprobs is not None, "top_logprobs_num": body.logprobs or 0}, body.n)]
+        logprobs = (lambda meta, start: _completion_logprobs(engine, meta, start)) if body.logprobs is not None \
+            else (lambda meta, start: None)
+        return await _respond(app, request, items, body, "text_completion", logprobs)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        ids = engine.apply_chat_template(messages)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        ids = engine.apply_chat_template([m.as_template_message() for m in body.messages])
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = body.sampling_params(max_tokens) | {"n": 1}
-        items = [{"input_ids": ids, "sampling_params": params, "return_logprob": body.logprobs,
-                  "top_logprobs_num": body.top_logprobs or 0} for _ in range(body.n)]
-        return await _respond(app, items, body, "chat.completion", 1, body.n,
-                              lambda meta, start: _chat_logprobs(engine, meta, start) if body.logprobs else None)
+        item = {"input_ids": ids, "sampling_params": body.sampling_params(max_tokens),
+                "return_logprob": body.logprobs, "top_logprobs_num": body.top_logprobs or 0}
+        logprobs = (lambda meta, start: _chat_logprobs(engine, meta, start)) if body.logprobs \
+            else (lambda meta, start: None)
+        return await _respond(app, request, _copies(item, body.n), body, "chat.completion", logprobs)
 
 
-async def _respond(app: FastAPI, items: list[dict], body, kind: str, num_prompts: int, n: int, logprobs):
-    engine, metrics = app.state.engine, app.state.metrics
+async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind: str, logprobs):
     rid, created = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": body.model or app.state.model_name}
-    chunks = stream_requests(engine, items, body.stream, metrics.observe_finished)
+    chunks = app.state.async_engine.generate(items, body.stream, request.is_disconnected)
     if body.stream:
-        first = await _first(chunks)
+        first = await first_item(chunks)  # raises ValueError -> 400 before the stream starts
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_openai_sse(first, chunks, head, kind, n, include_usage, logprobs),
+        return StreamingResponse(_openai_sse(first, chunks, head, kind, body.n, include_usage, logprobs),
                                  media_type="text/event-stream")
-    finals: dict[int, dict] = {}
-    async for i, chunk in chunks:
-        finals[i] = chunk
+    finals = {i: chunk async for i, chunk in chunks}
+    if await request.is_disconnected():
+        return Response(status_code=499)  # nobody to answer; the requests were aborted
     choices, metas = [], [finals[i]["meta_info"] for i in sorted(finals)]
     for i in sorted(finals):
         meta, text = finals[i]["meta_info"], finals[i]["text"]
         choice = {"index": i, "logprobs": logprobs(meta, 0), "finish_reason": _finish_reason(meta)}
         choice |= {"message": {"role": "assistant", "content": text}} if kind == "chat.completion" else {"text": text}
         choices.append(choice)
-    return {**head, "object": kind, "choices": choices, "usage": _usage(metas, n)}
+    return {**head, "object": kind, "choices": choices, "usage": _usage(metas, body.n)}
 
 
 async def _openai_sse(first, chunks: AsyncIterator, head: dict, kind: str, n: int, include_usage: bool,
@@ -118,8 +122,7 @@ async def _openai_sse(first, chunks: AsyncIterator, head: dict, kind: str, n: in
         start, sent[i] = sent.get(i, 0), meta["completion_tokens"]
         choice = {"index": i, "logprobs": logprobs(meta, start), "finish_reason": _finish_reason(meta)}
         if kind == "chat.completion":
-            delta = {"content": chunk["text"]} | ({"role": "assistant"} if start == 0 else {})
-            choice["delta"] = delta
+            choice["delta"] = {"content": chunk["text"]} | ({"role": "assistant"} if start == 0 else {})
         else:
             choice["text"] = chunk["text"]
         if chunk["finished"]:
@@ -133,6 +136,6 @@ async def _openai_sse(first, chunks: AsyncIterator, head: dict, kind: str, n: in
             yield event(i, chunk)
         if include_usage:
             yield sse({**head, "object": obj, "choices": [], "usage": _usage([metas[i] for i in sorted(metas)], n)})
-        yield "data: [DONE]\n\n"
+        yield SSE_DONE
     finally:
-        await chunks.aclose()
+        await chunks.aclose()  # a cancelled stream (client gone) aborts its requests here

@@ -66,10 +66,20 @@ class CompletionRequest(_OpenAISampling):
     echo: Literal[False] = False
 
 
+class TextPart(_Strict):
+    type: Literal["text"]  # text-only models: an image or audio part is refused as invalid
+    text: str
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | None = None
+    content: str | list[TextPart] | None = None
     name: str | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        """Chat templates expect a string; OpenAI clients may send a list of text parts."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
 
 
 class ChatCompletionRequest(_OpenAISampling):

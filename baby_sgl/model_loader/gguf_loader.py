@@ -116,7 +116,8 @@ def _convert_weights(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
         if name == _ROPE_FREQS:  # already folded into config["rope_scaling"]
             continue
         hf_name = _hf_name(name)
-        weight = torch.tensor(dequantize(tensor.data, tensor.tensor_type), dtype=torch.float32)
+        # Copies only what is still a read-only view of the file (F32 tensors); dequantized ones are fresh.
+        weight = torch.from_numpy(np.require(dequantize(tensor.data, tensor.tensor_type), np.float32, "W"))
         # GGUF lists dimensions innermost first; Hugging Face (and numpy) outermost first: [out, in].
         weight = weight.reshape([int(d) for d in reversed(tensor.shape)])
         if config["model_type"] == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):

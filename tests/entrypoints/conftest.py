@@ -1,4 +1,5 @@
-"""A real server on a loopback port, started once for the module's tests."""
+"""A real server on a loopback port, started once for all the entrypoint tests; after every
+test the server must come back to idle with the KV memory invariant intact."""
 
 from __future__ import annotations
 
@@ -20,7 +21,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+def wait_idle(base: str, timeout: float = 10.0) -> dict:
+    """Waits until no request runs or waits (aborts land at the scheduler's next step), then
+    returns the memory check's counts; fails if either never happens."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = httpx.get(base + "/server_info").json()
+        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+            break
+        assert time.monotonic() < deadline, f"requests still running: {info}"
+        time.sleep(0.05)
+    r = httpx.get(base + "/debug/check_memory")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="session")
 def server(tiny_llama):
     engine = Engine(tiny_llama, max_total_tokens=8192, max_running_requests=48)
     port = free_port()
@@ -43,10 +59,4 @@ def server(tiny_llama):
 @pytest.fixture(autouse=True)
 def memory_clean(server):
     yield
-    for _ in range(100):  # aborts from disconnects land at the scheduler's next step
-        r = httpx.get(server + "/debug/check_memory")
-        info = httpx.get(server + "/server_info").json()
-        if r.status_code == 200 and info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
-            return
-        time.sleep(0.05)
-    assert r.status_code == 200, r.text
+    wait_idle(server)

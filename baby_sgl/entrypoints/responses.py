@@ -1,0 +1,34 @@
+"""Response helpers shared by the native and OpenAI routes: error bodies and SSE framing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+                503: "service_unavailable"}
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    """OpenAI's error body, used by every route so clients handle one shape."""
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def first_item(items: AsyncIterator) -> Any | None:
+    """Waits for the first item before the response starts, so bad input still gets a 400
+    rather than an error in the middle of a 200 stream."""
+    try:
+        return await items.__anext__()
+    except StopAsyncIteration:
+        return None
