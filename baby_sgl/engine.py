@@ -38,6 +38,7 @@ class Engine:
         loaded = load_model(args.model_path)
         self.model_config = cfg = ModelConfig.from_hf(loaded.hf_config)
         self.dtype = self._pick_dtype(loaded.hf_config)
+        self.tokenizer_path = loaded.tokenizer_path  # a directory AutoTokenizer loads (also for a .gguf)
         self.tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_path)
         self.eos_token_ids = self._eos_ids(loaded.generation_config, cfg)
         self.sampling_defaults = {k: loaded.generation_config[k] for k in _SAMPLING_DEFAULT_KEYS
@@ -45,8 +46,10 @@ class Engine:
         self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         runner = ModelRunner(cfg, loaded.weights, self.dtype, self.device)
         self.max_total_tokens = self._pool_size(cfg)
+        # The longest prompt: its first output token must fit the context and the KV pool.
+        self.max_input_len = min(self.context_len, self.max_total_tokens - args.page_size) - 1
         self.scheduler = Scheduler(args, runner, self.tokenizer, self.eos_token_ids, self.max_total_tokens,
-                                   self.context_len)
+                                   self.context_len, self.max_input_len)
         self.model_path = loaded.source
         logger.info("engine ready: %s, %s, %d KV slots", loaded.source, self.dtype, self.max_total_tokens)
 
@@ -114,9 +117,8 @@ class Engine:
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"input_ids holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        limit = min(self.context_len, self.max_total_tokens - self.server_args.page_size)
-        if len(ids) >= limit:
-            raise ValueError(f"prompt is too long: {len(ids)} tokens, the limit is {limit - 1} "
+        if len(ids) > self.max_input_len:
+            raise ValueError(f"prompt is too long: {len(ids)} tokens, the limit is {self.max_input_len} "
                              f"(context length {self.context_len}, KV pool {self.max_total_tokens})")
         base = rid or uuid.uuid4().hex
         reqs = [Req(base if params.n == 1 else f"{base}-{k}", ids, params) for k in range(params.n)]
@@ -153,7 +155,7 @@ class Engine:
     def submit(self, prompt: str | None = None, sampling_params: dict | None = None,
                input_ids: list[int] | None = None, rid: str | None = None, stream: bool = False,
                on_output: Callable[[dict], None] | None = None, return_logprob: bool = False,
-               top_logprobs_num: int = 0) -> list[Req]:
+               top_logprobs_num: int = 0, session_params: dict | None = None) -> list[Req]:
         """Starts one request (n of them if sampling_params has n > 1) and returns at once.
         on_output(chunk) is called from the scheduler thread with each new piece (stream) or
         only the final result; chunk["finished"] tells which. Raises ValueError on bad input."""
@@ -162,8 +164,17 @@ class Engine:
             raise reqs[0]
         for req in reqs:
             req.stream, req.on_output = stream, (lambda out, cb=on_output: cb(self._chunk(out)))
-            self.scheduler.submit(req)
+        self._enqueue(reqs, session_params)
         return reqs
+
+    def _enqueue(self, reqs: list[Req], session_params: dict | None) -> None:
+        if session_params is None:
+            for req in reqs:
+                self.scheduler.submit(req)
+            return
+        if len(reqs) != 1:
+            raise ValueError("a session turn is one request: give one prompt and n = 1")
+        self.scheduler.call(lambda: self.scheduler.add_session_req(reqs[0], session_params))
 
     def _chunk(self, out: dict) -> dict:
         """A scheduler output as the API shows it: the new text and ids, meta_info so far."""
@@ -174,9 +185,11 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
                  rid: str | list[str] | None = None, return_logprob: bool = False,
-                 top_logprobs_num: int = 0) -> dict | list[dict] | Iterator[dict]:
+                 top_logprobs_num: int = 0, session_params: dict | None = None) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> a dict; several -> a list. A bad request raises ValueError when alone;
-        inside a batch it gets an `error` result and the others still run."""
+        inside a batch it gets an `error` result and the others still run. With session_params
+        ({"id", "rid", "offset", "replace", "drop_previous_output"}) the prompt is a turn of an
+        open session (see open_session)."""
         reqs, single = self._make_reqs(prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num)
         if single and len(reqs) == 1 and isinstance(reqs[0], ValueError):
             raise reqs[0]
@@ -184,7 +197,7 @@ class Engine:
         live = [r for r in reqs if isinstance(r, Req)]
         for req in live:
             req.stream, req.on_output = stream, outputs.put
-            self.scheduler.submit(req)
+        self._enqueue(live, session_params)
         chunks = self._stream(reqs, live, outputs)
         if stream:
             return chunks
@@ -218,6 +231,19 @@ class Engine:
             raise ValueError("this model has no chat template")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- sessions ------------------------------------------------------------------------
+    def open_session(self, capacity_of_str_len: int, session_id: str | None = None, streaming: bool = False,
+                     timeout: float | None = None) -> str:
+        """Opens a session and returns its id. Turns name it in `session_params["id"]`; a
+        streaming session keeps its KV between turns (see managers/session_controller.py).
+        An idle session closes by itself after `timeout` seconds, if given."""
+        return self.scheduler.call(lambda: self.scheduler.sessions.open(capacity_of_str_len, session_id,
+                                                                         streaming, timeout))
+
+    def close_session(self, session_id: str) -> None:
+        """Releases what the session holds, at once or when its running turn ends."""
+        self.scheduler.call(lambda: self.scheduler.sessions.close(session_id))
 
     # ---- control -------------------------------------------------------------------------
     def abort_request(self, rid: str) -> None:

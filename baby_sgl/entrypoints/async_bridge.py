@@ -54,7 +54,11 @@ class AsyncEngine:
             except RuntimeError:  # the server stopped; nobody is waiting for this any more
                 pass
 
-        submitted, keys = self._submit(items, deliver)
+        if any(item.get("session_params") for item in items):
+            # A session turn is checked inside the scheduler thread, between steps: wait off the loop.
+            submitted, keys = await asyncio.to_thread(self._submit, items, deliver)
+        else:
+            submitted, keys = self._submit(items, deliver)
         index = {req.rid: i for i, req in enumerate(submitted)}
         partial: dict[int, dict] = {}
         pending = len(submitted)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -55,6 +56,8 @@ def load_tokenizer(args: argparse.Namespace):
             name = info.get("tokenizer_path") or info.get("model_path")
         from transformers import AutoTokenizer
 
+        if name.endswith(".gguf"):  # a GGUF file carries its own vocabulary (our default model is one)
+            return AutoTokenizer.from_pretrained(os.path.dirname(name), gguf_file=os.path.basename(name))
         return AutoTokenizer.from_pretrained(name)
     except Exception as e:  # any server or model: fall back to word text rather than give up
         print(f"no tokenizer ({e!r:.200}); prompts are random words", file=sys.stderr)

@@ -20,7 +20,7 @@ from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.async_bridge import AsyncEngine
 from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.entrypoints.openai_api import add_openai_routes
-from baby_sgl.entrypoints.protocol import AbortRequest, GenerateRequest
+from baby_sgl.entrypoints.protocol import AbortRequest, CloseSessionRequest, GenerateRequest, OpenSessionRequest
 from baby_sgl.entrypoints.responses import SSE_DONE, error_response, first_item, sse
 from baby_sgl.server_args import ServerArgs
 
@@ -79,8 +79,6 @@ def _native_items(body: GenerateRequest) -> tuple[list[dict], bool]:
         raise ValueError("give exactly one of text or input_ids")
     if body.logprob_start_len not in (-1, None):
         raise ValueError("prompt logprobs (logprob_start_len >= 0) are not supported; output logprobs are")
-    if body.session_params:
-        raise ValueError("session_params are not supported by this server yet")
     single = isinstance(body.text, str) or (body.input_ids is not None and
                                             (not body.input_ids or isinstance(body.input_ids[0], int)))
     prompts = ([body.text] if single else body.text) if body.text is not None else \
@@ -92,6 +90,10 @@ def _native_items(body: GenerateRequest) -> tuple[list[dict], bool]:
     key = "prompt" if body.text is not None else "input_ids"
     items = [{key: p, "sampling_params": sp, "rid": r, "return_logprob": body.return_logprob,
               "top_logprobs_num": body.top_logprobs_num} for p, sp, r in zip(prompts, params, rids)]
+    if body.session_params is not None:
+        if len(items) != 1:
+            raise ValueError("a session turn is one request: give one text or one input_ids list")
+        items[0]["session_params"] = body.session_params
     return items, single
 
 
@@ -122,13 +124,14 @@ def _add_native_routes(app: FastAPI) -> None:
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> dict:
-        return {"model_path": engine.model_path, "tokenizer_path": engine.model_path, "is_generation": True,
+        return {"model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path, "is_generation": True,
                 "context_length": engine.context_len}
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict:
-        return await asyncio.to_thread(engine.get_server_info)
+        info = await asyncio.to_thread(engine.get_server_info)
+        return info | getattr(app.state, "listen", {})  # where this server really listens
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
@@ -139,6 +142,17 @@ def _add_native_routes(app: FastAPI) -> None:
     @app.post("/abort_request")
     async def abort_request(body: AbortRequest) -> Response:
         aengine.abort(body.rid)
+        return Response(status_code=200)
+
+    @app.post("/open_session")
+    async def open_session(body: OpenSessionRequest) -> str:
+        """Returns the session id, as SGLang does (a JSON string)."""
+        return await asyncio.to_thread(engine.open_session, body.capacity_of_str_len, body.session_id,
+                                       body.streaming, body.timeout)
+
+    @app.post("/close_session")
+    async def close_session(body: CloseSessionRequest) -> Response:
+        await asyncio.to_thread(engine.close_session, body.session_id)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -194,6 +208,7 @@ def launch_server(server_args: ServerArgs) -> None:
 
     engine = Engine(**engine_kwargs(server_args))
     app = create_app(engine)
+    app.state.listen = {"host": server_args.host, "port": server_args.port}
     print(f"baby-sgl: serving {app.state.model_name} at http://{server_args.host}:{server_args.port}",
           file=sys.stderr, flush=True)
     try:

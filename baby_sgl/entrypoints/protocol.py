@@ -27,6 +27,17 @@ class AbortRequest(_Strict):
     rid: str
 
 
+class OpenSessionRequest(_Strict):
+    capacity_of_str_len: int
+    session_id: str | None = None
+    streaming: bool = False
+    timeout: float | None = None
+
+
+class CloseSessionRequest(_Strict):
+    session_id: str
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 

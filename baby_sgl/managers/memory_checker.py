@@ -1,4 +1,5 @@
-"""Invariant 4: every KV slot has exactly one owner (free list, tree, a running request)."""
+"""Invariant 4: every KV slot has exactly one owner (free list, tree, a running request, or a
+streaming session between turns)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ class MemoryLeakError(AssertionError):
     pass
 
 
-def _request_owned(sched: Scheduler) -> list[torch.Tensor]:
+def _owned(sched: Scheduler, reqs: list) -> list[torch.Tensor]:
     """Slots past each request's tree-owned prefix, whole pages (the tail page is all theirs)."""
     page, table = sched.allocator.page_size, sched.req_to_token_pool.req_to_token
-    reqs = sched.running + ([sched.chunked_req] if sched.chunked_req else [])
     owned = []
     for r in reqs:
         if r.req_pool_idx is not None and r.kv_len > r.cache_protected_len:
@@ -27,30 +27,46 @@ def _request_owned(sched: Scheduler) -> list[torch.Tensor]:
     return owned
 
 
+def _session_locked(sched: Scheduler, held: list) -> int:
+    """Tokens of the tree nodes that the sessions' held rows lock (each node counted once)."""
+    nodes = {}
+    for req in held:
+        node = req.last_node
+        while node is not None and node is not sched.tree_cache.root:
+            nodes[id(node)] = len(node.key)
+            node = node.parent
+    return sum(nodes.values())
+
+
 def check_memory(sched: Scheduler) -> dict[str, int]:
-    """Raises MemoryLeakError unless free + evictable + protected + request-owned == total, with
-    no slot owned twice; when idle, also every request slot must be free and nothing locked."""
+    """Raises MemoryLeakError unless free + evictable + protected + request-owned + session-held
+    == total, with no slot owned twice; when idle, the only request slots in use and the only
+    locked tree nodes must be those of streaming sessions between turns."""
     alloc, cache = sched.allocator, sched.tree_cache
     page = alloc.page_size
     free = torch.tensor(alloc.free_pages, dtype=torch.long)
     free_slots = (free[:, None] * page + torch.arange(page)).flatten()
-    parts = [free_slots, cache.all_slots()] + _request_owned(sched)
-    every = torch.cat(parts)
+    held = sched.sessions.held_reqs()
+    by_reqs = _owned(sched, sched.running + ([sched.chunked_req] if sched.chunked_req else []))
+    by_sessions = _owned(sched, held)
+    every = torch.cat([free_slots, cache.all_slots()] + by_reqs + by_sessions)
     counts = {
         "total": alloc.size,
         "free": alloc.available_size(),
         "evictable": cache.evictable_size(),
         "protected": cache.protected_size(),
-        "request_owned": sum(len(p) for p in parts[2:]),
+        "request_owned": sum(len(p) for p in by_reqs),
+        "session_held": sum(len(p) for p in by_sessions),
     }
     if len(every) != alloc.size or len(torch.unique(every)) != alloc.size:
         raise MemoryLeakError(f"KV slot ownership broken: {counts}, owned {len(every)}, distinct {len(torch.unique(every))}")
-    if counts["free"] + counts["evictable"] + counts["protected"] + counts["request_owned"] != alloc.size:
+    if sum(v for k, v in counts.items() if k != "total") != alloc.size:
         raise MemoryLeakError(f"KV slot accounting broken: {counts}")
     if not sched.has_work():
-        if counts["protected"] != 0:
-            raise MemoryLeakError(f"idle but tree nodes are still locked: {counts}")
+        locked = _session_locked(sched, held)
+        if counts["protected"] != locked:
+            raise MemoryLeakError(f"idle but tree nodes are locked beyond the sessions' {locked} tokens: {counts}")
         used = sched.req_to_token_pool.size - len(sched.req_to_token_pool.free_slots)
-        if used:
-            raise MemoryLeakError(f"idle but {used} request slots are still held")
+        if used != len(held):
+            raise MemoryLeakError(f"idle but {used} request slots are held, sessions hold {len(held)}")
     return counts

@@ -31,6 +31,7 @@ class Req:
         self.to_abort: str | None = None  # set by an abort; honoured at the next step
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (max over prefills)
         self.is_retracted = False
+        self.session: Any = None  # the Session this request is a turn of (session_controller.py)
         # Log-probabilities, SGLang's format: [logprob, token_id, None] per output token.
         self.return_logprob = False
         self.top_logprobs_num = 0

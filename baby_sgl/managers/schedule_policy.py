@@ -5,22 +5,29 @@ from __future__ import annotations
 import enum
 
 from baby_sgl.managers.req import Req
+from baby_sgl.managers.session_controller import SessionController
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 
 # Output tokens a running request is assumed to still need, at most, when reserving KV room.
 _MAX_RESERVED_PER_REQ = 4096
 
 
-def match_prefix(req: Req, tree_cache) -> None:
+def match_prefix(req: Req, tree_cache, sessions: SessionController) -> None:
     """Finds the request's cached prefix. The last token is always computed, because its
-    logits give the next token, so at most len - 1 tokens can come from the cache."""
-    req.prefix_indices, req.last_node = tree_cache.match_prefix(req.fill_ids[: req.seqlen - 1])
+    logits give the next token, so at most len - 1 tokens can come from the cache. A streaming
+    session's turn finds its prefix in the row its session holds (locked there already, so
+    the root stands in as the node to lock)."""
+    held = sessions.held_prefix(req)
+    if held is not None:
+        req.prefix_indices, req.last_node = held, tree_cache.root
+    else:
+        req.prefix_indices, req.last_node = tree_cache.match_prefix(req.fill_ids[: req.seqlen - 1])
 
 
-def sort_waiting(waiting: list[Req], policy: str, tree_cache) -> None:
+def sort_waiting(waiting: list[Req], policy: str, tree_cache, sessions: SessionController) -> None:
     """fcfs keeps arrival order; lpm puts the longest cached prefix first (stable on ties)."""
     for req in waiting:
-        match_prefix(req, tree_cache)
+        match_prefix(req, tree_cache, sessions)
     if policy == "lpm":
         waiting.sort(key=lambda r: -len(r.prefix_indices))
 
@@ -50,8 +57,9 @@ def reserved_tokens(req: Req, ratio: float) -> int:
 
 class PrefillAdder:
     def __init__(self, tree_cache, allocator: PagedTokenAllocator, running: list[Req], new_token_ratio: float,
-                 max_prefill_tokens: int, chunked_prefill_size: int | None) -> None:
+                 max_prefill_tokens: int, chunked_prefill_size: int | None, sessions: SessionController) -> None:
         self.tree_cache, self.allocator, self.ratio = tree_cache, allocator, new_token_ratio
+        self.sessions = sessions
         self.page_size = allocator.page_size
         # KV room kept for the decode steps of requests already running.
         self.reserved = sum(reserved_tokens(r, new_token_ratio) + self.page_size for r in running)
@@ -83,6 +91,7 @@ class PrefillAdder:
             self.tree_cache.dec_lock_ref(req.last_node)
             return AddResult.NO_ROOM
         req.cached_tokens = max(req.cached_tokens, len(req.prefix_indices))
+        self.sessions.hand_over(req)  # a streaming turn resumes in its session's row
         self._add(req, min(extend, self._chunk_room()))
         return AddResult.NO_ROOM if req.is_chunked or self.rem_chunk_tokens <= 0 else AddResult.CONTINUE
 

@@ -17,6 +17,7 @@ from baby_sgl.managers.memory_checker import check_memory
 from baby_sgl.managers.req import Req
 from baby_sgl.managers.schedule_batch import ScheduleBatch
 from baby_sgl.managers.schedule_policy import AddResult, PrefillAdder, shares_uncached_prefix, sort_waiting
+from baby_sgl.managers.session_controller import SessionController
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.mem_cache.chunk_cache import ChunkCache
 from baby_sgl.mem_cache.radix_cache import RadixCache
@@ -35,7 +36,7 @@ INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.0
 
 class Scheduler:
     def __init__(self, args: ServerArgs, runner: ModelRunner, tokenizer, eos_token_ids: list[int],
-                 max_total_tokens: int, context_len: int) -> None:
+                 max_total_tokens: int, context_len: int, max_input_len: int) -> None:
         self.args, self.runner, self.tokenizer = args, runner, tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.context_len = context_len
@@ -45,6 +46,7 @@ class Scheduler:
         self.allocator = PagedTokenAllocator(max_total_tokens, args.page_size, runner.device)
         cache_cls = ChunkCache if args.disable_radix_cache else RadixCache
         self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, self.tracer)
+        self.sessions = SessionController(self.tree_cache, max_input_len, tokenizer.bos_token_id)
         self.sampler = Sampler(runner.cfg.vocab_size, sorted(self.eos_token_ids), args.random_seed)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -64,6 +66,12 @@ class Scheduler:
     # ---- called from other threads -------------------------------------------------------
     def submit(self, req: Req) -> None:
         self.inbox.put(("req", req))
+
+    def add_session_req(self, req: Req, session_params: dict) -> None:
+        """In the scheduler thread (through `call`): makes req a turn of its session and queues
+        it, in one go, so two turns racing for one streaming session cannot both get in."""
+        self.sessions.attach(req, session_params)
+        self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
         self.inbox.put(("abort", rid))
@@ -116,8 +124,9 @@ class Scheduler:
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
+            wait = self.sessions.expire() if block else None  # wake up to expire idle sessions
             try:
-                msg = self.inbox.get(block=block)
+                msg = self.inbox.get(block=block, timeout=wait)
             except queue.Empty:
                 return
             block = False
@@ -140,6 +149,7 @@ class Scheduler:
                 req.to_abort = "aborted by request"
 
     def step(self) -> None:
+        self.sessions.expire()
         self._handle_aborts()
         self.cur_batch = None
         batch = self._get_new_batch_prefill()
@@ -163,11 +173,11 @@ class Scheduler:
         if not self.waiting and self.chunked_req is None:
             return None
         adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
-                             self.args.max_prefill_tokens, self.args.chunked_prefill_size)
+                             self.args.max_prefill_tokens, self.args.chunked_prefill_size, self.sessions)
         if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
             return None
         if adder.new_chunked_req is None:
-            sort_waiting(self.waiting, self.args.schedule_policy, self.tree_cache)
+            sort_waiting(self.waiting, self.args.schedule_policy, self.tree_cache, self.sessions)
             slots = min(len(self.req_to_token_pool.free_slots),
                         self.args.max_running_requests - len(self.running) - len(adder.can_run))
             share = not self.args.disable_radix_cache
@@ -218,12 +228,12 @@ class Scheduler:
             if req.to_abort:
                 self._finish(req, {"type": "abort", "message": req.to_abort})
                 continue
-            if batch.mode == ForwardMode.EXTEND:
-                self.stats["prompt_tokens"] += req.extend_input_len
-                self.stats["cached_tokens"] += len(req.prefix_indices) if req.prefix_indices is not None else 0
+            if req.time_stats.first_token is None:  # its prefill is complete: count its prompt once
+                self.stats["prompt_tokens"] += len(req.origin_input_ids)
+                self.stats["cached_tokens"] += req.cached_tokens
             self._append_token(req, token)
             if req.finished:
-                self.tree_cache.release_req(req)
+                self.sessions.finish(req)
             else:
                 if batch.mode == ForwardMode.EXTEND:
                     self.tree_cache.cache_unfinished_req(req)
@@ -260,7 +270,7 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: dict) -> None:
         req.finished_reason = reason
-        self.tree_cache.release_req(req)
+        self.sessions.finish(req)
         self._emit(req)
 
     def _emit(self, req: Req) -> None:

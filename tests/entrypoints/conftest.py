@@ -60,3 +60,9 @@ def server(tiny_llama):
 def memory_clean(server):
     yield
     wait_idle(server)
+
+
+@pytest.fixture
+def idle_counts(server):
+    """Waits for the server to be idle and returns its memory check's counts."""
+    return lambda: wait_idle(server)

@@ -1,0 +1,213 @@
+"""Sessions: conversations whose turns continue from earlier requests, as in SGLang.
+
+A normal session keeps its requests as a tree by rid. A turn names the request it continues
+(`session_params["rid"]`); its input is that request's input + output + the new input
+(`offset` cuts the old context, `drop_previous_output` leaves the output out, `replace` drops
+the named request's other continuations). Its KV comes back through the radix cache.
+
+A streaming session is append-only with one turn in flight, and between turns it keeps the
+last turn's KV row itself, so the next turn prefills only its new tokens. The whole pages of
+that row are in the radix tree, locked by the session (other requests may share them); the
+partial last page belongs to the session alone until it closes: the tree only ever owns whole
+pages (invariant 3), however unaligned the conversation's length is.
+
+Everything here runs in the scheduler thread. While a turn runs, its request owns the row;
+between turns the session does (`held`). Either way exactly one owner releases it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from baby_sgl.managers.req import Req
+
+_PARAM_KEYS = {"id", "rid", "offset", "replace", "drop_previous_output"}
+
+
+@dataclass
+class Session:
+    id: str
+    capacity_of_str_len: int
+    streaming: bool
+    timeout: float | None
+    reqs: dict[str, Req] = field(default_factory=dict)  # every turn by rid
+    children: dict[str | None, list[str]] = field(default_factory=dict)  # rid -> continuations; None: roots
+    last_rid: str | None = None
+    in_flight: set[str] = field(default_factory=set)
+    held: Req | None = None  # streaming: the finished turn whose KV row the session keeps
+    closing: bool = False
+    last_active: float = field(default_factory=time.monotonic)
+
+    def descendants(self, rid: str | None) -> list[str]:
+        out, stack = [], list(self.children.get(rid, []))
+        while stack:
+            child = stack.pop()
+            out.append(child)
+            stack.extend(self.children.get(child, []))
+        return out
+
+
+class SessionController:
+    def __init__(self, tree_cache, max_input_len: int, bos_token_id: int | None) -> None:
+        self.tree_cache = tree_cache
+        self.max_input_len = max_input_len
+        self.bos_token_id = bos_token_id
+        self.sessions: dict[str, Session] = {}
+
+    # ---- open and close ------------------------------------------------------------------
+    def open(self, capacity_of_str_len: int, session_id: str | None = None, streaming: bool = False,
+             timeout: float | None = None) -> str:
+        if not isinstance(capacity_of_str_len, int) or capacity_of_str_len <= 0:
+            raise ValueError(f"capacity_of_str_len must be a positive integer, got {capacity_of_str_len!r}")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        session_id = session_id or uuid.uuid4().hex
+        if not isinstance(session_id, str):
+            raise ValueError(f"session_id must be a string, got {session_id!r}")
+        if session_id in self.sessions:
+            raise ValueError(f"session {session_id!r} is already open")
+        self.sessions[session_id] = Session(session_id, capacity_of_str_len, bool(streaming), timeout)
+        return session_id
+
+    def close(self, session_id: str) -> None:
+        """Releases what the session holds now, or when its running turns end."""
+        session = self.sessions.get(session_id)
+        if session is None or session.closing:
+            raise ValueError(f"session {session_id!r} is not open")
+        session.closing = True
+        self._close_if_done(session)
+
+    def _close_if_done(self, session: Session) -> None:
+        if session.closing and not session.in_flight:
+            if session.held is not None:
+                self.tree_cache.release_req(session.held)
+                session.held = None
+            self.sessions.pop(session.id, None)
+
+    def expire(self) -> float | None:
+        """Closes idle sessions past their timeout; returns the seconds until the next may expire."""
+        now, soonest = time.monotonic(), None
+        for session in list(self.sessions.values()):
+            if session.timeout is None or session.in_flight or session.closing:
+                continue
+            left = session.last_active + session.timeout - now
+            if left <= 0:
+                session.closing = True
+                self._close_if_done(session)
+            else:
+                soonest = left if soonest is None else min(soonest, left)
+        return soonest
+
+    def held_reqs(self) -> list[Req]:
+        return [s.held for s in self.sessions.values() if s.held is not None]
+
+    # ---- a new turn ----------------------------------------------------------------------
+    def attach(self, req: Req, params: dict[str, Any]) -> None:
+        """Makes req a turn of the session named in params: checks the operation, builds its
+        input from the turn it continues and registers it. Raises ValueError, changing nothing."""
+        if not isinstance(params, dict):
+            raise ValueError(f"session_params must be an object, got {params!r}")
+        unknown = sorted(set(params) - _PARAM_KEYS)
+        if unknown:
+            raise ValueError(f"unknown session_params field(s): {', '.join(unknown)}")
+        session = self.sessions.get(params.get("id"))
+        if session is None or session.closing:
+            raise ValueError(f"session {params.get('id')!r} is not open")
+        rid, offset = params.get("rid"), params.get("offset") or 0
+        replace, drop_output = bool(params.get("replace")), bool(params.get("drop_previous_output"))
+        if not isinstance(offset, int):
+            raise ValueError(f"session_params.offset must be an integer, got {offset!r}")
+        if req.rid in session.reqs:
+            raise ValueError(f"request id {req.rid!r} is already used in session {session.id!r}")
+        if rid is not None and rid not in session.reqs:
+            raise ValueError(f"session {session.id!r} has no request {rid!r}")
+        if session.streaming:
+            if replace or offset or drop_output:
+                raise ValueError("a streaming session is append-only: replace, offset and drop_previous_output "
+                                 "are not allowed")
+            if session.in_flight:
+                raise ValueError(f"streaming session {session.id!r} already has a request in flight "
+                                 f"({next(iter(session.in_flight))!r}); send the next turn when it finishes")
+            if rid is not None and rid != session.last_rid:
+                raise ValueError(f"a streaming session continues its last request ({session.last_rid!r}), not {rid!r}")
+            rid = session.last_rid
+        prev = session.reqs[rid] if rid is not None else None
+        if prev is not None and not prev.finished and not replace:
+            raise ValueError(f"request {rid!r} is still running; a turn can only continue a finished request "
+                             f"(or replace it)")
+        input_ids = self._turn_input(prev, req.origin_input_ids, offset, drop_output)
+        if len(input_ids) > self.max_input_len:
+            raise ValueError(f"prompt is too long: the session's context plus the new input is {len(input_ids)} "
+                             f"tokens, the limit is {self.max_input_len}")
+        if replace:
+            self._drop_continuations(session, rid)
+        req.origin_input_ids = input_ids
+        req.session = session
+        session.reqs[req.rid] = req
+        session.children.setdefault(rid, []).append(req.rid)
+        session.last_rid = req.rid
+        session.in_flight.add(req.rid)
+        session.last_active = time.monotonic()
+
+    def _turn_input(self, prev: Req | None, new: list[int], offset: int, drop_output: bool) -> list[int]:
+        if prev is None:
+            return list(new)
+        if new and new[0] == self.bos_token_id:  # an appended turn does not start a new sequence
+            new = new[1:]
+        context = list(prev.origin_input_ids) if drop_output else prev.origin_input_ids + prev.output_ids
+        return (context[:offset] if offset else context) + new
+
+    def _drop_continuations(self, session: Session, rid: str | None) -> None:
+        """`replace`: the named request (if still running) and everything that continued it are
+        dropped; running ones are aborted and release their KV at the next step."""
+        doomed = session.descendants(rid) + ([rid] if rid is not None else [])
+        for r in doomed:
+            req = session.reqs[r]
+            if not req.finished:
+                req.to_abort = "replaced by a later request in its session"
+        for r in session.descendants(rid):
+            session.reqs.pop(r)
+            session.children.pop(r, None)
+        session.children[rid] = []
+
+    # ---- the KV of streaming sessions ----------------------------------------------------
+    def held_prefix(self, req: Req):
+        """For a streaming turn whose session holds the previous turn's row: the KV slots of
+        that row (its prefix), else None."""
+        held = req.session.held if req.session is not None else None
+        if held is None:
+            return None
+        assert held.fill_ids[: held.kv_len] == req.fill_ids[: held.kv_len], "held KV is not the turn's prefix"
+        assert held.kv_len < req.seqlen
+        table = self.tree_cache.req_to_token_pool.req_to_token
+        return table[held.req_pool_idx, : held.kv_len].cpu()
+
+    def hand_over(self, req: Req) -> None:
+        """At admission: the turn takes the session's row (and the session's tree lock with it)."""
+        session = req.session
+        if session is None or session.held is None:
+            return
+        held, session.held = session.held, None
+        req.req_pool_idx, req.kv_len = held.req_pool_idx, held.kv_len
+        req.cache_protected_len, req.last_node = held.cache_protected_len, held.last_node
+        held.reset_kv_state()
+
+    def finish(self, req: Req) -> None:
+        """A turn ended. A streaming session that stays open keeps the row of a turn that ended
+        normally: its whole pages go to the tree (locked), the partial page stays in the row.
+        Any other request releases its KV as usual."""
+        session = req.session
+        keep = (session is not None and session.streaming and not session.closing
+                and req.req_pool_idx is not None and req.finished_reason.get("type") != "abort")
+        if keep:
+            self.tree_cache.cache_unfinished_req(req)
+            session.held = req
+        else:
+            self.tree_cache.release_req(req)
+        if session is not None:
+            session.in_flight.discard(req.rid)
+            session.last_active = time.monotonic()
+            self._close_if_done(session)
