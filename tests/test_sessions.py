@@ -204,19 +204,20 @@ def test_aborted_streaming_turn_frees_its_kv_and_the_session_goes_on(session_eng
     _idle_clean(engine)
 
 
-def test_close_while_a_turn_runs_takes_effect_when_it_ends(session_engine):
+def test_close_while_a_turn_runs_takes_effect_when_it_ends(session_engine, hf_model):
     engine = session_engine
     sid = engine.open_session(1000, streaming=True)
-    _gen(engine, [11] * 30, 4, id=sid)
-    done = threading.Event()
-    results = []
-    engine.submit(input_ids=[12] * 7, sampling_params={**GREEDY, "max_new_tokens": 40},
-                  on_output=lambda c: (results.append(c), c["finished"] and done.set()), session_params={"id": sid})
+    first = _gen(engine, [11] * 30, 4, id=sid)
+    stream = engine.generate(input_ids=[12] * 7, sampling_params={**GREEDY, "max_new_tokens": 40}, stream=True,
+                             session_params={"id": sid})
+    chunks = [next(stream)]  # the turn is running: it has produced a token
     engine.close_session(sid)
     with pytest.raises(ValueError, match="is not open"):
         _gen(engine, [5], 2, id=sid)
-    assert done.wait(60)
-    assert results[-1]["meta_info"]["finish_reason"]["type"] == "length"  # the turn ran to its end
+    chunks += list(stream)
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"  # the turn ran to its end, undisturbed
+    context = [11] * 30 + first["output_ids"] + [12] * 7
+    assert [t for c in chunks for t in c["output_ids"]] == hf_greedy(hf_model, [context], 40)[0]
     _idle_clean(engine)
 
 

@@ -54,7 +54,7 @@ class AsyncEngine:
             except RuntimeError:  # the server stopped; nobody is waiting for this any more
                 pass
 
-        if any(item.get("session_params") for item in items):
+        if any(item.get("session_params") is not None for item in items):
             # A session turn is checked inside the scheduler thread, between steps: wait off the loop.
             submitted, keys = await asyncio.to_thread(self._submit, items, deliver)
         else:

@@ -63,6 +63,7 @@ class PrefillAdder:
         self.page_size = allocator.page_size
         # KV room kept for the decode steps of requests already running.
         self.reserved = sum(reserved_tokens(r, new_token_ratio) + self.page_size for r in running)
+        self.idle = not running
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens = chunked_prefill_size or float("inf")
         self.can_run: list[Req] = []
@@ -87,7 +88,10 @@ class PrefillAdder:
         # Lock first: the matched prefix must survive this step's evictions, so it no longer
         # counts as room that eviction could free.
         self.tree_cache.inc_lock_ref(req.last_node)
-        if extend + reserved_tokens(req, self.ratio) + self.page_size > self.rem_total_tokens:
+        # An idle engine takes its first request whenever the prompt fits: were its future output
+        # reserved too, a long max_new_tokens in a small pool would wait forever.
+        reserve = 0 if self.idle and not self.can_run else reserved_tokens(req, self.ratio)
+        if extend + reserve + self.page_size > self.rem_total_tokens:
             self.tree_cache.dec_lock_ref(req.last_node)
             return AddResult.NO_ROOM
         req.cached_tokens = max(req.cached_tokens, len(req.prefix_indices))

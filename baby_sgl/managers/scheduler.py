@@ -176,17 +176,30 @@ class Scheduler:
                              self.args.max_prefill_tokens, self.args.chunked_prefill_size, self.sessions)
         if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
             return None
+        short_of_memory = False
         if adder.new_chunked_req is None:
             sort_waiting(self.waiting, self.args.schedule_policy, self.tree_cache, self.sessions)
-            slots = min(len(self.req_to_token_pool.free_slots),
-                        self.args.max_running_requests - len(self.running) - len(adder.can_run))
+            room = self.args.max_running_requests - len(self.running) - len(adder.can_run)
+            free_rows = len(self.req_to_token_pool.free_slots)
             share = not self.args.disable_radix_cache
             for req in list(self.waiting):
                 if share and shares_uncached_prefix(req, adder.can_run):
                     continue
-                if len(adder.can_run) >= slots or adder.add_one_req(req) == AddResult.NO_ROOM:
+                if room <= 0:
                     break
+                needs_row = req.session is None or req.session.held is None  # else it resumes its session's row
+                if needs_row and free_rows <= 0:
+                    short_of_memory = True  # idle sessions hold the rows
+                    continue
+                if adder.add_one_req(req) == AddResult.NO_ROOM:
+                    short_of_memory = not adder.can_run
+                    break
+                room, free_rows = room - 1, free_rows - needs_row
         if not adder.can_run:
+            # Nothing fits: idle streaming sessions give their KV back, one per step, before
+            # anyone waits on them forever.
+            if short_of_memory and not self.running:
+                self.sessions.release_idle_row(self.waiting)
             return None
         for req in adder.can_run:
             if req in self.waiting:
@@ -198,6 +211,8 @@ class Scheduler:
 
     def _get_decode_batch(self) -> ScheduleBatch | None:
         batch = self._new_schedule_batch(self.running, ForwardMode.DECODE)
+        while not batch.can_decode() and self.sessions.release_idle_row(self.waiting):
+            pass  # idle sessions' KV goes before any running request is retracted
         if not batch.can_decode():
             retracted = batch.retract_decode()
             self.stats["num_retractions"] += len(retracted)

@@ -118,9 +118,9 @@ class SessionController:
             raise ValueError(f"session {params.get('id')!r} is not open")
         rid, offset = params.get("rid"), params.get("offset") or 0
         replace, drop_output = bool(params.get("replace")), bool(params.get("drop_previous_output"))
-        if not isinstance(offset, int):
-            raise ValueError(f"session_params.offset must be an integer, got {offset!r}")
-        if req.rid in session.reqs:
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"session_params.offset must be a non-negative integer, got {offset!r}")
+        if req.rid in session.reqs or req.rid in session.in_flight:
             raise ValueError(f"request id {req.rid!r} is already used in session {session.id!r}")
         if rid is not None and rid not in session.reqs:
             raise ValueError(f"session {session.id!r} has no request {rid!r}")
@@ -139,6 +139,8 @@ class SessionController:
             raise ValueError(f"request {rid!r} is still running; a turn can only continue a finished request "
                              f"(or replace it)")
         input_ids = self._turn_input(prev, req.origin_input_ids, offset, drop_output)
+        if not input_ids:
+            raise ValueError("the session turn's input is empty (offset 0 and a new input that is only BOS)")
         if len(input_ids) > self.max_input_len:
             raise ValueError(f"prompt is too long: the session's context plus the new input is {len(input_ids)} "
                              f"tokens, the limit is {self.max_input_len}")
@@ -146,6 +148,9 @@ class SessionController:
             self._drop_continuations(session, rid)
         req.origin_input_ids = input_ids
         req.session = session
+        if session.streaming:  # append-only: only the last turn can be continued, keep just it
+            session.reqs.clear()
+            session.children.clear()
         session.reqs[req.rid] = req
         session.children.setdefault(rid, []).append(req.rid)
         session.last_rid = req.rid
@@ -158,6 +163,8 @@ class SessionController:
         if new and new[0] == self.bos_token_id:  # an appended turn does not start a new sequence
             new = new[1:]
         context = list(prev.origin_input_ids) if drop_output else prev.origin_input_ids + prev.output_ids
+        if offset > len(context):
+            raise ValueError(f"session_params.offset {offset} is past the end of the context ({len(context)} tokens)")
         return (context[:offset] if offset else context) + new
 
     def _drop_continuations(self, session: Session, rid: str | None) -> None:
@@ -184,6 +191,20 @@ class SessionController:
         assert held.kv_len < req.seqlen
         table = self.tree_cache.req_to_token_pool.req_to_token
         return table[held.req_pool_idx, : held.kv_len].cpu()
+
+    def release_idle_row(self, waiting: list[Req]) -> bool:
+        """Under memory pressure (no free request row, or KV for the next admission or decode):
+        gives back the row of the session idle the longest, preferring sessions with no turn
+        waiting. Its whole pages stay in the tree, evictable; its next turn recomputes the rest.
+        Returns False when no session holds a row."""
+        held = [s for s in self.sessions.values() if s.held is not None]
+        if not held:
+            return False
+        queued = {id(r.session) for r in waiting if r.session is not None}
+        victim = min(held, key=lambda s: (id(s) in queued, s.last_active))
+        self.tree_cache.release_req(victim.held)
+        victim.held = None
+        return True
 
     def hand_over(self, req: Req) -> None:
         """At admission: the turn takes the session's row (and the session's tree lock with it)."""
