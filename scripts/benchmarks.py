@@ -18,14 +18,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = [
-    ("random, 32 prompts, in 32-256, out 32-128, vs transformers",
-     "--workload random --num-prompts 32 --input-min 32 --input-max 256 --output-min 32 --output-max 128 --compare hf"),
-    ("shared-prefix 4x8, 512-token system prompt, radix cache",
-     "--workload shared-prefix --groups 4 --prompts-per-group 8 --system-len 512 --question-len 64 --output-len 32"),
-    ("shared-prefix 4x8, 512-token system prompt, --disable-radix-cache",
-     "--workload shared-prefix --groups 4 --prompts-per-group 8 --system-len 512 --question-len 64 --output-len 32 "
+    ("random, 64 prompts, in 32-512, out 32-256, vs transformers",
+     "--workload random --num-prompts 64 --input-min 32 --input-max 512 --output-min 32 --output-max 256 --compare hf"),
+    ("random, 64 prompts, in 32-512, out 32-256, float32 vs bfloat16",
+     "--workload random --num-prompts 64 --input-min 32 --input-max 512 --output-min 32 --output-max 256 "
+     "--compare bfloat16"),
+    ("shared-prefix 8x8, 1024-token system prompt, 64-token question, radix cache",
+     "--workload shared-prefix --groups 8 --prompts-per-group 8 --system-len 1024 --question-len 64 --output-len 64"),
+    ("shared-prefix 8x8, 1024-token system prompt, 64-token question, --disable-radix-cache",
+     "--workload shared-prefix --groups 8 --prompts-per-group 8 --system-len 1024 --question-len 64 --output-len 64 "
      "--disable-radix-cache"),
-    ("one-batch B=1, in 128, out 64", "--workload one-batch --batch 1 --input-len 128 --output-len 64"),
+    ("one-batch B=1, in 128, out 64, float32 vs bfloat16",
+     "--workload one-batch --batch 1 --input-len 128 --output-len 64 --compare bfloat16"),
     ("one-batch B=8, in 128, out 64", "--workload one-batch --batch 8 --input-len 128 --output-len 64"),
     ("one-batch B=1, in 1000, out 16 (TTFT of a 1000-token prompt)",
      "--workload one-batch --batch 1 --input-len 1000 --output-len 16"),
@@ -60,21 +64,31 @@ def render(rows: list[tuple[str, str, dict]]) -> str:
         f"{roofs['bandwidth_roof_step_s'] * 1e3:.1f} ms).",
         "",
         "| workload | engine | output tok/s | total tok/s | cache hit | TTFT / prefill s | decode step ms | "
-        "vs baby-sgl | peak RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "vs baby-sgl | of roof | peak RSS / budget MB | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for title, _, rep in rows:
         base = rep["results"][0]
         for r in rep["results"]:
             if "error" in r:
-                lines.append(f"| {title} | {r['engine']} | failed: {r['error'][:60]} | | | | | | |")
+                lines.append(f"| {title} | {r['engine']} | failed: {r['error'][:60]} | | | | | | | | |")
                 continue
             ratio = "" if r is base else f"{base['output_tok_s'] / r['output_tok_s']:.2f}x"
             ttft = r.get("ttft_mean_s", r.get("prefill_s"))
             step = r.get("decode_step_median_s")
+            roof = ""
+            if "compute_roof_fraction" in r:
+                roof = f"{r['compute_roof_fraction']:.0%} of compute"
+            elif "bandwidth_roof_ratio" in r:
+                roof = f"{r['bandwidth_roof_ratio']:.2f}x bandwidth bound"
+            rss = f"{rep['peak_rss_mb']:.0f} / {rep['memory']['budget_mb']:.0f}" if r is base else ""
+            notes = ""
+            if "greedy_identical_frac" in r:
+                notes = (f"greedy outputs identical to {base['engine']}: {r['greedy_identical_frac']:.0%} of requests; "
+                         f"{r['greedy_agree_prefix_frac']:.0%} of tokens agree before the first difference")
             lines.append(f"| {title} | {r['engine']} | {fmt(r.get('output_tok_s'))} | {fmt(r.get('total_tok_s'))} | "
                          f"{fmt(r.get('cache_hit_rate'), 2)} | {fmt(ttft, 2)} | {fmt(step and step * 1e3)} | {ratio} | "
-                         f"{fmt(rep['peak_rss_mb'], 0) if r is base else ''} |")
+                         f"{roof} | {rss} | {notes} |")
     lines += ["", "Commands (each row group is one run):", "", "```bash"]
     lines += [cmd for _, cmd, _ in rows] + ["```"]
     return "\n".join(lines) + "\n"

@@ -13,6 +13,7 @@ import torch
 from baby_sgl.bench.roofline import measure_roofs
 from baby_sgl.bench.workloads import Workload, one_batch_workload, random_workload, shared_prefix_workload
 from baby_sgl.engine import Engine
+from baby_sgl.mem_cache.memory_pool import KVPool
 from baby_sgl.server_args import ServerArgs, engine_kwargs
 
 
@@ -53,6 +54,32 @@ def run_one_batch(engine: Engine, wl: Workload) -> dict:
             "seconds": stamps[-1] - t0, "output_tok_s": n_out / (stamps[-1] - t0)}
 
 
+def memory_budget(engine: Engine) -> dict[str, float]:
+    """What the process needs: the weights and the KV pool; the README's budget adds 600 MB."""
+    cfg = engine.model_config
+    weights = sum(p.numel() * p.element_size() for p in engine.scheduler.runner.model.parameters())
+    kv = engine.max_total_tokens * KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.dtype)
+    return {"weights_mb": weights / 1e6, "kv_pool_mb": kv / 1e6, "budget_mb": (weights + kv) / 1e6 + 600}
+
+
+def dtype_variant(result: dict, dtype: str, base: dict) -> dict:
+    """The same workload in another dtype: how many greedy outputs equal the base run's, and on
+    average what fraction of each output agrees before the first differing token."""
+    result["engine"] = f"baby-sgl {dtype.removeprefix('torch.')}"
+    if "outputs" in result:
+        pairs = list(zip(base["outputs"], result["outputs"]))
+        result["greedy_identical_frac"] = sum(a == b for a, b in pairs) / len(pairs)
+        result["greedy_agree_prefix_frac"] = sum(_common_prefix(a, b) / max(len(a), 1) for a, b in pairs) / len(pairs)
+    return result
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
     if args.workload == "random":
         return random_workload(args.num_prompts, vocab, (args.input_min, args.input_max),
@@ -78,7 +105,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--compare", choices=["hf"], default=None, help="also run transformers on the same prompts")
+    p.add_argument("--compare", choices=["hf", "float32", "bfloat16"], default=None,
+                   help="hf: also run transformers on the same prompts; a dtype: also run baby-sgl in that "
+                        "dtype and report how many greedy outputs match")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
     ServerArgs.add_cli_args(p)
@@ -91,14 +120,16 @@ def main(argv: list[str]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     kwargs = engine_kwargs(args)
+    run = run_one_batch if args.workload == "one-batch" else run_engine
     with Engine(**kwargs) as engine:
         wl = build_workload(args, engine.model_config.vocab_size)
-        result = run_one_batch(engine, wl) if args.workload == "one-batch" else run_engine(engine, wl)
+        result = run(engine, wl)
         roofs = measure_roofs(engine)
         model_path, dtype = engine.model_path, engine.dtype
+        memory = memory_budget(engine)
     report = {"workload": wl.name, "num_prompts": len(wl.prompts), "input_tokens": wl.input_tokens,
               "output_tokens": sum(wl.output_lens), "dtype": str(dtype), "threads": torch.get_num_threads(),
-              "server_args": kwargs, "roofs": roofs, "results": [result]}
+              "server_args": kwargs, "roofs": roofs, "memory": memory, "results": [result]}
     if "total_tok_s" in result:
         result["compute_roof_fraction"] = result["total_tok_s"] / roofs["compute_roof_tok_s"]
     if "decode_step_median_s" in result:
@@ -107,6 +138,9 @@ def main(argv: list[str]) -> int:
         from baby_sgl.bench.hf_baseline import compare_hf
 
         report["results"] += compare_hf(model_path, dtype, wl)
+    elif args.compare:
+        with Engine(**{**kwargs, "dtype": args.compare}) as other:
+            report["results"].append(dtype_variant(run(other, wl), str(other.dtype), result))
     report["peak_rss_mb"] = peak_rss_mb()
     print_report(report)
     if args.output_file:
@@ -130,4 +164,6 @@ def print_report(report: dict) -> None:
         if r is not base and r.get("output_tok_s"):
             ratio = f"  (baby-sgl is {base['output_tok_s'] / r['output_tok_s']:.2f}x)"
         print(f"  {r['engine']:>28s}: " + " ".join(fields) + ratio)
-    print(f"peak RSS {report['peak_rss_mb']:.0f} MB")
+    mem = report["memory"]
+    print(f"peak RSS {report['peak_rss_mb']:.0f} MB (weights {mem['weights_mb']:.0f} MB + KV pool "
+          f"{mem['kv_pool_mb']:.0f} MB + 600 MB = budget {mem['budget_mb']:.0f} MB)")

@@ -38,8 +38,8 @@ class KVPool:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer_id][loc] = k
-        self.v_buffers[layer_id][loc] = v
+        self.k_buffers[layer_id].index_copy_(0, loc, k.to(self.k_buffers[layer_id].dtype))
+        self.v_buffers[layer_id].index_copy_(0, loc, v.to(self.v_buffers[layer_id].dtype))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

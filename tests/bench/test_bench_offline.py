@@ -15,8 +15,12 @@ def test_bench_offline_runs_each_workload(tiny_llama, tmp_path, capsys):
     assert main(["--workload", "shared-prefix", "--groups", "2", "--prompts-per-group", "2", "--system-len", "32",
                  "--question-len", "4", *common]) == 0
     assert main(["--workload", "one-batch", "--batch", "2", "--input-len", "8", *common]) == 0
+    assert main(["--workload", "random", "--num-prompts", "3", "--input-min", "8", "--input-max", "16",
+                 "--output-min", "2", "--output-max", "4", "--compare", "float32", *common]) == 0
     reports = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["workload"] for r in reports] == ["random", "shared-prefix", "one-batch"]
+    assert [r["workload"] for r in reports] == ["random", "shared-prefix", "one-batch", "random"]
+    same = reports[3]["results"][1]  # float32 against float32: the very same greedy outputs
+    assert same["engine"] == "baby-sgl float32" and same["greedy_identical_frac"] == 1.0
     engines = [r["engine"] for r in reports[0]["results"]]
     assert engines[0] == "baby-sgl" and "transformers generate (static)" in engines
     assert all("error" not in r for r in reports[0]["results"]), reports[0]["results"]
