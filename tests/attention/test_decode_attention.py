@@ -1,0 +1,90 @@
+"""Batched decode attention over the paged pool, with and without shared-prefix (cascade)
+reading, equals each request attending to its own slots alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from baby_sgl.attention.shared_prefix import MIN_SHARED_LEN, find_shared_prefixes
+from baby_sgl.attention.torch_native import TorchNativeAttnBackend
+from baby_sgl.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+HEADS, KV_HEADS, DIM = 6, 2, 16
+
+
+def _batch(rows: list[list[int]], dtype: torch.dtype, seed: int = 0):
+    torch.manual_seed(seed)
+    pool = KVPool(1024, 1, KV_HEADS, DIM, dtype, torch.device("cpu"))
+    pool.k_buffers[0].normal_()
+    pool.v_buffers[0].normal_()
+    req_pool = ReqToTokenPool(len(rows), 512, torch.device("cpu"))
+    for i, r in enumerate(rows):
+        req_pool.write(i, 0, torch.tensor(r))
+    backend = TorchNativeAttnBackend()
+    fb = ForwardBatch(
+        mode=ForwardMode.DECODE, input_ids=torch.zeros(len(rows), dtype=torch.long),
+        positions=torch.tensor([len(r) - 1 for r in rows]), out_cache_loc=torch.tensor([r[-1] for r in rows]),
+        req_pool_indices=torch.arange(len(rows)), seq_lens=torch.tensor([len(r) for r in rows]),
+        req_to_token_pool=req_pool, kv_pool=pool, attn_backend=backend, seq_lens_cpu=[len(r) for r in rows],
+    )
+    backend.init_forward_metadata(fb)
+    return backend, fb, pool
+
+
+def _reference(q, rows, pool, scale):
+    k_buf, v_buf = pool.get_kv_buffer(0)
+    outs = []
+    for i, r in enumerate(rows):
+        k = k_buf[torch.tensor(r)].transpose(0, 1).unsqueeze(0).float()
+        v = v_buf[torch.tensor(r)].transpose(0, 1).unsqueeze(0).float()
+        o = F.scaled_dot_product_attention(q[i : i + 1].unsqueeze(2).float(), k, v, scale=scale, enable_gqa=True)
+        outs.append(o[0, :, 0])
+    return torch.stack(outs)
+
+
+def _rows_with_groups():
+    """Two groups sharing prefixes of different lengths (one member repeats the whole shared
+    part and diverges later), one lone request, and a pair whose common prefix is too short."""
+    a = list(range(0, 100))
+    b = list(range(200, 260))
+    rows = [
+        a + [300, 301],
+        a + [310],
+        a[:70] + [320, 321, 322],  # shares 70 with the two above: the group shares 70
+        b + [330],
+        b + list(range(400, 420)),
+        list(range(500, 540)),
+        list(range(600, 610)) + [700],
+        list(range(600, 610)) + [710, 711],
+    ]
+    return rows
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cascade_decode_matches_per_request_attention(dtype, tol):
+    rows = _rows_with_groups()
+    backend, fb, pool = _batch(rows, dtype)
+    shared = fb.attn_metadata.shared
+    assert shared is not None
+    assert shared.lens == [70, 70, 70, 60, 60, 0, 0, 0]
+    q = torch.randn(len(rows), HEADS, DIM).to(dtype)
+    out = backend.forward(q, 0, DIM**-0.5, fb)
+    ref = _reference(q, rows, pool, DIM**-0.5)
+    assert out.shape == (len(rows), HEADS, DIM) and out.dtype == dtype
+    assert (out.float() - ref).abs().max().item() < tol
+
+
+def test_without_sharing_decode_matches_per_request_attention():
+    rows = [list(range(i * 50, i * 50 + n)) for i, n in enumerate([5, 49, 17, 33])]
+    backend, fb, pool = _batch(rows, torch.float32)
+    assert fb.attn_metadata.shared is None
+    q = torch.randn(len(rows), HEADS, DIM)
+    assert (backend.forward(q, 0, 0.3, fb) - _reference(q, rows, pool, 0.3)).abs().max().item() < 1e-5
+
+
+def test_short_common_prefixes_are_not_shared():
+    rows = torch.tensor([list(range(MIN_SHARED_LEN)) + [900], list(range(MIN_SHARED_LEN - 1)) + [901, 902]])
+    assert find_shared_prefixes(rows, [MIN_SHARED_LEN + 1, MIN_SHARED_LEN + 1], torch.float32) is None
