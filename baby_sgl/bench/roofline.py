@@ -26,14 +26,17 @@ def measure_roofs(engine: Engine) -> dict[str, float]:
     a = torch.randn(512, cfg.hidden_size, dtype=dtype)
     b = torch.randn(cfg.hidden_size, 2 * cfg.intermediate_size, dtype=dtype)
     gflops = 2 * a.shape[0] * a.shape[1] * b.shape[1] / _best_of(lambda: a @ b) / 1e9
-    big = torch.ones(128 * 1024 * 1024 // 4, dtype=torch.float32)  # 128 MB, well past the caches
-    read_gb_s = big.numel() * 4 / _best_of(lambda: big.sum()) / 1e9
     model = engine.scheduler.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     matmul_params = sum(m.weight.numel() for m in linears)
     # What a decode step must read: every projection once, plus the norms (embedding rows are few).
     weight_bytes = matmul_params * torch.finfo(dtype).bits // 8
     flop_per_token = 2 * matmul_params
+    # Read a buffer as large as the weights: a smaller one would be served partly from a large
+    # last-level cache and overstate what a decode step can stream.
+    big = torch.ones(max(weight_bytes, 64 << 20) // 4, dtype=torch.float32)
+    read_gb_s = big.numel() * 4 / _best_of(lambda: big.sum()) / 1e9
+    del big
     return {
         "gflops": gflops, "read_gb_s": read_gb_s, "gflop_per_token": flop_per_token / 1e9,
         "compute_roof_tok_s": gflops * 1e9 / flop_per_token,

@@ -32,11 +32,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
@@ -45,13 +40,19 @@ class RotaryEmbedding(nn.Module):
         with torch.device("cpu"):
             inv_freq = _inv_freq(head_dim, theta, scaling)
             freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos_cache, self.sin_cache = emb.cos(), emb.sin()
+        # rotate_half(x) = cat(-x2, x1) equals roll(x, D/2) * (-1 on the first half), exactly:
+        # the sign is folded into the sine table, so applying rope is roll, two muls and an add.
+        self.cos_cache = torch.cat((freqs, freqs), dim=-1).cos()
+        self.sin_cache = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, Hkv, D]; positions: [T] absolute positions."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables for one forward pass, [T, 1, D] each; every layer reuses them."""
         if self.cos_cache.device != positions.device:
             self.cos_cache, self.sin_cache = self.cos_cache.to(positions.device), self.sin_cache.to(positions.device)
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return self.cos_cache[positions].unsqueeze(1).to(dtype), self.sin_cache[positions].unsqueeze(1).to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, heads, D] (queries and keys together), rotated to their positions."""
+        cos, sin = cos_sin
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

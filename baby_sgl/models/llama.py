@@ -20,22 +20,23 @@ from baby_sgl.model_executor.forward_batch import ForwardBatch
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.rotary = rotary
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(fb.positions, q, k)
-        fb.kv_pool.set_kv_buffer(self.layer_id, fb.out_cache_loc, k, v.view(-1, self.num_kv_heads, self.head_dim))
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        # Queries and keys sit side by side in the fused output: rotate them in one go.
+        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = RotaryEmbedding.apply(qk, cos_sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+        fb.kv_pool.set_kv_buffer(self.layer_id, fb.out_cache_loc, k, v)
         out = fb.attn_backend.forward(q, self.layer_id, self.scale, fb)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -53,15 +54,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id, rotary)
+        self.self_attn = Attention(cfg, layer_id)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), fb)
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), fb, cos_sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -69,9 +70,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -84,8 +85,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Returns next-token logits (float32), one row per request."""
         x = self.embed_tokens(fb.input_ids)
+        cos_sin = self.rotary.cos_sin(fb.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, fb)
+            x = layer(x, fb, cos_sin)
         # Only each request's last token needs logits: skip the vocab matmul for the rest.
         x = self.norm(x[fb.last_token_indices()])
         return self.lm_head(x).float()
