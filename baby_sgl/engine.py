@@ -45,6 +45,9 @@ class Engine:
                                   if k in loaded.generation_config}
         self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         runner = ModelRunner(cfg, loaded.weights, self.dtype, self.device)
+        # The model holds its own copies now: free the checkpoint's tensors before the KV pool
+        # is allocated, or both count towards the peak memory.
+        loaded.weights = None
         self.max_total_tokens = self._pool_size(cfg)
         # The longest prompt: its first output token must fit the context and the KV pool.
         self.max_input_len = min(self.context_len, self.max_total_tokens - args.page_size) - 1
