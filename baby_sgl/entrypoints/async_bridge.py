@@ -56,7 +56,13 @@ class AsyncEngine:
 
         if any(item.get("session_params") is not None for item in items):
             # A session turn is checked inside the scheduler thread, between steps: wait off the loop.
-            submitted, keys = await asyncio.to_thread(self._submit, items, deliver)
+            submitting = asyncio.ensure_future(asyncio.to_thread(self._submit, items, deliver))
+            try:
+                submitted, keys = await asyncio.shield(submitting)
+            except asyncio.CancelledError:
+                # The client left while the turn was being submitted: undo it once it is in.
+                submitting.add_done_callback(self._undo_submission)
+                raise
         else:
             submitted, keys = self._submit(items, deliver)
         index = {req.rid: i for i, req in enumerate(submitted)}
@@ -84,6 +90,15 @@ class AsyncEngine:
                     self.engine.abort_request(req.rid)
             for key in keys:
                 self.active.pop(key, None)
+
+    def _undo_submission(self, submitting: asyncio.Future) -> None:
+        if submitting.cancelled() or submitting.exception() is not None:
+            return  # nothing was left running
+        submitted, keys = submitting.result()
+        for req in submitted:
+            self.engine.abort_request(req.rid)
+        for key in keys:
+            self.active.pop(key, None)
 
     def _submit(self, items: list[dict[str, Any]], deliver: Callable[[dict], None]) -> tuple[list[Req], list[str]]:
         given = [item["rid"] for item in items if item.get("rid") is not None]

@@ -29,6 +29,8 @@ from baby_sgl.trace import Tracer
 
 logger = logging.getLogger(__name__)
 
+# How often a scheduler that has waiting requests but could not schedule any looks again.
+_STALLED_POLL_S = 0.02
 # Fraction of their remaining max_new_tokens that running requests are assumed to still need:
 # starts high, decays while decode goes well, is reset by a retraction (as SGLang does).
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.002
@@ -94,12 +96,15 @@ class Scheduler:
 
     # ---- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
+        stalled = False
         while not self._stop.is_set():
-            self._drain_inbox(block=not self.has_work())
+            # Idle: sleep until a message (or a session timeout). Stalled (requests wait but none
+            # could be scheduled): poll at a low rate instead of spinning a core.
+            self._drain_inbox(block=stalled or not self.has_work(), max_wait=_STALLED_POLL_S if stalled else None)
             if self._stop.is_set():
                 break
             try:
-                self.step()
+                stalled = not self.step() and self.has_work()
             except Exception as e:  # a bug, not bad input: fail every request, keep the loop alive
                 logger.exception("scheduler step failed")
                 self.error = e
@@ -122,9 +127,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req)
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, block: bool, max_wait: float | None = None) -> None:
         while True:
             wait = self.sessions.expire() if block else None  # wake up to expire idle sessions
+            if block and max_wait is not None:
+                wait = max_wait if wait is None else min(wait, max_wait)
             try:
                 msg = self.inbox.get(block=block, timeout=wait)
             except queue.Empty:
@@ -148,7 +155,8 @@ class Scheduler:
             if req.rid == rid:
                 req.to_abort = "aborted by request"
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One scheduling round; True if a forward pass ran."""
         self.sessions.expire()
         self._handle_aborts()
         self.cur_batch = None
@@ -156,13 +164,14 @@ class Scheduler:
         if batch is None and self.running:
             batch = self._get_decode_batch()
         if batch is None:
-            return
+            return False
         mwb = batch.get_model_worker_batch()
         if self.tracer:
             self._trace_batch(batch, mwb)
         logits = self.runner.forward(mwb)
         self.stats["forward_steps"] += 1
         self._process_result(batch, logits)
+        return True
 
     # ---- forming batches -----------------------------------------------------------------
     def _new_schedule_batch(self, reqs: list[Req], mode: ForwardMode) -> ScheduleBatch:
