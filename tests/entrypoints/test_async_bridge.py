@@ -27,9 +27,13 @@ def test_turn_cancelled_during_submission_is_aborted_and_forgotten(tiny_llama):
             first.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await first
+            # A server's loop keeps running: let the submission thread finish and its
+            # completion reach the loop before looking.
+            await asyncio.get_running_loop().shutdown_default_executor()
             deadline = time.monotonic() + 10
             while bridge.active and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)
 
         asyncio.run(leave_during_submission())
         assert not bridge.active, "the rid of a cancelled turn stayed registered"
