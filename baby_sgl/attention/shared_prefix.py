@@ -5,11 +5,12 @@ Attending to it separately per request gathers and scores the same keys again an
 decode batch of 64 requests behind one 1024-token system prompt would copy 64 x 1024 slots per
 layer. Instead, each group's queries attend to the shared slots together (one short query
 sequence per group), every request attends to its own remaining slots, and the two partial
-results are merged exactly with their log-sum-exps.
+results are merged with their log-sum-exps (exact up to rounding).
 
 A slot is owned by one tree node, so two rows holding the same slot at position j hold the same
-slots at every position before j: the first slot identifies a group, and the common prefix is
-the leading run of positions where all members agree.
+slots at every position before j; the grouping still checks every slot it shares. Groups are
+found by splitting the batch where rows first differ, so requests that share a long prefix are
+grouped even when others share only the first few slots with them.
 """
 
 from __future__ import annotations
@@ -35,20 +36,10 @@ class SharedPrefixes:
 
 def find_shared_prefixes(rows: torch.Tensor, seq_lens: list[int], dtype: torch.dtype) -> SharedPrefixes | None:
     """rows: [B, L] the batch's KV slot table (host tensor). None when nothing worth sharing."""
-    by_first: dict[int, list[int]] = defaultdict(list)
-    for b, first in enumerate(rows[:, 0].tolist()):
-        by_first[first].append(b)
-    groups = []
-    for members in by_first.values():
-        if len(members) < 2:
-            continue
-        # Each request's last slot is its own new token, so at most seq_len - 1 can be shared.
-        limit = min(seq_lens[b] for b in members) - 1
-        block = rows[members, :limit]
-        agree = (block == block[0]).all(0)
-        n = int(agree.int().cumprod(0).sum())
-        if n >= MIN_SHARED_LEN:
-            groups.append((members, n))
+    # Each request's last slot is its own new token, so at most seq_len - 1 can be shared.
+    limits = [n - 1 for n in seq_lens]
+    groups: list[tuple[list[int], int]] = []
+    _group(rows, limits, list(range(len(seq_lens))), 0, groups)
     if not groups:
         return None
     width = max(len(m) for m, _ in groups)
@@ -66,6 +57,28 @@ def find_shared_prefixes(rows: torch.Tensor, seq_lens: list[int], dtype: torch.d
             flat.append(g * width + m)
             lens[b] = n
     return SharedPrefixes(kv_indices, mask, members_t, torch.tensor(flat_rows), torch.tensor(flat), lens)
+
+
+def _group(rows: torch.Tensor, limits: list[int], members: list[int], start: int,
+           groups: list[tuple[list[int], int]]) -> list[int]:
+    """Members agree on the slots before `start`. Finds how far they all agree, groups the
+    subsets that agree further (recursively: a prompt that shares only a BOS or a chat header
+    with the rest must not stop the others sharing their long prefix), and groups what is left
+    at the common length if that is worth it. Appends (members, length) to `groups`; returns
+    the members it placed in none."""
+    end = min(limits[b] for b in members)
+    block = rows[members, start:end]
+    n = start + int((block == block[0]).all(0).int().cumprod(0).sum())
+    by_next: dict[int, list[int]] = defaultdict(list)
+    left = []
+    for b in members:  # at position n they differ, or some have nothing more to share
+        (left if limits[b] <= n else by_next[int(rows[b, n])]).append(b)
+    for sub in by_next.values():
+        left += _group(rows, limits, sub, n, groups) if len(sub) > 1 else sub
+    if len(left) > 1 and n >= MIN_SHARED_LEN:
+        groups.append((left, n))
+        return []
+    return left
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:

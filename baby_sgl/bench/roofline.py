@@ -32,9 +32,9 @@ def measure_roofs(engine: Engine) -> dict[str, float]:
     # What a decode step must read: every projection once, plus the norms (embedding rows are few).
     weight_bytes = matmul_params * torch.finfo(dtype).bits // 8
     flop_per_token = 2 * matmul_params
-    # Read a buffer as large as the weights: a smaller one would be served partly from a large
-    # last-level cache and overstate what a decode step can stream.
-    big = torch.ones(max(weight_bytes, 64 << 20) // 4, dtype=torch.float32)
+    # Read a buffer as large as the weights (within 64 MB .. 2 GB): a smaller one would be served
+    # partly from a large last-level cache and overstate what a decode step can stream.
+    big = torch.ones(min(max(weight_bytes, 64 << 20), 2 << 30) // 4, dtype=torch.float32)
     read_gb_s = big.numel() * 4 / _best_of(lambda: big.sum()) / 1e9
     del big
     return {

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from baby_sgl.attention.shared_prefix import MIN_SHARED_LEN, find_shared_prefixes
+from baby_sgl.attention import torch_native
 from baby_sgl.attention.torch_native import TorchNativeAttnBackend
 from baby_sgl.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -46,14 +47,14 @@ def _reference(q, rows, pool, scale):
 
 
 def _rows_with_groups():
-    """Two groups sharing prefixes of different lengths (one member repeats the whole shared
-    part and diverges later), one lone request, and a pair whose common prefix is too short."""
+    """Groups sharing prefixes of different lengths, a request that shares 70 slots with a pair
+    sharing 100 (the pair wins), one lone request, and a pair whose common prefix is too short."""
     a = list(range(0, 100))
     b = list(range(200, 260))
     rows = [
         a + [300, 301],
         a + [310],
-        a[:70] + [320, 321, 322],  # shares 70 with the two above: the group shares 70
+        a[:70] + [320, 321, 322],  # shares 70 with the two above, who share 100 with each other
         b + [330],
         b + list(range(400, 420)),
         list(range(500, 540)),
@@ -63,13 +64,16 @@ def _rows_with_groups():
     return rows
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["cpu-kernel", "portable"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_cascade_decode_matches_per_request_attention(dtype, tol):
+def test_cascade_decode_matches_per_request_attention(dtype, tol, fallback, monkeypatch):
+    if fallback:  # the path other devices take
+        monkeypatch.setattr(torch_native, "_CPU_FLASH_WITH_LSE", None)
     rows = _rows_with_groups()
     backend, fb, pool = _batch(rows, dtype)
     shared = fb.attn_metadata.shared
     assert shared is not None
-    assert shared.lens == [70, 70, 70, 60, 60, 0, 0, 0]
+    assert shared.lens == [100, 100, 0, 60, 60, 0, 0, 0]
     q = torch.randn(len(rows), HEADS, DIM).to(dtype)
     out = backend.forward(q, 0, DIM**-0.5, fb)
     ref = _reference(q, rows, pool, DIM**-0.5)
@@ -88,3 +92,20 @@ def test_without_sharing_decode_matches_per_request_attention():
 def test_short_common_prefixes_are_not_shared():
     rows = torch.tensor([list(range(MIN_SHARED_LEN)) + [900], list(range(MIN_SHARED_LEN - 1)) + [901, 902]])
     assert find_shared_prefixes(rows, [MIN_SHARED_LEN + 1, MIN_SHARED_LEN + 1], torch.float32) is None
+
+
+def test_nested_prefixes_and_a_request_sharing_only_the_first_slot():
+    """Every prompt starts with the same BOS slot; one shares nothing else. The others are still
+    grouped by their long prefixes, the deepest first."""
+    system = list(range(1, 120))
+    rows = [
+        [0] + system + list(range(200, 240)) + [300],  # these two share 159 slots
+        [0] + system + list(range(200, 240)) + [301, 302],
+        [0] + system + [400, 401],  # shares 120 with the two above
+        [0] + system + [410],
+        [0] + list(range(500, 530)) + [510],  # shares only slot 0
+    ]
+    backend, fb, pool = _batch(rows, torch.float32)
+    assert fb.attn_metadata.shared.lens == [160, 160, 120, 120, 0]
+    q = torch.randn(len(rows), HEADS, DIM)
+    assert (backend.forward(q, 0, 0.25, fb) - _reference(q, rows, pool, 0.25)).abs().max().item() < 1e-5
