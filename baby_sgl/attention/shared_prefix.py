@@ -34,8 +34,10 @@ class SharedPrefixes:
     lens: list[int]  # per batch row: how many leading slots come from its group (0 if none)
 
 
-def find_shared_prefixes(rows: torch.Tensor, seq_lens: list[int], dtype: torch.dtype) -> SharedPrefixes | None:
-    """rows: [B, L] the batch's KV slot table (host tensor). None when nothing worth sharing."""
+def find_shared_prefixes(rows: torch.Tensor, seq_lens: list[int], dtype: torch.dtype,
+                         device: torch.device | str = "cpu") -> SharedPrefixes | None:
+    """rows: [B, L] the batch's KV slot table (host tensor); the result's tensors are put on
+    `device`. None when nothing is worth sharing."""
     # Each request's last slot is its own new token, so at most seq_len - 1 can be shared.
     limits = [n - 1 for n in seq_lens]
     groups: list[tuple[list[int], int]] = []
@@ -56,7 +58,8 @@ def find_shared_prefixes(rows: torch.Tensor, seq_lens: list[int], dtype: torch.d
             flat_rows.append(b)
             flat.append(g * width + m)
             lens[b] = n
-    return SharedPrefixes(kv_indices, mask, members_t, torch.tensor(flat_rows), torch.tensor(flat), lens)
+    return SharedPrefixes(kv_indices.to(device), mask.to(device), members_t.to(device),
+                          torch.tensor(flat_rows, device=device), torch.tensor(flat, device=device), lens)
 
 
 def _group(rows: torch.Tensor, limits: list[int], members: list[int], start: int,
@@ -71,8 +74,9 @@ def _group(rows: torch.Tensor, limits: list[int], members: list[int], start: int
     n = start + int((block == block[0]).all(0).int().cumprod(0).sum())
     by_next: dict[int, list[int]] = defaultdict(list)
     left = []
-    for b in members:  # at position n they differ, or some have nothing more to share
-        (left if limits[b] <= n else by_next[int(rows[b, n])]).append(b)
+    at_n = rows[members, n].tolist()  # n < every seq_len, so inside the table
+    for b, slot in zip(members, at_n):  # at position n they differ, or some have nothing more to share
+        (left if limits[b] <= n else by_next[slot]).append(b)
     for sub in by_next.values():
         left += _group(rows, limits, sub, n, groups) if len(sub) > 1 else sub
     if len(left) > 1 and n >= MIN_SHARED_LEN:

@@ -96,23 +96,17 @@ class TorchNativeAttnBackend:
         fb.attn_metadata = _ExtendMeta(indices, masks)
 
     def _init_decode(self, fb: ForwardBatch, rows: torch.Tensor) -> None:
-        dtype = fb.kv_pool.k_buffers[0].dtype
-        shared = find_shared_prefixes(rows.cpu(), fb.seq_lens_cpu, dtype)
+        dtype, device = fb.kv_pool.k_buffers[0].dtype, rows.device
+        shared = find_shared_prefixes(rows.cpu(), fb.seq_lens_cpu, dtype, device)
         if shared is None:
             fb.attn_metadata = _DecodeMeta(rows, _padding_mask(fb.seq_lens, rows.shape[1], dtype), None)
             return
         # Each request keeps the slots after its group's shared prefix.
-        starts = shared.lens
-        own_lens = [n - s for n, s in zip(fb.seq_lens_cpu, starts)]
-        width = max(own_lens)
-        cols = torch.arange(width)
-        take = (torch.tensor(starts)[:, None] + cols[None, :]).clamp_(max=rows.shape[1] - 1).to(rows.device)
-        own = rows.gather(1, take)
-        lens = torch.tensor(own_lens, device=rows.device)
-        device = rows.device
-        shared.kv_indices, shared.mask = shared.kv_indices.to(device), shared.mask.to(device)
-        shared.members, shared.rows, shared.flat = (t.to(device) for t in (shared.members, shared.rows, shared.flat))
-        fb.attn_metadata = _DecodeMeta(own, _padding_mask(lens, width, dtype), shared)
+        starts = torch.tensor(shared.lens, device=device)
+        lens = fb.seq_lens - starts
+        width = max(n - s for n, s in zip(fb.seq_lens_cpu, shared.lens))
+        take = (starts[:, None] + torch.arange(width, device=device)).clamp_(max=rows.shape[1] - 1)
+        fb.attn_metadata = _DecodeMeta(rows.gather(1, take), _padding_mask(lens, width, dtype), shared)
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, fb: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer_id)

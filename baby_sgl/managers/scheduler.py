@@ -179,12 +179,22 @@ class Scheduler:
         return self.cur_batch
 
     def _get_new_batch_prefill(self) -> ScheduleBatch | None:
+        while True:
+            batch, short_of_memory = self._try_prefill()
+            # Nothing fits and nothing runs: idle streaming sessions give their KV back, one at
+            # a time, before anyone waits on them forever.
+            if batch is not None or not short_of_memory or self.running \
+                    or not self.sessions.release_idle_row(self.waiting):
+                return batch
+
+    def _try_prefill(self) -> tuple[ScheduleBatch | None, bool]:
+        """The next prefill batch, or None and whether memory (KV or request rows) was short."""
         if not self.waiting and self.chunked_req is None:
-            return None
+            return None, False
         adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
                              self.args.max_prefill_tokens, self.args.chunked_prefill_size, self.sessions)
         if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
-            return None
+            return None, False
         short_of_memory = False
         if adder.new_chunked_req is None:
             sort_waiting(self.waiting, self.args.schedule_policy, self.tree_cache, self.sessions)
@@ -205,18 +215,14 @@ class Scheduler:
                     break
                 room, free_rows = room - 1, free_rows - needs_row
         if not adder.can_run:
-            # Nothing fits: idle streaming sessions give their KV back, one per step, before
-            # anyone waits on them forever.
-            if short_of_memory and not self.running:
-                self.sessions.release_idle_row(self.waiting)
-            return None
+            return None, short_of_memory
         for req in adder.can_run:
             if req in self.waiting:
                 self.waiting.remove(req)
         self.chunked_req = adder.new_chunked_req
         batch = self._new_schedule_batch(adder.can_run, ForwardMode.EXTEND)
         batch.prepare_for_extend()
-        return batch
+        return batch, False
 
     def _get_decode_batch(self) -> ScheduleBatch | None:
         batch = self._new_schedule_batch(self.running, ForwardMode.DECODE)
