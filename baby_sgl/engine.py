@@ -19,14 +19,18 @@ from baby_sgl.mem_cache.memory_pool import KVPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.model_runner import ModelRunner
 from baby_sgl.model_loader.loader import load_model
+from baby_sgl.errors import EngineDeadError
+from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams
 from baby_sgl.sampling.sampling_params import SamplingParams
 from baby_sgl.server_args import ServerArgs
+from baby_sgl.validation import MAX_ID_LEN, MAX_TOP_LOGPROBS, validate, validate_text
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_MAX_TOTAL_TOKENS = 32768  # KV pool cap on CPU when max_total_tokens is not given
 _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_OUTPUT_POLL_S = 0.5  # how often a caller waiting for outputs checks that the engine still runs
 
 
 class Engine:
@@ -41,8 +45,8 @@ class Engine:
         self.tokenizer_path = loaded.tokenizer_path  # a directory AutoTokenizer loads (also for a .gguf)
         self.tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_path)
         self.eos_token_ids = self._eos_ids(loaded.generation_config, cfg)
-        self.sampling_defaults = {k: loaded.generation_config[k] for k in _SAMPLING_DEFAULT_KEYS
-                                  if k in loaded.generation_config}
+        self.sampling_defaults = SamplingParams.usable_defaults(
+            {k: v for k, v in loaded.generation_config.items() if k in _SAMPLING_DEFAULT_KEYS})
         self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         runner = ModelRunner(cfg, loaded.weights, self.dtype, self.device)
         # The model holds its own copies now: free the checkpoint's tensors before the KV pool
@@ -51,6 +55,8 @@ class Engine:
         self.max_total_tokens = self._pool_size(cfg)
         # The longest prompt: its first output token must fit the context and the KV pool.
         self.max_input_len = min(self.context_len, self.max_total_tokens - args.page_size) - 1
+        # No token is longer than this many characters, so a longer text is refused untokenized.
+        self.max_prompt_chars = self.max_input_len * max(map(len, self.tokenizer.get_vocab()), default=1)
         self.scheduler = Scheduler(args, runner, self.tokenizer, self.eos_token_ids, self.max_total_tokens,
                                    self.context_len, self.max_input_len)
         self.model_path = loaded.source
@@ -103,23 +109,17 @@ class Engine:
                 reqs.append(ValueError(f"request {i}: {e}" if not single else str(e)))
         return reqs, single
 
-    def _make_req(self, item: str | list[int], sampling_params: dict | None, rid: str | None,
+    def _make_req(self, item: str | list[int], sampling_params: dict | SamplingParams | None, rid: str | None,
                   return_logprob: bool, top_logprobs_num: int) -> list[Req]:
         params = SamplingParams.from_dict(sampling_params, self.sampling_defaults)
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
-            raise ValueError(f"top_logprobs_num must be an integer in [0, 20], got {top_logprobs_num!r}")
-        if isinstance(item, str):
-            if not item:
-                raise ValueError("prompt is empty")
-            ids = self.tokenizer.encode(item)
-        else:
-            ids = list(item)
-            if not ids:
-                raise ValueError("input_ids is empty")
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"input_ids holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if not isinstance(top_logprobs_num, int) or isinstance(top_logprobs_num, bool) or \
+                not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}")
+        if not isinstance(return_logprob, bool):
+            raise ValueError(f"return_logprob must be true or false, got {return_logprob!r}")
+        if rid is not None and (not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID_LEN):
+            raise ValueError(f"rid must be a non-empty string of at most {MAX_ID_LEN} characters, got {rid!r}")
+        ids = self._prompt_ids(item)
         if len(ids) > self.max_input_len:
             raise ValueError(f"prompt is too long: {len(ids)} tokens, the limit is {self.max_input_len} "
                              f"(context length {self.context_len}, KV pool {self.max_total_tokens})")
@@ -128,6 +128,28 @@ class Engine:
         for req in reqs:
             req.return_logprob, req.top_logprobs_num = return_logprob or top_logprobs_num > 0, top_logprobs_num
         return reqs
+
+    def _prompt_ids(self, item: Any) -> list[int]:
+        """A prompt's token ids; a text is bounded before it is tokenized."""
+        if isinstance(item, str):
+            if not item:
+                raise ValueError("prompt is empty")
+            if len(item) > self.max_prompt_chars:
+                raise ValueError(f"prompt is too long: {len(item)} characters, more than {self.max_input_len} "
+                                 f"tokens can hold")
+            validate_text(item, "prompt")
+            return self.tokenizer.encode(item)
+        if not isinstance(item, (list, tuple)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(item).__name__}")
+        if not item:
+            raise ValueError("input_ids is empty")
+        if len(item) > self.max_input_len:
+            raise ValueError(f"prompt is too long: {len(item)} tokens, the limit is {self.max_input_len}")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in item if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input_ids holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return list(item)
 
     def _result(self, req: Req) -> dict[str, Any]:
         ts = req.time_stats
@@ -170,14 +192,15 @@ class Engine:
         self._enqueue(reqs, session_params)
         return reqs
 
-    def _enqueue(self, reqs: list[Req], session_params: dict | None) -> None:
+    def _enqueue(self, reqs: list[Req], session_params: dict | SessionParams | None) -> None:
         if session_params is None:
             for req in reqs:
                 self.scheduler.submit(req)
             return
+        params = validate(SessionParams, session_params, "session_params")
         if len(reqs) != 1:
             raise ValueError("a session turn is one request: give one prompt and n = 1")
-        self.scheduler.call(lambda: self.scheduler.add_session_req(reqs[0], session_params))
+        self.scheduler.call(lambda: self.scheduler.add_session_req(reqs[0], params))
 
     def _chunk(self, out: dict) -> dict:
         """A scheduler output as the API shows it: the new text and ids, meta_info so far."""
@@ -217,7 +240,12 @@ class Engine:
         pending = len(live)
         try:
             while pending:
-                out = outputs.get()
+                try:
+                    out = outputs.get(timeout=_OUTPUT_POLL_S)
+                except queue.Empty:
+                    if not self.scheduler.is_alive() and outputs.empty():
+                        raise EngineDeadError("the engine stopped before these requests finished") from None
+                    continue
                 pending -= out["finished"]
                 yield {**self._chunk(out), "index": index[id(out["req"])]}
         finally:
@@ -232,6 +260,15 @@ class Engine:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
+        chars = 0
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                validate_text(content, f"messages[{i}].content")
+                chars += len(content)
+        if chars > self.max_prompt_chars:
+            raise ValueError(f"prompt is too long: the messages hold {chars} characters, more than "
+                             f"{self.max_input_len} tokens can hold")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -241,12 +278,14 @@ class Engine:
         """Opens a session and returns its id. Turns name it in `session_params["id"]`; a
         streaming session keeps its KV between turns (see managers/session_controller.py).
         An idle session closes by itself after `timeout` seconds, if given."""
-        return self.scheduler.call(lambda: self.scheduler.sessions.open(capacity_of_str_len, session_id,
-                                                                         streaming, timeout))
+        params = validate(OpenSessionReqInput, {"capacity_of_str_len": capacity_of_str_len, "session_id": session_id,
+                                                "streaming": streaming, "timeout": timeout})
+        return self.scheduler.call(lambda: self.scheduler.sessions.open(params))
 
     def close_session(self, session_id: str) -> None:
         """Releases what the session holds, at once or when its running turn ends."""
-        self.scheduler.call(lambda: self.scheduler.sessions.close(session_id))
+        params = validate(CloseSessionReqInput, {"session_id": session_id})
+        self.scheduler.call(lambda: self.scheduler.sessions.close(params.session_id))
 
     # ---- control -------------------------------------------------------------------------
     def abort_request(self, rid: str) -> None:
@@ -266,11 +305,15 @@ class Engine:
         return self.scheduler.call(flush)
 
     def get_server_info(self) -> dict[str, Any]:
-        info = {k: v for k, v in vars(self.server_args).items()}
+        info = {k: v for k, v in vars(self.server_args).items() if k != "api_key"}
         info.update(max_total_tokens=self.max_total_tokens, context_len=self.context_len, dtype=str(self.dtype),
                     model_path=self.model_path)
         info.update(self.scheduler.call(self.scheduler.load_info))
         return info
+
+    def is_alive(self) -> bool:
+        """False once the scheduler has stopped (shut down, or failed beyond recovery)."""
+        return self.scheduler.is_alive()
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

@@ -26,9 +26,16 @@ class ServerArgs:
     random_seed: int = 0
     trace_file: str | None = None
     debug_memory_check: bool = False
+    # Open sessions at most (each holds bookkeeping and, when streaming, a request row).
+    max_sessions: int = 1024
+    # The server's limits (see the README's "Limits and security").
     host: str = "127.0.0.1"
     port: int = 30000
     log_level: str = "warning"
+    api_key: str | None = None
+    max_request_bytes: int = 16 * 2**20
+    request_body_timeout: float = 30.0
+    max_queued_requests: int | None = 1024
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -41,6 +48,13 @@ class ServerArgs:
             self.chunked_prefill_size = None  # SGLang: -1 disables chunking
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        for name in ("max_sessions", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not self.request_body_timeout > 0:
+            raise ValueError("request_body_timeout must be > 0 seconds")
+        if self.max_queued_requests is not None and self.max_queued_requests <= 0:
+            self.max_queued_requests = None  # as SGLang: no limit
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -62,4 +76,8 @@ class ServerArgs:
 def engine_kwargs(args: ServerArgs | argparse.Namespace) -> dict:
     """The Engine's keyword arguments: every setting but the server's own."""
     sa = args if isinstance(args, ServerArgs) else ServerArgs.from_cli_args(args)
-    return {k: v for k, v in vars(sa).items() if k not in ("host", "port", "log_level")}
+    return {k: v for k, v in vars(sa).items() if k not in SERVER_ONLY}
+
+
+# Settings of the HTTP server alone; api_key is never reported back.
+SERVER_ONLY = ("host", "port", "log_level", "api_key", "max_request_bytes", "request_body_timeout")

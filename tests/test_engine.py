@@ -118,7 +118,7 @@ def test_stopping_a_stream_early_frees_the_request(engine):
     ({"prompt": "x", "sampling_params": {"temperature": -0.5}}, "temperature"),
     ({"prompt": "x", "sampling_params": {"top_p": 0}}, "top_p"),
     ({"prompt": "x", "sampling_params": {"top_k": 0}}, "top_k"),
-    ({"prompt": "x", "sampling_params": {"bogus": 1}}, "unknown sampling parameter"),
+    ({"prompt": "x", "sampling_params": {"bogus": 1}}, "unknown field .sampling_params.bogus."),
     ({"prompt": "x", "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
 ])
 def test_bad_input_is_refused_with_a_clear_error(engine, kwargs, message):

@@ -148,7 +148,7 @@ def test_invalid_session_operations_are_refused(session_engine):
     for bad in ({"replace": True}, {"offset": 3}, {"drop_previous_output": True}):
         with pytest.raises(ValueError, match="append-only"):
             _gen(engine, [5, 6], 2, id=sid, **bad)
-    with pytest.raises(ValueError, match="unknown session_params"):
+    with pytest.raises(ValueError, match="unknown field .session_params"):
         _gen(engine, [5, 6], 2, id=sid, bogus=1)
     with pytest.raises(ValueError, match="one request"):
         engine.generate(input_ids=[5, 6], sampling_params={"n": 2, "max_new_tokens": 2},

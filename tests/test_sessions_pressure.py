@@ -84,7 +84,7 @@ def test_session_offsets_that_cut_everything_or_overshoot_are_refused(tiny_llama
         first = engine.generate(input_ids=[10, 11, 12, 13, 14], sampling_params={**GREEDY, "max_new_tokens": 3},
                                 session_params={"id": sid})
         other, other_done, other_out = _submit(engine, list(range(20, 60)), 3)
-        for offset, message in ((-8, "non-negative"), (9, "past the end")):
+        for offset, message in ((-8, "session_params.offset: Input should be greater than or equal to 0"), (9, "past the end")):
             with pytest.raises(ValueError, match=message):
                 engine.generate(input_ids=[engine.tokenizer.bos_token_id], sampling_params={"max_new_tokens": 3},
                                 session_params={"id": sid, "rid": first["meta_info"]["id"], "offset": offset})

@@ -10,12 +10,14 @@ step."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.metrics import Metrics
+from baby_sgl.errors import EngineDeadError, ServerBusyError
 from baby_sgl.managers.req import Req
 
 # How often a waiting request checks that its client is still there (SGLang: every 4 s).
@@ -23,11 +25,13 @@ DISCONNECT_POLL_S = 0.5
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+    def __init__(self, engine: Engine, metrics: Metrics, max_queued_requests: int | None = None) -> None:
         self.engine, self.metrics = engine, metrics
+        self.max_queued = max_queued_requests
         # The rid a client gave -> its engine requests (n > 1 runs copies "rid-0", "rid-1", ...),
         # so /abort_request with that rid reaches all of them and a reused rid is refused.
         self.active: dict[str, list[Req]] = {}
+        self._lock = threading.Lock()  # submissions run in worker threads
 
     def abort(self, rid: str) -> None:
         for req in self.active.get(rid, []):
@@ -54,17 +58,15 @@ class AsyncEngine:
             except RuntimeError:  # the server stopped; nobody is waiting for this any more
                 pass
 
-        if any(item.get("session_params") is not None for item in items):
-            # A session turn is checked inside the scheduler thread, between steps: wait off the loop.
-            submitting = asyncio.ensure_future(asyncio.to_thread(self._submit, items, deliver))
-            try:
-                submitted, keys = await asyncio.shield(submitting)
-            except asyncio.CancelledError:
-                # The client left while the turn was being submitted: undo it once it is in.
-                submitting.add_done_callback(self._undo_submission)
-                raise
-        else:
-            submitted, keys = self._submit(items, deliver)
+        # Tokenizing (and a session turn's checks in the scheduler thread) run off the event
+        # loop, so a long prompt never stalls other clients or /health.
+        submitting = asyncio.ensure_future(asyncio.to_thread(self._submit, items, deliver))
+        try:
+            submitted, keys = await asyncio.shield(submitting)
+        except asyncio.CancelledError:
+            # The client left while its request was being submitted: undo it once it is in.
+            submitting.add_done_callback(self._undo_submission)
+            raise
         index = {req.rid: i for i, req in enumerate(submitted)}
         partial: dict[int, dict] = {}
         pending = len(submitted)
@@ -74,6 +76,8 @@ class AsyncEngine:
                 chunk = await queue.get()
                 if chunk is None:  # the client left
                     return
+                if chunk["finished"] and not self.engine.is_alive():
+                    raise EngineDeadError(chunk["meta_info"]["finish_reason"].get("message", "the engine stopped"))
                 i = index[chunk["meta_info"]["id"]]
                 pending -= chunk["finished"]
                 if stream:
@@ -101,19 +105,26 @@ class AsyncEngine:
             self.active.pop(key, None)
 
     def _submit(self, items: list[dict[str, Any]], deliver: Callable[[dict], None]) -> tuple[list[Req], list[str]]:
+        if self.max_queued is not None and self.engine.scheduler.num_queued() + len(items) > self.max_queued:
+            raise ServerBusyError(f"the request queue is full ({self.max_queued} requests wait); try again later")
         given = [item["rid"] for item in items if item.get("rid") is not None]
-        clash = next((r for r in given if r in self.active or given.count(r) > 1), None)
-        if clash is not None:
-            raise ValueError(f"duplicate request id {clash!r}: a request with this rid is still running")
+        with self._lock:  # check and reserve the rids at once: two submissions may race
+            clash = next((r for r in given if r in self.active or given.count(r) > 1), None)
+            if clash is not None:
+                raise ValueError(f"duplicate request id {clash!r}: a request with this rid is still running")
+            for rid in given:
+                self.active[rid] = []
         submitted: list[Req] = []
-        keys: list[str] = []
+        keys: list[str] = list(given)
         try:
             for item in items:
                 reqs = self.engine.submit(**item, stream=True, on_output=deliver)
                 submitted += reqs
-                keys.append(item.get("rid") or reqs[0].rid)
-                self.active[keys[-1]] = reqs
-        except ValueError:
+                key = item.get("rid") or reqs[0].rid
+                if key not in given:
+                    keys.append(key)
+                self.active[key] = reqs
+        except Exception:
             for req in submitted:
                 self.engine.abort_request(req.rid)
             for key in keys:

@@ -6,6 +6,7 @@ loop, and with it /health, never waits on engine work."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import sys
@@ -18,6 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.async_bridge import AsyncEngine
+from baby_sgl.entrypoints.request_guard import RequestGuard
+from baby_sgl.errors import EngineDeadError, ServerBusyError
 from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.entrypoints.openai_api import add_openai_routes
 from baby_sgl.entrypoints.protocol import AbortRequest, CloseSessionRequest, GenerateRequest, OpenSessionRequest
@@ -27,14 +30,21 @@ from baby_sgl.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # as SGLang: an engine that cannot make one token is unhealthy
+RETRY_AFTER_S = 1  # what a client told "busy" (503) should wait before trying again
+GRACEFUL_SHUTDOWN_S = 3  # SIGTERM: open requests get this long, then the server stops regardless
 
 
-def create_app(engine: Engine) -> FastAPI:
+def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI:
+    """The app over a running engine; server_args gives the server's limits and API key
+    (the engine's own settings when None)."""
+    args = server_args or engine.server_args
     app = FastAPI(title="baby-sgl")
     app.state.engine = engine
     app.state.model_name = os.path.basename(engine.model_path.rstrip("/"))
     app.state.metrics = Metrics(app.state.model_name)
-    app.state.async_engine = AsyncEngine(engine, app.state.metrics)
+    app.state.async_engine = AsyncEngine(engine, app.state.metrics, args.max_queued_requests)
+    app.add_middleware(RequestGuard, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                       body_timeout=args.request_body_timeout)
     _install_error_handlers(app)
     _add_native_routes(app)
     add_openai_routes(app)
@@ -63,6 +73,14 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ValueError)  # the engine's word for bad input
     async def bad_value(_: Request, exc: ValueError) -> JSONResponse:
         return error_response(str(exc), 400)
+
+    @app.exception_handler(ServerBusyError)
+    async def busy(_: Request, exc: ServerBusyError) -> JSONResponse:
+        return error_response(str(exc), 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(str(exc), 503)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -104,10 +122,15 @@ def _add_native_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health() -> Response:
+        if not engine.is_alive():
+            return error_response("the engine has stopped", 503)
         return Response(status_code=200)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        if not engine.is_alive():
+            return error_response("the engine has stopped", 503)
+
         async def one_token() -> dict:
             item = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}
             return [chunk async for _, chunk in aengine.generate([item], stream=False)][0]
@@ -147,8 +170,7 @@ def _add_native_routes(app: FastAPI) -> None:
     @app.post("/open_session")
     async def open_session(body: OpenSessionRequest) -> str:
         """Returns the session id, as SGLang does (a JSON string)."""
-        return await asyncio.to_thread(engine.open_session, body.capacity_of_str_len, body.session_id,
-                                       body.streaming, body.timeout)
+        return await asyncio.to_thread(engine.open_session, **body.model_dump())
 
     @app.post("/close_session")
     async def close_session(body: CloseSessionRequest) -> Response:
@@ -201,18 +223,37 @@ async def _native_sse(first: tuple | None, chunks: AsyncIterator) -> AsyncIterat
         await chunks.aclose()  # a cancelled stream (client gone) aborts its requests here
 
 
-def launch_server(server_args: ServerArgs) -> None:
+def launch_server(server_args: ServerArgs) -> int:
+    """Serves until SIGTERM/SIGINT (exit code 0) or until the engine fails beyond recovery
+    (exit code 1, so that a supervisor restarts it)."""
     import uvicorn
 
     from baby_sgl.server_args import engine_kwargs
 
+    if server_args.api_key is None and not _is_loopback(server_args.host):
+        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the server",
+                       server_args.host)
     engine = Engine(**engine_kwargs(server_args))
-    app = create_app(engine)
+    app = create_app(engine, server_args)
     app.state.listen = {"host": server_args.host, "port": server_args.port}
+    server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                                           log_level=server_args.log_level, timeout_keep_alive=5,
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    engine.scheduler.on_death.append(lambda _: setattr(server, "should_exit", True))
     print(f"baby-sgl: serving {app.state.model_name} at http://{server_args.host}:{server_args.port}",
           file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
-                    timeout_keep_alive=5)
+        server.run()
     finally:
         engine.shutdown()
+    if engine.scheduler.dead is not None:
+        logger.critical("exiting: the engine stopped (%r)", engine.scheduler.dead)
+        return 1
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

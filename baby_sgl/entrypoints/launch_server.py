@@ -15,5 +15,4 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from baby_sgl.entrypoints.http_server import launch_server
 
-    launch_server(args)
-    return 0
+    return launch_server(args)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -81,7 +82,7 @@ def add_openai_routes(app: FastAPI) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        ids = engine.apply_chat_template([m.as_template_message() for m in body.messages])
+        ids = await asyncio.to_thread(engine.apply_chat_template, [m.as_template_message() for m in body.messages])
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         item = {"input_ids": ids, "sampling_params": body.sampling_params(max_tokens),
                 "return_logprob": body.logprobs, "top_logprobs_num": body.top_logprobs or 0}

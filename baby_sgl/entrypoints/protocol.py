@@ -1,65 +1,65 @@
-"""Request bodies of the native and OpenAI-compatible APIs. Unknown fields are refused."""
+"""Request bodies of the native and OpenAI-compatible APIs: exact types, bounded sizes, unknown
+fields refused. Sampling and session fields use the engine's own models, so HTTP and `Engine`
+apply the same rules (validation.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams
+from baby_sgl.sampling.sampling_params import SamplingParams, StopString
+from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_BATCH, MAX_ID_LEN, MAX_N, MAX_STOP,
+                                 MAX_TOP_LOGPROBS, Id, Int32,
+                                 NonNegInt32, StrictModel, Text, TokenId)
+
+MAX_MESSAGES = 4096
+
+TokenIds = Annotated[list[TokenId], Field(max_length=2**24)]
+
+OpenSessionRequest = OpenSessionReqInput
+CloseSessionRequest = CloseSessionReqInput
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class GenerateRequest(_Strict):
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+class GenerateRequest(StrictModel):
+    text: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_BATCH)] | None = None
+    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)] | None = None
+    sampling_params: SamplingParams | Annotated[list[SamplingParams], Field(max_length=MAX_BATCH)] | None = None
     stream: bool = False
-    rid: str | list[str] | None = None
+    rid: Id | Annotated[list[Id], Field(max_length=MAX_BATCH)] | None = None
     return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    session_params: dict[str, Any] | None = None
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    logprob_start_len: Int32 = -1
+    session_params: SessionParams | None = None
 
 
-class AbortRequest(_Strict):
-    rid: str
+class AbortRequest(StrictModel):
+    rid: Id
 
 
-class OpenSessionRequest(_Strict):
-    capacity_of_str_len: int
-    session_id: str | None = None
-    streaming: bool = False
-    timeout: float | None = None
-
-
-class CloseSessionRequest(_Strict):
-    session_id: str
-
-
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _OpenAISampling(_Strict):
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = Field(default=1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+class _OpenAISampling(StrictModel):
+    model: Annotated[Text, Field(max_length=MAX_ID_LEN)] | None = None
+    max_tokens: NonNegInt32 | None = None
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: Int32 | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP)] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
     ignore_eos: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Annotated[Text, Field(max_length=MAX_ID_LEN)] | None = None
 
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
         params = {
@@ -72,20 +72,21 @@ class _OpenAISampling(_Strict):
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_BATCH)] | TokenIds | \
+        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: Literal[False] = False
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]  # text-only models: an image or audio part is refused as invalid
-    text: str
+    text: Text
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
+    name: Annotated[Text, Field(max_length=MAX_ID_LEN)] | None = None
 
     def as_template_message(self) -> dict[str, str]:
         """Chat templates expect a string; OpenAI clients may send a list of text parts."""
@@ -94,7 +95,7 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_OpenAISampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: NonNegInt32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)

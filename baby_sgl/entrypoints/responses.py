@@ -8,14 +8,17 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-                503: "service_unavailable"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+                413: "invalid_request_error", 415: "invalid_request_error", 503: "service_unavailable"}
 
 
-def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+def error_response(message: str, status: int = 400, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     """OpenAI's error body, used by every route so clients handle one shape."""
     kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status,
+                        headers=headers)
 
 
 def sse(payload: Any) -> str:

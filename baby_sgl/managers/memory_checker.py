@@ -20,8 +20,8 @@ def _owned(sched: Scheduler, reqs: list) -> list[torch.Tensor]:
     page, table = sched.allocator.page_size, sched.req_to_token_pool.req_to_token
     owned = []
     for r in reqs:
-        if r.req_pool_idx is not None and r.kv_len > r.cache_protected_len:
-            start = table[r.req_pool_idx, r.cache_protected_len : r.kv_len].cpu()
+        if r.req_pool_idx is not None and r.alloc_len > r.cache_protected_len:
+            start = table[r.req_pool_idx, r.cache_protected_len : r.alloc_len].cpu()
             pages = start[::page] // page
             owned.append((pages[:, None] * page + torch.arange(page)).flatten())
     return owned

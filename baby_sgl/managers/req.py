@@ -37,10 +37,12 @@ class Req:
         self.top_logprobs_num = 0
         self.output_token_logprobs: list[list] = []
         self.output_top_logprobs: list[list[list]] = []
-        # KV state: row `req_pool_idx` of the ReqToTokenPool holds kv_len slots; the first
-        # cache_protected_len of them are owned by the tree (locked through last_node).
+        # KV state: row `req_pool_idx` of the ReqToTokenPool holds alloc_len slots, of which the
+        # first kv_len hold computed K/V (the rest were allocated for a pass not yet done); the
+        # first cache_protected_len are owned by the tree (locked through last_node).
         self.req_pool_idx: int | None = None
         self.kv_len = 0
+        self.alloc_len = 0
         self.cache_protected_len = 0
         self.last_node: Any = None
         # Set by the scheduler for the next extend pass.
@@ -68,7 +70,8 @@ class Req:
         return self.finished_reason is not None
 
     def reset_kv_state(self) -> None:
-        self.req_pool_idx, self.kv_len, self.cache_protected_len, self.last_node = None, 0, 0, None
+        self.req_pool_idx, self.kv_len, self.alloc_len, self.cache_protected_len = None, 0, 0, 0
+        self.last_node = None
         self.prefix_indices, self.extend_input_len, self.is_chunked = None, 0, False
 
     def __repr__(self) -> str:

@@ -44,7 +44,7 @@ class ScheduleBatch:
                 assert req.req_pool_idx is not None, "admission let in more requests than slots"
                 prefix = req.prefix_indices
                 self.req_to_token_pool.write(req.req_pool_idx, 0, prefix.to(self.req_to_token_pool.req_to_token.device))
-                req.kv_len = req.cache_protected_len = len(prefix)
+                req.kv_len = req.alloc_len = req.cache_protected_len = len(prefix)
         self.prefix_lens = [r.kv_len for r in self.reqs]
         self.seq_lens = [r.kv_len + r.extend_input_len for r in self.reqs]
         self.out_cache_loc = self.alloc_token_slots(self.prefix_lens, self.seq_lens)
@@ -55,6 +55,7 @@ class ScheduleBatch:
         start = 0
         for req, a, b in zip(self.reqs, self.prefix_lens, self.seq_lens):
             self.req_to_token_pool.write(req.req_pool_idx, a, self.out_cache_loc[start : start + b - a])
+            req.alloc_len = b  # owned now, computed once the pass has run (kv_len)
             start += b - a
 
     # ---- decode --------------------------------------------------------------------------

@@ -13,12 +13,16 @@ from typing import Any
 import torch
 
 from baby_sgl.detokenizer import detokenize_step
+from baby_sgl.errors import EngineDeadError
+from baby_sgl.managers.io_struct import SessionParams
 from baby_sgl.managers.memory_checker import check_memory
+from baby_sgl.managers.messages import AbortReq, Call, Message, NewReq, Stop
 from baby_sgl.managers.req import Req
 from baby_sgl.managers.schedule_batch import ScheduleBatch
 from baby_sgl.managers.schedule_policy import AddResult, PrefillAdder, shares_uncached_prefix, sort_waiting
 from baby_sgl.managers.session_controller import SessionController
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
+from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 from baby_sgl.mem_cache.chunk_cache import ChunkCache
 from baby_sgl.mem_cache.radix_cache import RadixCache
 from baby_sgl.model_executor.forward_batch import ForwardMode
@@ -31,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 # How often a scheduler that has waiting requests but could not schedule any looks again.
 _STALLED_POLL_S = 0.02
+_IDLE_WAKE_S = 60.0  # an idle scheduler wakes at least this often, whatever session timeouts say
+_CALL_POLL_S = 0.25  # how often a caller waiting on the scheduler checks that it is alive
+_SHUTDOWN_JOIN_S = 5.0
 # Fraction of their remaining max_new_tokens that running requests are assumed to still need:
 # starts high, decays while decode goes well, is reset by a retraction (as SGLang does).
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.002
@@ -46,9 +53,10 @@ class Scheduler:
         runner.init_memory_pool(max_total_tokens, args.max_running_requests, context_len)
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = PagedTokenAllocator(max_total_tokens, args.page_size, runner.device)
-        cache_cls = ChunkCache if args.disable_radix_cache else RadixCache
-        self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, self.tracer)
-        self.sessions = SessionController(self.tree_cache, max_input_len, tokenizer.bos_token_id)
+        self.tree_cache: BasePrefixCache = (ChunkCache(self.req_to_token_pool, self.allocator)
+                                            if args.disable_radix_cache else
+                                            RadixCache(self.req_to_token_pool, self.allocator, self.tracer))
+        self.sessions = SessionController(self.tree_cache, max_input_len, tokenizer.bos_token_id, args.max_sessions)
         self.sampler = Sampler(runner.cfg.vocab_size, sorted(self.eos_token_ids), args.random_seed)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -58,57 +66,88 @@ class Scheduler:
         self.init_ratio, self.min_ratio = min(INIT_NEW_TOKEN_RATIO * c, 1.0), min(MIN_NEW_TOKEN_RATIO * c, 1.0)
         self.new_token_ratio = self.init_ratio
         self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
-                      "forward_steps": 0}
-        self.inbox: queue.Queue = queue.Queue()
+                      "forward_steps": 0, "num_failed_reqs": 0}
+        self.inbox: queue.Queue[Message] = queue.Queue()
         self._stop = threading.Event()
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the last failure the loop survived
+        self.dead: BaseException | None = None  # what stopped the loop, if it stopped on its own
+        self.on_death: list[Callable[[BaseException], None]] = []
         self.thread = threading.Thread(target=self._loop, name="baby-sgl-scheduler", daemon=True)
         self.thread.start()
 
     # ---- called from other threads -------------------------------------------------------
-    def submit(self, req: Req) -> None:
-        self.inbox.put(("req", req))
+    def is_alive(self) -> bool:
+        return self.dead is None and self.thread.is_alive()
 
-    def add_session_req(self, req: Req, session_params: dict) -> None:
+    def _check_alive(self) -> None:
+        if not self.is_alive():
+            raise EngineDeadError(f"the engine has stopped: {self.dead!r}" if self.dead else "the engine has stopped")
+
+    def submit(self, req: Req) -> None:
+        self._check_alive()
+        self.inbox.put(NewReq(req))
+
+    def num_queued(self) -> int:
+        """Requests not yet admitted: waiting, or still in the inbox (approximate, any thread)."""
+        return len(self.waiting) + self.inbox.qsize()
+
+    def add_session_req(self, req: Req, session_params: SessionParams) -> None:
         """In the scheduler thread (through `call`): makes req a turn of its session and queues
         it, in one go, so two turns racing for one streaming session cannot both get in."""
         self.sessions.attach(req, session_params)
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
-        self.inbox.put(("abort", rid))
+        self.inbox.put(AbortReq(rid))
 
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
-        """Runs fn in the scheduler thread between steps and returns its result."""
+        """Runs fn in the scheduler thread between steps and returns its result. Raises
+        EngineDeadError, rather than waiting forever, if the scheduler stops meanwhile."""
+        self._check_alive()
         done: queue.Queue = queue.Queue()
-        self.inbox.put(("call", fn, done))
-        ok, value = done.get(timeout=timeout)
+        self.inbox.put(Call(fn, done))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                ok, value = done.get(timeout=_CALL_POLL_S)
+                break
+            except queue.Empty:
+                self._check_alive()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError("the scheduler did not answer in time") from None
         if not ok:
             raise value
         return value
 
     def shutdown(self) -> None:
         self._stop.set()
-        self.inbox.put(("stop",))
-        self.thread.join(timeout=30)
+        self.inbox.put(Stop())
+        self.thread.join(timeout=_SHUTDOWN_JOIN_S)
         if self.tracer:
             self.tracer.close()
 
     # ---- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - whatever it was, nobody may wait forever
+            self._die(e)
+
+    def _run(self) -> None:
         stalled = False
         while not self._stop.is_set():
-            # Idle: sleep until a message (or a session timeout). Stalled (requests wait but none
-            # could be scheduled): poll at a low rate instead of spinning a core.
-            self._drain_inbox(block=stalled or not self.has_work(), max_wait=_STALLED_POLL_S if stalled else None)
-            if self._stop.is_set():
-                break
             try:
+                # Idle: sleep until a message (or a session timeout). Stalled (requests wait but
+                # none could be scheduled): poll at a low rate instead of spinning a core.
+                self._drain_inbox(block=stalled or not self.has_work(),
+                                  max_wait=_STALLED_POLL_S if stalled else _IDLE_WAKE_S)
+                if self._stop.is_set():
+                    break
                 stalled = not self.step() and self.has_work()
-            except Exception as e:  # a bug, not bad input: fail every request, keep the loop alive
+            except Exception as e:  # a bug, not bad input: fail what was in flight, keep serving
                 logger.exception("scheduler step failed")
-                self.error = e
-                self._fail_all(f"internal error: {e}")
+                self.error, stalled = e, False
+                self._fail_all(f"internal error: {e!r}")
             if self.args.debug_memory_check:
                 try:
                     check_memory(self)
@@ -116,6 +155,32 @@ class Scheduler:
                     logger.error("memory check failed after a step: %s", e)
                     self.error = e
                     self._fail_all(f"internal error: {e}")
+
+    def _die(self, e: BaseException) -> None:
+        """The loop itself failed: answer everyone who waits, then tell the owners (a server
+        exits so that its supervisor can restart it)."""
+        self.dead = e
+        logger.critical("the scheduler thread stopped: %r", e, exc_info=e)
+        reqs = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
+        reqs += [r for r in (self.cur_batch.reqs if self.cur_batch else []) if r not in reqs]
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(msg, NewReq):
+                reqs.append(msg.req)
+            elif isinstance(msg, Call):
+                msg.done.put((False, EngineDeadError(f"the engine has stopped: {e!r}")))
+        for req in reqs:
+            if not req.finished:
+                req.finished_reason = {"type": "abort", "message": f"the engine has stopped: {e!r}"}
+                self._emit(req)
+        for callback in self.on_death:
+            try:
+                callback(e)
+            except Exception:
+                logger.exception("on_death callback failed")
 
     def load_info(self) -> dict[str, Any]:
         """Counters and gauges for /server_info and /metrics (call through `call`)."""
@@ -127,27 +192,27 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req)
 
-    def _drain_inbox(self, block: bool, max_wait: float | None = None) -> None:
+    def _drain_inbox(self, block: bool, max_wait: float) -> None:
         while True:
-            wait = self.sessions.expire() if block else None  # wake up to expire idle sessions
-            if block and max_wait is not None:
-                wait = max_wait if wait is None else min(wait, max_wait)
+            wait = None
+            if block:
+                expiry = self.sessions.expire()  # wake up to expire idle sessions
+                wait = max_wait if expiry is None else min(expiry, max_wait)
             try:
                 msg = self.inbox.get(block=block, timeout=wait)
             except queue.Empty:
                 return
             block = False
-            kind = msg[0]
-            if kind == "req":
-                self.waiting.append(msg[1])
-            elif kind == "abort":
-                self._mark_abort(msg[1])
-            elif kind == "call":
+            if isinstance(msg, NewReq):
+                self.waiting.append(msg.req)
+            elif isinstance(msg, AbortReq):
+                self._mark_abort(msg.rid)
+            elif isinstance(msg, Call):
                 try:
-                    msg[2].put((True, msg[1]()))
+                    msg.done.put((True, msg.fn()))
                 except Exception as e:
-                    msg[2].put((False, e))
-            elif kind == "stop":
+                    msg.done.put((False, e))
+            elif isinstance(msg, Stop):
                 return
 
     def _mark_abort(self, rid: str) -> None:
@@ -168,7 +233,13 @@ class Scheduler:
         mwb = batch.get_model_worker_batch()
         if self.tracer:
             self._trace_batch(batch, mwb)
-        logits = self.runner.forward(mwb)
+        try:
+            logits = self.runner.forward(mwb)
+        except Exception as e:  # shared by the batch: its requests end, the others go on
+            logger.exception("forward pass failed")
+            self.error = e
+            self._fail_batch(batch.reqs, f"internal error in the forward pass: {e!r}")
+            return True
         self.stats["forward_steps"] += 1
         self._process_result(batch, logits)
         return True
@@ -248,31 +319,71 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------
     def _process_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
-        next_ids = self.sampler(logits, batch.reqs)
+        """Each request's share of the pass, one at a time: an error in one (sampling, the
+        detokenizer, a stop check, its session) ends that request alone."""
+        tokens = self._sample(logits, batch.reqs)
         still_running = []
-        for req, seq_len, token in zip(batch.reqs, batch.seq_lens, next_ids):
+        for req, seq_len, token in zip(batch.reqs, batch.seq_lens, tokens):
             req.kv_len = seq_len
-            if req.is_chunked:
-                self.tree_cache.cache_unfinished_req(req)
-                continue
-            if req.to_abort:
-                self._finish(req, {"type": "abort", "message": req.to_abort})
-                continue
-            if req.time_stats.first_token is None:  # its prefill is complete: count its prompt once
-                self.stats["prompt_tokens"] += len(req.origin_input_ids)
-                self.stats["cached_tokens"] += req.cached_tokens
-            self._append_token(req, token)
-            if req.finished:
-                self.sessions.finish(req)
-            else:
-                if batch.mode == ForwardMode.EXTEND:
-                    self.tree_cache.cache_unfinished_req(req)
-                still_running.append(req)
-            self._emit(req)
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                if self._advance(req, batch.mode, token):
+                    still_running.append(req)
+            except Exception as e:
+                logger.exception("request %s failed", req.rid)
+                self._fail_req(req, f"internal error while handling this request: {e!r}")
         if batch.mode == ForwardMode.EXTEND:
             self.running.extend(still_running)
         else:
             self.running = still_running
+
+    def _needs_token(self, req: Req) -> bool:
+        return not req.is_chunked and not req.to_abort and req.sampling_params.max_new_tokens > 0
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int | Exception | None]:
+        """The next token of every request that gets one (None for the others). Sampling is
+        batched; if the batch fails, each row is sampled alone so one bad row fails one request."""
+        rows = [i for i, r in enumerate(reqs) if self._needs_token(r)]
+        out: list[int | Exception | None] = [None] * len(reqs)
+        if not rows:
+            return out
+        try:
+            batch_logits = logits if len(rows) == len(reqs) else logits[rows]
+            for i, token in zip(rows, self.sampler(batch_logits, [reqs[i] for i in rows])):
+                out[i] = token
+            return out
+        except Exception:
+            logger.exception("batched sampling failed; sampling row by row")
+        for i in rows:
+            try:
+                out[i] = self.sampler(logits[i : i + 1], [reqs[i]])[0]
+            except Exception as e:
+                out[i] = e
+        return out
+
+    def _advance(self, req: Req, mode: ForwardMode, token: int | None) -> bool:
+        """Applies one pass to one request; True if it keeps decoding."""
+        if req.is_chunked:  # more of its prompt to come; it stays the chunked request
+            self.tree_cache.cache_unfinished_req(req)
+            return False
+        if req.to_abort:
+            self._finish(req, {"type": "abort", "message": req.to_abort})
+            return False
+        if req.time_stats.first_token is None:  # its prefill is complete: count its prompt once
+            self.stats["prompt_tokens"] += len(req.origin_input_ids)
+            self.stats["cached_tokens"] += req.cached_tokens
+        if token is None:  # max_new_tokens == 0: prefill only, the prompt stays in the cache
+            req.time_stats.first_token = time.perf_counter()
+            self._finish(req, {"type": "length", "length": 0})
+            return False
+        self._append_token(req, token)
+        if req.finished:
+            self._release(req)
+        elif mode == ForwardMode.EXTEND:
+            self.tree_cache.cache_unfinished_req(req)
+        self._emit(req)
+        return not req.finished
 
     def _append_token(self, req: Req, token: int) -> None:
         req.output_ids.append(token)
@@ -300,8 +411,15 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: dict) -> None:
         req.finished_reason = reason
-        self.sessions.finish(req)
+        self._release(req)
         self._emit(req)
+
+    def _release(self, req: Req) -> None:
+        """A finished request's KV goes back through the cache layer, unless its streaming
+        session keeps the row for the next turn."""
+        if not self.sessions.keep_row(req):
+            self.tree_cache.release_req(req)
+        self.sessions.turn_ended(req)
 
     def _emit(self, req: Req) -> None:
         """Sends the new text and ids to whoever waits for this request (stream) or the whole
@@ -323,8 +441,14 @@ class Scheduler:
             "req": req,
         }
         req.sent_text_len, req.sent_ids_len = text_end, len(req.output_ids)
-        if req.on_output:
+        if req.on_output is None:
+            return
+        try:
             req.on_output(out)
+        except Exception as e:  # the consumer's code, not ours: end its request, nothing else
+            logger.exception("output callback of request %s failed", req.rid)
+            if not req.finished:
+                req.to_abort = f"its output callback failed: {e!r}"
 
     # ---- aborts and failures -------------------------------------------------------------
     def _handle_aborts(self) -> None:
@@ -338,13 +462,25 @@ class Scheduler:
             self.running.remove(req)
             self._finish(req, {"type": "abort", "message": req.to_abort})
 
+    def _fail_req(self, req: Req, message: str) -> None:
+        """Ends one request with an error; whatever it held is released."""
+        self.stats["num_failed_reqs"] += 1
+        if self.chunked_req is req:
+            self.chunked_req = None
+        self._finish(req, {"type": "abort", "message": message})  # releasing is idempotent
+
+    def _fail_batch(self, reqs: list[Req], message: str) -> None:
+        failed = list(reqs)
+        self.running = [r for r in self.running if r not in failed]
+        for req in failed:
+            self._fail_req(req, message)
+
     def _fail_all(self, message: str) -> None:
         reqs = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
         reqs += [r for r in (self.cur_batch.reqs if self.cur_batch else []) if r not in reqs]
-        self.waiting, self.running, self.chunked_req = [], [], None
+        self.waiting, self.running, self.chunked_req, self.cur_batch = [], [], None, None
         for req in reqs:
-            if not req.finished:
-                self._finish(req, {"type": "abort", "message": message})
+            self._fail_req(req, message)
 
     def _trace_batch(self, batch: ScheduleBatch, mwb) -> None:
         self.tracer.event(

@@ -20,11 +20,11 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
+from baby_sgl.errors import ServerBusyError
+from baby_sgl.managers.io_struct import OpenSessionReqInput, SessionParams
 from baby_sgl.managers.req import Req
-
-_PARAM_KEYS = {"id", "rid", "offset", "replace", "drop_previous_output"}
+from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 
 
 @dataclass
@@ -51,25 +51,23 @@ class Session:
 
 
 class SessionController:
-    def __init__(self, tree_cache, max_input_len: int, bos_token_id: int | None) -> None:
+    def __init__(self, tree_cache: BasePrefixCache, max_input_len: int, bos_token_id: int | None,
+                 max_sessions: int) -> None:
         self.tree_cache = tree_cache
         self.max_input_len = max_input_len
+        self.max_sessions = max_sessions
         self.bos_token_id = bos_token_id
         self.sessions: dict[str, Session] = {}
 
     # ---- open and close ------------------------------------------------------------------
-    def open(self, capacity_of_str_len: int, session_id: str | None = None, streaming: bool = False,
-             timeout: float | None = None) -> str:
-        if not isinstance(capacity_of_str_len, int) or capacity_of_str_len <= 0:
-            raise ValueError(f"capacity_of_str_len must be a positive integer, got {capacity_of_str_len!r}")
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        session_id = session_id or uuid.uuid4().hex
-        if not isinstance(session_id, str):
-            raise ValueError(f"session_id must be a string, got {session_id!r}")
+    def open(self, params: OpenSessionReqInput) -> str:
+        """Opens a session (params already validated) and returns its id."""
+        if len(self.sessions) >= self.max_sessions:
+            raise ServerBusyError(f"too many open sessions (the limit is {self.max_sessions}); close one first")
+        session_id = params.session_id or uuid.uuid4().hex
         if session_id in self.sessions:
             raise ValueError(f"session {session_id!r} is already open")
-        self.sessions[session_id] = Session(session_id, capacity_of_str_len, bool(streaming), timeout)
+        self.sessions[session_id] = Session(session_id, params.capacity_of_str_len, params.streaming, params.timeout)
         return session_id
 
     def close(self, session_id: str) -> None:
@@ -105,21 +103,14 @@ class SessionController:
         return [s.held for s in self.sessions.values() if s.held is not None]
 
     # ---- a new turn ----------------------------------------------------------------------
-    def attach(self, req: Req, params: dict[str, Any]) -> None:
-        """Makes req a turn of the session named in params: checks the operation, builds its
-        input from the turn it continues and registers it. Raises ValueError, changing nothing."""
-        if not isinstance(params, dict):
-            raise ValueError(f"session_params must be an object, got {params!r}")
-        unknown = sorted(set(params) - _PARAM_KEYS)
-        if unknown:
-            raise ValueError(f"unknown session_params field(s): {', '.join(unknown)}")
-        session = self.sessions.get(params.get("id"))
+    def attach(self, req: Req, params: SessionParams) -> None:
+        """Makes req a turn of the session named in params (already validated): checks the
+        operation, builds its input from the turn it continues and registers it. Raises
+        ValueError, changing nothing."""
+        session = self.sessions.get(params.id)
         if session is None or session.closing:
-            raise ValueError(f"session {params.get('id')!r} is not open")
-        rid, offset = params.get("rid"), params.get("offset") or 0
-        replace, drop_output = bool(params.get("replace")), bool(params.get("drop_previous_output"))
-        if not isinstance(offset, int) or offset < 0:
-            raise ValueError(f"session_params.offset must be a non-negative integer, got {offset!r}")
+            raise ValueError(f"session {params.id!r} is not open")
+        rid, offset, replace, drop_output = params.rid, params.offset, params.replace, params.drop_previous_output
         if req.rid in session.reqs or req.rid in session.in_flight:
             raise ValueError(f"request id {req.rid!r} is already used in session {session.id!r}")
         if rid is not None and rid not in session.reqs:
@@ -212,22 +203,27 @@ class SessionController:
         if session is None or session.held is None:
             return
         held, session.held = session.held, None
-        req.req_pool_idx, req.kv_len = held.req_pool_idx, held.kv_len
+        req.req_pool_idx, req.kv_len, req.alloc_len = held.req_pool_idx, held.kv_len, held.alloc_len
         req.cache_protected_len, req.last_node = held.cache_protected_len, held.last_node
         held.reset_kv_state()
 
-    def finish(self, req: Req) -> None:
+    def keep_row(self, req: Req) -> bool:
         """A turn ended. A streaming session that stays open keeps the row of a turn that ended
         normally: its whole pages go to the tree (locked), the partial page stays in the row.
-        Any other request releases its KV as usual."""
+        Returns False when the row is not kept; the caller releases it through the cache."""
         session = req.session
-        keep = (session is not None and session.streaming and not session.closing
-                and req.req_pool_idx is not None and req.finished_reason.get("type") != "abort")
-        if keep:
-            self.tree_cache.cache_unfinished_req(req)
-            session.held = req
-        else:
-            self.tree_cache.release_req(req)
+        if session is not None and session.held is req:
+            return True
+        if (session is None or not session.streaming or session.closing or req.req_pool_idx is None
+                or req.finished_reason.get("type") == "abort"):
+            return False
+        self.tree_cache.cache_unfinished_req(req)
+        session.held = req
+        return True
+
+    def turn_ended(self, req: Req) -> None:
+        """Bookkeeping once a turn's KV is settled: the session may close now."""
+        session = req.session
         if session is not None:
             session.in_flight.discard(req.rid)
             session.last_active = time.monotonic()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
+from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 from baby_sgl.mem_cache.memory_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
@@ -47,12 +48,10 @@ def _match_len(a: list[int], b: list[int], page: int) -> int:
     return n // page * page
 
 
-class RadixCache:
+class RadixCache(BasePrefixCache):
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: PagedTokenAllocator,
                  tracer: Tracer | None = None) -> None:
-        self.req_to_token_pool = req_to_token_pool
-        self.allocator = allocator
-        self.page_size = allocator.page_size
+        super().__init__(req_to_token_pool, allocator)
         self.tracer = tracer
         self.reset()
 
@@ -183,16 +182,9 @@ class RadixCache:
         self.dec_lock_ref(req.last_node)
         req.last_node, req.cache_protected_len = node, aligned
 
-    def release_req(self, req: Req) -> None:
-        """The one way a request's KV leaves it (finish, abort, retract): whole pages go to the
-        tree, duplicates and the unaligned tail go back to the allocator, the slot is freed."""
-        if req.req_pool_idx is None:
-            return
-        row = self._row(req)
+    def _keep_pages(self, req: Req, row: torch.Tensor) -> int:
+        """Whole computed pages go to the tree; slots the tree already had are duplicates."""
         aligned = req.kv_len // self.page_size * self.page_size
         known = self.insert(req.fill_ids[:aligned], row[:aligned]) if aligned else 0
         self.allocator.free(row[req.cache_protected_len : known])
-        self.allocator.free(row[aligned:])
-        self.dec_lock_ref(req.last_node)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.reset_kv_state()
+        return aligned

@@ -55,7 +55,7 @@ class Sampler:
         params = [r.sampling_params for r in reqs]
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
         probs = torch.softmax(logits / temps, dim=-1)
-        top_ks = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+        top_ks = [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params]
         kmax = max(top_ks)
         if kmax <= _TOPK_FAST_PATH:
             probs_sort, idx = probs.topk(kmax, dim=-1)

@@ -1,87 +1,92 @@
-"""Per-request sampling parameters, validated like SGLang's SamplingParams."""
+"""Per-request sampling parameters, with SGLang's names, validated by one model for the Engine
+and the HTTP routes alike (see validation.py)."""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
+import logging
+from typing import Annotated, Any
+
+from pydantic import Field, ValidationError, model_validator
+
+from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_N, MAX_STOP, MAX_STOP_LEN, Int32, NonNegInt32,
+                                 StrictModel, Text, TokenId, validate)
+
+logger = logging.getLogger(__name__)
 
 _EPS = 1e-6
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_LEN)]
 
 
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+class SamplingParams(StrictModel):
+    # 0 means prefill only: the prompt is computed (and cached), nothing is generated.
+    max_new_tokens: NonNegInt32 = 128
+    min_new_tokens: NonNegInt32 = 0
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: Int32 = -1  # -1: the whole vocabulary
+    min_p: float = Field(0.0, ge=0, le=1)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    stop: list[StopString] = Field(default_factory=list, max_length=MAX_STOP)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    seed: int | None = None
-    n: int = 1
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    n: int = Field(1, ge=1, le=MAX_N)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data: Any) -> Any:
+        """null means "not given" (SGLang's clients send every field); SGLang spells the seed
+        sampling_seed; a single stop string stands for a list of one."""
+        if not isinstance(data, dict):
+            return data
+        data = {k: v for k, v in data.items() if v is not None}
+        if "sampling_seed" in data:
+            if "seed" in data:
+                raise ValueError("give seed or sampling_seed, not both")
+            data["seed"] = data.pop("sampling_seed")
+        if isinstance(data.get("stop"), str):
+            data["stop"] = [data["stop"]]
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingParams:
+        if self.top_k < 1 and self.top_k != -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens "
+                             f"({self.max_new_tokens})")
+        return self
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
-        """Builds and validates; raises ValueError naming the offending field."""
-        d = dict(d or {})
-        if "sampling_seed" in d:  # SGLang's spelling
-            d["seed"] = d.pop("sampling_seed")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        merged = {k: v for k, v in (defaults or {}).items() if k in known}
-        merged.update({k: v for k, v in d.items() if v is not None})
-        if isinstance(merged.get("stop"), str):
-            merged["stop"] = [merged["stop"]]
-        params = cls(**merged)
-        params.verify()
-        return params
+    def from_dict(cls, d: dict[str, Any] | SamplingParams | None,
+                  defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Builds and validates; raises ValueError naming the offending field. Fields the
+        request leaves out (or sets to null) take the model's defaults, then ours."""
+        if isinstance(d, SamplingParams):
+            d = d.model_dump(exclude_unset=True)
+        if d is not None and not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
+        merged = dict(defaults or {})
+        merged.update({k: v for k, v in (d or {}).items() if v is not None})
+        return validate(cls, merged, "sampling_params")
 
-    def verify(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
-
-        for name in ("max_new_tokens", "min_new_tokens", "top_k", "n"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise bad(name, "must be an integer")
-        for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
-            if not isinstance(getattr(self, name), (int, float)) or isinstance(getattr(self, name), bool):
-                raise bad(name, "must be a number")
-        if self.max_new_tokens < 0:
-            raise bad("max_new_tokens", "must be >= 0")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise bad("min_new_tokens", "must be between 0 and max_new_tokens")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if self.top_k < 1 and self.top_k != -1:
-            raise bad("top_k", "must be -1 (disabled) or >= 1")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise bad(name, "must be in [-2, 2]")
-        if not 0 < self.repetition_penalty <= 2:
-            raise bad("repetition_penalty", "must be in (0, 2]")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "must be a non-empty string or a list of them")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be a list of token ids")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", "must be an integer")
-        if self.n < 1:
-            raise bad("n", "must be >= 1")
+    @classmethod
+    def usable_defaults(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The entries of a model's generation config that are valid sampling parameters."""
+        out = {}
+        for key, value in config.items():
+            if key not in cls.model_fields:
+                continue
+            try:
+                cls.model_validate({key: value})
+                out[key] = value
+            except ValidationError:
+                logger.warning("ignoring the model's default %s=%r: not a valid sampling parameter", key, value)
+        return out
 
     @property
     def is_greedy(self) -> bool:

@@ -186,7 +186,7 @@ def test_bad_input_gets_400(server, path, body, fragment):
 def test_form_body_is_explained(server):
     r = httpx.post(server + "/generate", content=b'{"text": "x"}',
                    headers={"content-type": "application/x-www-form-urlencoded"})  # what curl -d sends
-    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+    assert r.status_code == 415 and "Content-Type: application/json" in r.json()["error"]["message"]
 
 
 def test_unknown_route_is_404(server):

@@ -1,0 +1,108 @@
+"""The server's first line, in front of every route (a plain ASGI middleware):
+
+- requests a browser sends from another site's page (an `Origin` that is not this server)
+  are refused, so no web page can drive a server on localhost;
+- with `--api-key`, every route but /health needs `Authorization: Bearer <key>`;
+- a body larger than `--max-request-bytes` is refused (413) before any of it is parsed, by its
+  Content-Length or, for chunked bodies, as soon as it grows past the limit;
+- a body that takes longer than `--request-body-timeout` seconds to arrive is refused (408);
+- a POST body must be JSON (415), which a cross-site HTML form cannot send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from urllib.parse import urlsplit
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from baby_sgl.entrypoints.responses import error_response
+
+OPEN_PATHS = frozenset({"/health"})  # a supervisor's liveness probe needs no key
+
+
+class RequestGuard:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int, body_timeout: float) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_bytes = max_request_bytes
+        self.body_timeout = body_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        refusal = self._check_headers(scope, headers)
+        if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
+            body, refusal = await self._read_body(headers, receive)
+            if body is None and refusal is None:
+                return  # the client left while sending
+            if refusal is None and body and not _is_json(headers.get("content-type", "")):
+                refusal = error_response("the body must be JSON, sent with Content-Type: application/json", 415)
+            if refusal is None:
+                receive = _replay(body, receive)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _check_headers(self, scope: Scope, headers: dict[str, str]):
+        origin = headers.get("origin")
+        if origin is not None and urlsplit(origin).netloc != headers.get("host"):
+            return error_response(f"cross-origin requests are refused (Origin: {origin})", 403)
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), self.api_key):
+                response = error_response("a valid API key is needed: send Authorization: Bearer <key>", 401)
+                response.headers["WWW-Authenticate"] = "Bearer"
+                return response
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return error_response(f"invalid Content-Length {length!r}", 400)
+            if int(length) > self.max_bytes:
+                return error_response(f"the request body is {int(length)} bytes; the limit is {self.max_bytes}", 413)
+        return None
+
+    async def _read_body(self, headers: dict[str, str], receive: Receive):
+        """(body, None), or (None, a refusal), or (None, None) if the client disconnected."""
+        chunks, size = [], 0
+        deadline = time.monotonic() + self.body_timeout
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                return None, error_response(f"the request body did not arrive within {self.body_timeout:g} s", 408)
+            if message["type"] == "http.disconnect":
+                return None, None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return None, error_response(f"the request body is larger than the limit of {self.max_bytes} bytes",
+                                            413)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body already read, then the client's own messages (a later disconnect)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed

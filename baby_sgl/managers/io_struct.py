@@ -1,0 +1,41 @@
+"""Session inputs, validated by one model for the Engine and the HTTP routes alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from baby_sgl.validation import INT32_MAX, Id, NonNegInt32, StrictModel
+
+MAX_SESSION_TIMEOUT_S = 30 * 24 * 3600.0
+
+
+class _DropNulls(StrictModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        """null means "not given", as SGLang's clients send it."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class SessionParams(_DropNulls):
+    """`session_params` of a request: which open session it is a turn of, and how it continues."""
+
+    id: Id
+    rid: Id | None = None  # the turn it continues (None: the session's start)
+    offset: NonNegInt32 = 0  # keep only the first `offset` tokens of that turn's context (0: all)
+    replace: bool = False
+    drop_previous_output: bool = False
+
+
+class OpenSessionReqInput(_DropNulls):
+    capacity_of_str_len: int = Field(ge=1, le=INT32_MAX)
+    session_id: Id | None = None
+    streaming: bool = False
+    # An idle session closes by itself after this many seconds.
+    timeout: float | None = Field(None, gt=0, le=MAX_SESSION_TIMEOUT_S)
+
+
+class CloseSessionReqInput(StrictModel):
+    session_id: Id

@@ -1,0 +1,36 @@
+"""What other threads put in the scheduler's inbox."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from baby_sgl.managers.req import Req
+
+
+@dataclass
+class NewReq:
+    req: Req
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class Call:
+    """Run fn in the scheduler thread between steps; (True, result) or (False, exception) goes to done."""
+
+    fn: Callable[[], Any]
+    done: queue.Queue
+
+
+@dataclass
+class Stop:
+    pass
+
+
+Message = NewReq | AbortReq | Call | Stop

@@ -1,0 +1,81 @@
+"""What the scheduler needs of a prefix cache, whichever one is configured.
+
+RadixCache shares whole pages between requests; ChunkCache (the radix cache disabled) shares
+nothing. Both take a finished request's KV through `release_req`, the one way a request's KV
+leaves it (finish, abort, a failed batch, retraction, a session giving up its row).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from baby_sgl.mem_cache.allocator import PagedTokenAllocator
+from baby_sgl.mem_cache.memory_pool import ReqToTokenPool
+
+if TYPE_CHECKING:
+    from baby_sgl.managers.req import Req
+
+
+class BasePrefixCache(ABC):
+    root: Any = None  # the node a request locks when it matched nothing
+
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: PagedTokenAllocator) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+
+    # ---- lookup and locks ----------------------------------------------------------------
+    @abstractmethod
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, Any]:
+        """Longest cached page-aligned prefix of key: (its KV slots, a handle to lock it by)."""
+
+    @abstractmethod
+    def inc_lock_ref(self, node: Any) -> None: ...
+
+    @abstractmethod
+    def dec_lock_ref(self, node: Any) -> None: ...
+
+    # ---- accounting (the memory checker's identity) ----------------------------------------
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Frees at least num_tokens unlocked slots if it can; returns how many it freed."""
+
+    @abstractmethod
+    def evictable_size(self) -> int: ...
+
+    @abstractmethod
+    def protected_size(self) -> int: ...
+
+    @abstractmethod
+    def all_slots(self) -> torch.Tensor:
+        """Every KV slot the cache owns, locked or not."""
+
+    @abstractmethod
+    def reset(self) -> None: ...
+
+    # ---- request lifecycle ----------------------------------------------------------------
+    @abstractmethod
+    def cache_unfinished_req(self, req: Req) -> None:
+        """A running request's computed whole pages become shareable (or simply stay its own)."""
+
+    @abstractmethod
+    def _keep_pages(self, req: Req, row: torch.Tensor) -> int:
+        """Offers a finishing request's computed whole pages to the cache; returns how many
+        leading entries of row the request no longer owns (kept by the cache, or freed here
+        as duplicates of what it already had). Always page-aligned."""
+
+    def release_req(self, req: Req) -> None:
+        """Takes back everything the request holds: its row's slots (computed or merely
+        allocated for a pass that never ran), its lock on the tree and its request slot.
+        Idempotent: a request with no row holds nothing."""
+        if req.req_pool_idx is None:
+            return
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.alloc_len].cpu()
+        kept = self._keep_pages(req, row)
+        self.allocator.free(row[kept:])
+        self.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.reset_kv_state()

@@ -1,0 +1,81 @@
+"""Shared rules for input that comes from outside (Engine arguments and HTTP bodies alike).
+
+Everything a client sends is checked against one pydantic model before it reaches the
+scheduler: exact types (no "5" for 5, no true for 1), finite floats, integers in ranges the
+kernels and tensors can hold, bounded lengths, and strings that are valid Unicode (a lone
+surrogate cannot be tokenized, logged or sent back as JSON).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 16  # choices per prompt (sampling_params.n, OpenAI's n)
+MAX_BATCH = 256  # prompts in one call
+MAX_ID_LEN = 256  # rids and session ids
+MAX_STOP = 64  # stop strings or stop token ids per request
+MAX_STOP_LEN = 1024
+MAX_TOP_LOGPROBS = 20
+
+
+def _valid_unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode: {e.reason} at position {e.start}") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Id = Annotated[Text, Field(min_length=1, max_length=MAX_ID_LEN)]
+Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
+NonNegInt32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenId = NonNegInt32
+
+
+class StrictModel(BaseModel):
+    """Exact JSON types, no unknown fields, no NaN or infinity."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def describe(err: ValidationError, prefix: str = "") -> str:
+    """The first problem of a validation error as one line naming the field and the value."""
+    first = err.errors()[0]
+    loc = ".".join(str(x) for x in first.get("loc", ()))
+    where = ".".join(x for x in (prefix, loc) if x)
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "extra_forbidden":
+        return f"unknown field {where!r}"
+    if first.get("type") == "value_error":  # our own check: its message names the values
+        msg = str(first.get("ctx", {}).get("error", msg))
+        return f"{where}: {msg}" if where else msg
+    shown = first.get("input")
+    value = "" if first.get("type") == "missing" else f", got {_short(shown)}"
+    return f"{where}: {msg}{value}" if where else f"{msg}{value}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validate(model: type[BaseModel], data: Any, prefix: str = "") -> BaseModel:
+    """model.model_validate, with a ValueError that names the field on failure."""
+    if isinstance(data, model):
+        return data
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(describe(e, prefix)) from None
+
+
+def validate_text(s: str, name: str) -> str:
+    try:
+        return _valid_unicode(s)
+    except ValueError as e:
+        raise ValueError(f"{name} is {e}") from None
