@@ -246,6 +246,8 @@ class Engine:
                     if not self.scheduler.is_alive() and outputs.empty():
                         raise EngineDeadError("the engine stopped before these requests finished") from None
                     continue
+                if out["finished"] and self.scheduler.dead is not None:
+                    raise EngineDeadError(out["finish_reason"].get("message", "the engine has stopped"))
                 pending -= out["finished"]
                 yield {**self._chunk(out), "index": index[id(out["req"])]}
         finally:

@@ -45,9 +45,25 @@ class StrictModel(BaseModel):
 
 def describe(err: ValidationError, prefix: str = "") -> str:
     """The first problem of a validation error as one line naming the field and the value."""
-    first = err.errors()[0]
-    loc = ".".join(str(x) for x in first.get("loc", ()))
-    where = ".".join(x for x in (prefix, loc) if x)
+    return describe_error(err.errors()[0], prefix)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "body"}
+
+
+def field_path(loc: tuple, prefix: str = "") -> str:
+    """A pydantic error location as the client spells it: field names and list indices, without
+    the union members and validators pydantic puts in between."""
+    parts = [prefix] if prefix else []
+    for x in loc:
+        x = str(x)
+        if x.isdigit() or (x.isidentifier() and x.lower() == x and x not in _TYPE_TAGS):
+            parts.append(x)
+    return ".".join(parts)
+
+
+def describe_error(first: dict, prefix: str = "") -> str:
+    where = field_path(tuple(first.get("loc", ())), prefix)
     msg = first.get("msg", "invalid value")
     if first.get("type") == "extra_forbidden":
         return f"unknown field {where!r}"

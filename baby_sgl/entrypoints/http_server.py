@@ -26,6 +26,7 @@ from baby_sgl.entrypoints.openai_api import add_openai_routes
 from baby_sgl.entrypoints.protocol import AbortRequest, CloseSessionRequest, GenerateRequest, OpenSessionRequest
 from baby_sgl.entrypoints.responses import SSE_DONE, error_response, first_item, sse
 from baby_sgl.server_args import ServerArgs
+from baby_sgl.validation import describe_error, field_path
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +54,13 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = exc.errors()[0] if exc.errors() else {}
-    where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+    where = field_path(tuple(first.get("loc", ()))) or None
     kind = first.get("type")
     if kind == "json_invalid":
         return f"malformed JSON: {first.get('ctx', {}).get('error', 'cannot parse the body')}", None
-    if kind == "extra_forbidden":
-        return f"unknown field {where!r}", where
-    if where is None and kind in ("model_attributes_type", "dict_type"):  # e.g. curl -d without a JSON header
-        return "the body must be a JSON object, sent with Content-Type: application/json", None
-    return first.get("msg", "invalid request") + (f" (field: {where})" if where else ""), where
+    if where is None and kind in ("model_attributes_type", "dict_type", "model_type"):
+        return "the body must be a JSON object", None
+    return describe_error(first), where
 
 
 def _install_error_handlers(app: FastAPI) -> None:

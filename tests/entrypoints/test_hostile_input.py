@@ -1,0 +1,229 @@
+"""What a hostile client found (D1-D9), each as a regression test against the real server: the
+bad request gets a clear 4xx naming the problem, the others are served, nothing leaks (the
+memory check runs after every test)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from baby_sgl import Engine
+from baby_sgl.entrypoints.http_server import create_app
+from baby_sgl.server_args import ServerArgs
+from conftest import free_port, wait_idle
+
+JSON = {"content-type": "application/json"}
+OK_BODY = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+
+
+def raw(server: str, path: str, body: str) -> httpx.Response:
+    """A body sent as written: JSON that Python's own parser accepts (NaN, lone surrogates)."""
+    return httpx.post(server + path, content=body.encode("utf-8", "surrogatepass"), headers=JSON)
+
+
+def error_of(r: httpx.Response) -> str:
+    return r.json()["error"]["message"]
+
+
+def test_d1_huge_session_timeout_cannot_stop_the_scheduler(server):
+    r = httpx.post(server + "/open_session", json={"capacity_of_str_len": 100, "timeout": 1e10})
+    assert r.status_code == 400 and "timeout" in error_of(r)
+    # The longest allowed timeout opens, and the idle scheduler still wakes and serves.
+    sid = httpx.post(server + "/open_session", json={"capacity_of_str_len": 100, "timeout": 30 * 24 * 3600}).json()
+    assert httpx.post(server + "/generate", json=OK_BODY).json()["meta_info"]["completion_tokens"] == 6
+    assert httpx.post(server + "/close_session", json={"session_id": sid}).status_code == 200
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_d2_overflowing_top_k_is_refused_and_spares_the_batch(server):
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(httpx.post, server + "/generate", json=OK_BODY, timeout=60) for _ in range(3)]
+        bad = httpx.post(server + "/generate", json={"text": "x", "sampling_params": {"top_k": 2**63}})
+        chat = httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                                "top_k": 2**63})
+        results = [f.result().json() for f in others]
+    assert bad.status_code == 400 and "sampling_params.top_k" in error_of(bad)
+    assert chat.status_code == 400 and "top_k" in error_of(chat)
+    assert all(r["meta_info"]["finish_reason"]["type"] == "length" and len(r["output_ids"]) == 6 for r in results)
+
+
+@pytest.mark.parametrize("timeout", ["NaN", "Infinity", "-1", "0"])
+def test_d3_non_finite_or_non_positive_session_timeout_is_refused(server, timeout):
+    r = raw(server, "/open_session", f'{{"capacity_of_str_len": 100, "timeout": {timeout}}}')
+    assert r.status_code == 400 and "timeout" in error_of(r)
+
+
+def test_d4_oversized_and_overlong_bodies_are_refused_early(server):
+    big = b'{"text": "' + b"a" * (17 * 2**20) + b'"}'
+    r = httpx.post(server + "/generate", content=big, headers=JSON)
+    assert r.status_code == 413 and "limit" in error_of(r)
+
+    def chunks():  # no Content-Length: refused as soon as it grows past the limit
+        yield b'{"text": "'
+        for _ in range(20):
+            yield b"a" * 2**20
+
+    r = httpx.post(server + "/generate", content=chunks(), headers=JSON)
+    assert r.status_code == 413
+    # Under the byte limit but longer than any prompt can be: refused by its length, untokenized.
+    r = httpx.post(server + "/generate", json={"text": "a" * 2_000_000})
+    assert r.status_code == 400 and "characters" in error_of(r)
+    r = httpx.post(server + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * 2_000_000}]})
+    assert r.status_code == 400 and "characters" in error_of(r)
+
+
+def test_d6_max_new_tokens_zero_is_prefill_only(server):
+    prompt = list(range(40, 120))
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 0}}
+    first = httpx.post(server + "/generate", json=body).json()
+    assert first["output_ids"] == [] and first["text"] == ""
+    assert first["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    again = httpx.post(server + "/generate", json=body | {"sampling_params": {"max_new_tokens": 2}}).json()
+    assert again["meta_info"]["cached_tokens"] == len(prompt) - 1  # the prefix landed in the cache
+    completion = httpx.post(server + "/v1/completions", json={"prompt": prompt, "max_tokens": 0}).json()
+    assert completion["choices"][0]["text"] == "" and completion["usage"]["completion_tokens"] == 0
+
+
+@pytest.mark.parametrize("body", [
+    '{"text": "x", "sampling_params": {"temperature": NaN}}',
+    '{"text": "x", "sampling_params": {"top_p": Infinity}}',
+    '{"text": "x", "sampling_params": {"frequency_penalty": -Infinity}}',
+    '{"text": "x", "sampling_params": {"min_p": NaN}}',
+])
+def test_d7_non_finite_floats_are_refused(server, body):
+    r = raw(server, "/generate", body)
+    assert r.status_code == 400 and "finite" in error_of(r)
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/generate", '{"text": "x", "sampling_params": {"stop": 5}}', "sampling_params.stop"),
+    ("/generate", '{"text": "abc\\ud800def"}', "text"),
+    ("/generate", '{"text": "x", "rid": "r\\udfff"}', "rid"),
+    ("/generate", '{"text": "x", "session_params": {"id": ["a"]}}', "session_params.id"),
+    ("/generate", '{"text": "x", "sampling_params": {"stop": ["\\ud800"]}}', "sampling_params.stop"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+    ("/v1/completions", '{"prompt": "\\udc00"}', "prompt"),
+    ("/open_session", '{"capacity_of_str_len": 10, "session_id": ["x"]}', "session_id"),
+    ("/close_session", '{"session_id": 5}', "session_id"),
+])
+def test_d8_wrong_types_and_lone_surrogates_are_400(server, path, body, field):
+    r = raw(server, path, body)
+    assert r.status_code == 400, r.text
+    assert field in error_of(r)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/generate", {"text": "x", "sampling_params": {"n": 1000}}),
+    ("/v1/completions", {"prompt": "x", "n": 1000}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 17}),
+    ("/generate", {"text": ["x"] * 1000}),
+])
+def test_d9_n_and_batch_size_are_capped(server, path, body):
+    assert httpx.post(server + path, json=body).status_code == 400
+
+
+def test_d9_cross_origin_posts_are_refused(server):
+    form = httpx.post(server + "/flush_cache", content=b"a=1",
+                      headers={"content-type": "application/x-www-form-urlencoded"})
+    assert form.status_code == 415
+    page = httpx.post(server + "/flush_cache", headers={"origin": "http://evil.example"})
+    assert page.status_code == 403 and "cross-origin" in error_of(page)
+    host = server.removeprefix("http://")
+    same = httpx.post(server + "/flush_cache", headers={"origin": server, "host": host})
+    assert same.status_code == 200
+
+
+# ---- a server with tight limits and an API key ---------------------------------------------
+KEY = "test-key-123"
+
+
+@pytest.fixture(scope="module")
+def strict_server(tiny_llama):
+    engine = Engine(tiny_llama, max_total_tokens=2048, max_running_requests=8, max_sessions=3)
+    args = ServerArgs(api_key=KEY, max_sessions=3, request_body_timeout=1.0, max_queued_requests=4,
+                      max_request_bytes=64 * 1024)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine, args), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            if httpx.get(base + "/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    yield base
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+def _strict_idle(base: str) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        info = httpx.get(base + "/server_info", headers=AUTH).json()
+        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert httpx.get(base + "/debug/check_memory", headers=AUTH).status_code == 200
+
+
+def test_api_key_guards_every_route_but_health(strict_server):
+    assert httpx.get(strict_server + "/health").status_code == 200
+    for method, path in [("GET", "/server_info"), ("GET", "/metrics"), ("GET", "/v1/models"),
+                         ("POST", "/generate"), ("POST", "/flush_cache"), ("GET", "/health_generate")]:
+        r = httpx.request(method, strict_server + path, json={})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", path
+        wrong = httpx.request(method, strict_server + path, json={}, headers={"authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+    assert "api_key" not in httpx.get(strict_server + "/server_info", headers=AUTH).json()
+    client = openai.OpenAI(base_url=strict_server + "/v1", api_key=KEY)
+    out = client.completions.create(model="x", prompt="hello", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens == 3
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=strict_server + "/v1", api_key="wrong").models.list()
+    _strict_idle(strict_server)
+
+
+def test_session_limit(strict_server):
+    sids = [httpx.post(strict_server + "/open_session", json={"capacity_of_str_len": 10}, headers=AUTH).json()
+            for _ in range(3)]
+    r = httpx.post(strict_server + "/open_session", json={"capacity_of_str_len": 10}, headers=AUTH)
+    assert r.status_code == 503 and "sessions" in error_of(r)
+    for sid in sids:
+        httpx.post(strict_server + "/close_session", json={"session_id": sid}, headers=AUTH)
+    assert httpx.post(strict_server + "/open_session", json={"capacity_of_str_len": 10}, headers=AUTH).status_code == 200
+
+
+def test_full_queue_is_503_with_retry_after(strict_server):
+    r = httpx.post(strict_server + "/generate", json={"text": ["a"] * 5, "sampling_params": {"max_new_tokens": 1}},
+                   headers=AUTH)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and "queue" in error_of(r)
+    _strict_idle(strict_server)
+
+
+def test_body_size_limit_is_configurable(strict_server):
+    r = httpx.post(strict_server + "/generate", json={"text": "a" * 70_000}, headers=AUTH)
+    assert r.status_code == 413
+
+
+def test_slow_body_is_timed_out(strict_server):
+    host, port = strict_server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Authorization: Bearer {KEY}\r\nContent-Length: 100\r\n\r\n{{\"text\"".encode())
+        reply = sock.recv(4096).decode()  # nothing more is sent: the server gives up after 1 s
+    assert reply.startswith("HTTP/1.1 408"), reply
+    assert httpx.get(strict_server + "/health").status_code == 200
