@@ -1,0 +1,105 @@
+"""A soak of a real server process: 500 mixed requests (plain and streamed generations, chat,
+aborts, disconnects, session turns, bad input) at concurrency 32. No valid request may be
+lost, the memory check must pass afterwards and the RSS must come back near where it began."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+
+from conftest import wait_idle
+from test_server_process import start
+
+TOTAL, CONCURRENCY = 500, 32
+KINDS = ["generate", "stream", "chat", "abort", "disconnect", "session", "bad"]
+
+
+def rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def _params(rng: random.Random) -> dict:
+    return {"max_new_tokens": rng.randrange(1, 24), "temperature": rng.choice([0, 0.8]), "ignore_eos": True}
+
+
+async def one(client: httpx.AsyncClient, i: int) -> tuple[str, bool]:
+    """Runs request i; returns (kind, whether it ended as it should)."""
+    rng = random.Random(i)
+    kind = KINDS[i % len(KINDS)]
+    prompt = [rng.randrange(3, 500) for _ in range(rng.randrange(1, 200))]
+    if kind == "generate":
+        r = await client.post("/generate", json={"input_ids": prompt, "sampling_params": _params(rng)})
+        return kind, r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] == "length"
+    if kind == "stream":
+        body = {"input_ids": prompt, "sampling_params": _params(rng), "stream": True}
+        async with client.stream("POST", "/generate", json=body) as r:
+            lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        return kind, r.status_code == 200 and lines[-1] == "data: [DONE]"
+    if kind == "chat":
+        r = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi " * rng.randrange(1, 50)}], "max_tokens": 8,
+            "stream": rng.random() < 0.5})
+        return kind, r.status_code == 200
+    if kind == "abort":
+        rid = f"soak-{i}"
+        task = asyncio.create_task(client.post("/generate", json={
+            "input_ids": prompt, "rid": rid, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}))
+        await asyncio.sleep(rng.random() * 0.2)
+        await client.post("/abort_request", json={"rid": rid})
+        r = await task
+        return kind, r.status_code == 200
+    if kind == "disconnect":
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}, "stream": True}
+        async with client.stream("POST", "/generate", json=body) as r:
+            async for _ in r.aiter_lines():
+                break  # leave after the first event
+        return kind, r.status_code == 200
+    if kind == "session":
+        sid = (await client.post("/open_session", json={"capacity_of_str_len": 1000,
+                                                        "streaming": rng.random() < 0.5})).json()
+        ok, last = True, None
+        for _ in range(2):
+            r = await client.post("/generate", json={"input_ids": prompt[:20], "sampling_params": _params(rng),
+                                                     "session_params": {"id": sid, "rid": last}})
+            ok &= r.status_code == 200
+            last = r.json()["meta_info"]["id"] if r.status_code == 200 else None
+        ok &= (await client.post("/close_session", json={"session_id": sid})).status_code == 200
+        return kind, ok
+    bad = rng.choice([{"text": "x", "sampling_params": {"top_k": 2**63}}, {"input_ids": [10**9]},
+                      {"text": "x", "sampling_params": {"temperature": -1}}, {"text": ""}])
+    r = await client.post("/generate", json=bad)
+    return kind, r.status_code == 400
+
+
+async def soak(base: str, indices: range) -> list[tuple[str, bool]]:
+    limit = asyncio.Semaphore(CONCURRENCY)
+
+    async def bounded(client: httpx.AsyncClient, i: int) -> tuple[str, bool]:
+        async with limit:
+            return await one(client, i)
+
+    async with httpx.AsyncClient(base_url=base, timeout=120,
+                                 limits=httpx.Limits(max_connections=2 * CONCURRENCY)) as client:
+        return await asyncio.gather(*(bounded(client, i) for i in indices))
+
+
+def test_soak_500_mixed_requests(tiny_llama):
+    proc, base = start(tiny_llama)
+    try:
+        asyncio.run(soak(base, range(-70, 0)))  # warm-up: every kind, ten times
+        wait_idle(base, timeout=60)
+        before = rss_kb(proc.pid)
+        results = asyncio.run(soak(base, range(TOTAL)))
+        counts = wait_idle(base, timeout=60)
+        after = rss_kb(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+    print(f"soak: {len(results)} requests, RSS {before} kB before, {after} kB after")
+    failed = [(i, kind) for i, (kind, ok) in enumerate(results) if not ok]
+    assert not failed, failed[:10]
+    assert counts["free"] + counts["evictable"] + counts["protected"] + counts["session_held"] == counts["total"]
+    assert after <= before * 1.10, f"RSS {before} kB -> {after} kB"
