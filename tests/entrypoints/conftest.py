@@ -3,9 +3,11 @@ test the server must come back to idle with the KV memory invariant intact."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -13,6 +15,7 @@ import uvicorn
 
 from baby_sgl import Engine
 from baby_sgl.entrypoints.http_server import create_app
+from baby_sgl.server_args import ServerArgs
 
 
 def free_port() -> int:
@@ -36,24 +39,34 @@ def wait_idle(base: str, timeout: float = 10.0) -> dict:
     return r.json()
 
 
-@pytest.fixture(scope="session")
-def server(tiny_llama):
-    engine = Engine(tiny_llama, max_total_tokens=8192, max_running_requests=48)
+@contextlib.contextmanager
+def serve_in_thread(engine: Engine, server_args: ServerArgs | None = None) -> Iterator[str]:
+    """The app over engine, served on a free loopback port; yields its base URL. The engine is
+    shut down afterwards."""
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(create_app(engine, server_args), host="127.0.0.1", port=port,
+                                        log_level="error"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
+    for _ in range(400):
         try:
             if httpx.get(base + "/health").status_code == 200:
                 break
         except httpx.HTTPError:
             time.sleep(0.05)
-    yield base
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+    try:
+        yield base
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_llama):
+    with serve_in_thread(Engine(tiny_llama, max_total_tokens=8192, max_running_requests=48)) as base:
+        yield base
 
 
 @pytest.fixture(autouse=True)

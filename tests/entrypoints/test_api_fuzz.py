@@ -5,21 +5,17 @@ afterwards the server must be healthy, idle and own every KV slot exactly once."
 from __future__ import annotations
 
 import itertools
-import threading
-import time
 
 import httpx
 import pytest
 import schemathesis
 from schemathesis import GenerationMode
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
 
 from baby_sgl import Engine
-from baby_sgl.entrypoints.http_server import create_app
-from conftest import free_port, wait_idle
+from conftest import serve_in_thread, wait_idle
 
 EXAMPLES_PER_ROUTE = 25
 
@@ -28,21 +24,8 @@ EXAMPLES_PER_ROUTE = 25
 def fuzz_server(tiny_llama):
     # A short context keeps any generated max_new_tokens cheap.
     engine = Engine(tiny_llama, max_total_tokens=4096, context_length=256, max_running_requests=16)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    while True:
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield base
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+    with serve_in_thread(engine) as base:
+        yield base
 
 
 def test_no_request_gets_a_server_error(fuzz_server):

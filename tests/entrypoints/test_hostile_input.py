@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from baby_sgl import Engine
-from baby_sgl.entrypoints.http_server import create_app
 from baby_sgl.server_args import ServerArgs
-from conftest import free_port, wait_idle
+from conftest import serve_in_thread
 
 JSON = {"content-type": "application/json"}
 OK_BODY = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
@@ -149,21 +146,8 @@ def strict_server(tiny_llama):
     engine = Engine(tiny_llama, max_total_tokens=2048, max_running_requests=8, max_sessions=3)
     args = ServerArgs(api_key=KEY, max_sessions=3, request_body_timeout=1.0, max_queued_requests=4,
                       max_request_bytes=64 * 1024)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(engine, args), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    while True:
-        try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    yield base
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+    with serve_in_thread(engine, args) as base:
+        yield base
 
 
 AUTH = {"authorization": f"Bearer {KEY}"}

@@ -3,7 +3,6 @@ a few seconds whatever its clients do, and exits non-zero when its engine dies."
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
