@@ -27,6 +27,12 @@ from baby_sgl.validation import MAX_ID_LEN, MAX_TOP_LOGPROBS, validate, validate
 
 logger = logging.getLogger(__name__)
 
+
+def cpu_has_native_bf16() -> bool:
+    """avx512_bf16 or AMX: the CPU multiplies bfloat16 itself, without converting to float32."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, so looked up
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_MAX_TOTAL_TOKENS = 32768  # KV pool cap on CPU when max_total_tokens is not given
 _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -48,7 +54,8 @@ class Engine:
         self.sampling_defaults = SamplingParams.usable_defaults(
             {k: v for k, v in loaded.generation_config.items() if k in _SAMPLING_DEFAULT_KEYS})
         self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        runner = ModelRunner(cfg, loaded.weights, self.dtype, self.device)
+        runner = ModelRunner(cfg, loaded.weights, self.dtype, self.device,
+                             compile_max_bs=args.torch_compile_max_bs if args.enable_torch_compile else None)
         # The model holds its own copies now: free the checkpoint's tensors before the KV pool
         # is allocated, or both count towards the peak memory.
         loaded.weights = None
@@ -67,7 +74,9 @@ class Engine:
         if self.server_args.dtype != "auto":
             return _DTYPES[self.server_args.dtype]
         if self.device.type == "cpu":
-            return torch.float32  # CPUs without bf16 units are slower in bf16; float32 is exact
+            # bfloat16 halves the bytes every step reads, but only CPUs with bf16 units compute
+            # it fast; elsewhere float32 is both faster and exact.
+            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         return _DTYPES.get(str(hf_config.get("torch_dtype") or hf_config.get("dtype")), torch.bfloat16)
 
     def _eos_ids(self, gen: dict, cfg: ModelConfig) -> list[int]:

@@ -26,6 +26,9 @@ class ServerArgs:
     random_seed: int = 0
     trace_file: str | None = None
     debug_memory_check: bool = False
+    # torch.compile of the layers' dense parts for decode batches up to torch_compile_max_bs.
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
     # Open sessions at most (each holds bookkeeping and, when streaming, a request row).
     max_sessions: int = 1024
     # The server's limits (see the README's "Limits and security").
@@ -48,7 +51,7 @@ class ServerArgs:
             self.chunked_prefill_size = None  # SGLang: -1 disables chunking
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
-        for name in ("max_sessions", "max_request_bytes"):
+        for name in ("max_sessions", "max_request_bytes", "torch_compile_max_bs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not self.request_body_timeout > 0:

@@ -59,7 +59,7 @@ def tiny_qwen2(tmp_path_factory) -> str:
 def _tiny_engine(tiny_llama):
     from baby_sgl import Engine
 
-    with Engine(tiny_llama, max_total_tokens=4096) as eng:
+    with Engine(tiny_llama, dtype="float32", max_total_tokens=4096) as eng:
         yield eng
 
 

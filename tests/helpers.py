@@ -20,6 +20,11 @@ CONFIGS = {
     "retract": {"max_total_tokens": 320, "page_size": 4, "schedule_conservativeness": 0.0,
                 "debug_memory_check": True},
     "retract-page1-lpm": {"max_total_tokens": 256, "schedule_policy": "lpm"},
+    # Decode batches of up to 4 run the compiled graphs (padded to 1, 2, 4), larger ones eager.
+    "compile": {"enable_torch_compile": True, "torch_compile_max_bs": 4, "page_size": 4},
+    "compile-chunked-retract": {"enable_torch_compile": True, "torch_compile_max_bs": 4, "chunked_prefill_size": 16,
+                                "page_size": 4, "max_total_tokens": 320, "schedule_conservativeness": 0.0,
+                                "debug_memory_check": True},
 }
 
 

@@ -43,7 +43,7 @@ def test_extending_prompt_reuses_cache(engine):
     longer = base + first["output_ids"] + [7, 8, 9]
     out = engine.generate(input_ids=longer, sampling_params={"max_new_tokens": 8, **GREEDY})
     assert out["meta_info"]["cached_tokens"] >= len(base)
-    with Engine(engine.model_path, disable_radix_cache=True) as plain:
+    with Engine(engine.model_path, dtype="float32", disable_radix_cache=True) as plain:
         ref = plain.generate(input_ids=longer, sampling_params={"max_new_tokens": 8, **GREEDY})
         assert ref["meta_info"]["cached_tokens"] == 0
         plain.check_memory()
@@ -134,7 +134,7 @@ def test_bad_request_in_batch_spares_the_others(engine):
 
 def test_trace_file_records_batches_and_cache_events(tiny_llama, tmp_path):
     path = tmp_path / "trace.jsonl"
-    with Engine(tiny_llama, trace_file=str(path), max_total_tokens=128) as eng:
+    with Engine(tiny_llama, dtype="float32", trace_file=str(path), max_total_tokens=128) as eng:
         prompts = random_prompts(6, 512, 30, 40, seed=3)
         eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, **GREEDY})
         eng.generate(input_ids=prompts[:1], sampling_params={"max_new_tokens": 2, **GREEDY})
@@ -149,7 +149,7 @@ def test_trace_file_records_batches_and_cache_events(tiny_llama, tmp_path):
 
 
 def test_context_manager_and_server_info(tiny_llama):
-    with Engine(tiny_llama, page_size=8, max_total_tokens=1000) as eng:
+    with Engine(tiny_llama, dtype="float32", page_size=8, max_total_tokens=1000) as eng:
         info = eng.get_server_info()
         assert info["page_size"] == 8 and info["max_total_tokens"] == 1000 // 8 * 8
         eng.check_memory()

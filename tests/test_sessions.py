@@ -40,7 +40,7 @@ def _idle_clean(engine: Engine) -> dict:
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_streaming_session_turns_equal_generation_from_scratch(tiny_llama, hf_model, page_size):
     # Chunks (16 tokens) smaller than most turns: a turn's prefill is split across steps.
-    with Engine(tiny_llama, page_size=page_size, chunked_prefill_size=16, debug_memory_check=True) as engine:
+    with Engine(tiny_llama, dtype="float32", page_size=page_size, chunked_prefill_size=16, debug_memory_check=True) as engine:
         sid = engine.open_session(1000, streaming=True)
         context: list[int] = []
         prev_rid = None
@@ -68,7 +68,7 @@ def test_streaming_session_turns_equal_generation_from_scratch(tiny_llama, hf_mo
 
 
 def test_streaming_session_with_radix_cache_off(tiny_llama, hf_model):
-    with Engine(tiny_llama, page_size=4, disable_radix_cache=True, debug_memory_check=True) as engine:
+    with Engine(tiny_llama, dtype="float32", page_size=4, disable_radix_cache=True, debug_memory_check=True) as engine:
         sid = engine.open_session(1000, streaming=True)
         context: list[int] = []
         for turn, n_out in zip(_turns(7)[:3], OUT_LENS):
@@ -86,7 +86,7 @@ def test_streaming_session_with_radix_cache_off(tiny_llama, hf_model):
 
 @pytest.fixture(scope="module")
 def session_engine(tiny_llama):
-    with Engine(tiny_llama, page_size=4, chunked_prefill_size=16, max_total_tokens=4096,
+    with Engine(tiny_llama, dtype="float32", page_size=4, chunked_prefill_size=16, max_total_tokens=4096,
                 debug_memory_check=True) as eng:
         yield eng
 
@@ -235,7 +235,7 @@ def test_idle_session_times_out_and_releases_its_kv(session_engine):
 def test_streaming_session_alongside_retraction(tiny_llama, hf_model):
     """A pool so small that decode retracts requests, while a streaming session holds a row."""
     prompts = [[random.Random(i).randrange(3, 512) for _ in range(40)] for i in range(8)]
-    with Engine(tiny_llama, max_total_tokens=320, page_size=4, schedule_conservativeness=0.0,
+    with Engine(tiny_llama, dtype="float32", max_total_tokens=320, page_size=4, schedule_conservativeness=0.0,
                 debug_memory_check=True) as engine:
         sid = engine.open_session(1000, streaming=True)
         context: list[int] = []

@@ -32,7 +32,7 @@ def _finished_or_abort(engine: Engine, req, done: threading.Event) -> bool:
 
 def test_held_row_does_not_take_the_request_slot_its_next_turn_needs(tiny_llama):
     """A resumed streaming turn reuses its session's row and needs no new request slot."""
-    with Engine(tiny_llama, page_size=4, max_running_requests=1, debug_memory_check=True) as engine:
+    with Engine(tiny_llama, dtype="float32", page_size=4, max_running_requests=1, debug_memory_check=True) as engine:
         sid = engine.open_session(100, streaming=True)
         engine.generate(input_ids=list(range(10, 31)), sampling_params={**GREEDY, "max_new_tokens": 4},
                         session_params={"id": sid})
@@ -45,7 +45,7 @@ def test_held_row_does_not_take_the_request_slot_its_next_turn_needs(tiny_llama)
 def test_idle_streaming_sessions_do_not_lock_out_other_requests(tiny_llama):
     """Idle streaming sessions keep a request slot each; with max_running_requests of them, a
     new request takes the row of the session idle the longest."""
-    with Engine(tiny_llama, page_size=4, max_running_requests=2, debug_memory_check=True) as engine:
+    with Engine(tiny_llama, dtype="float32", page_size=4, max_running_requests=2, debug_memory_check=True) as engine:
         sids = [engine.open_session(100, streaming=True) for _ in range(2)]
         for sid in sids:
             engine.generate(input_ids=[5] * 10, sampling_params={**GREEDY, "max_new_tokens": 3},
@@ -61,7 +61,7 @@ def test_idle_session_kv_does_not_deadlock_admission(tiny_llama):
     """A session's held KV is locked in the tree and its partial page is its own. A request that
     passes the prompt-length check (<= 123 tokens here) but does not fit beside it makes the
     idle session give its row back; the session's next turn then recomputes from the tree."""
-    with Engine(tiny_llama, page_size=4, max_total_tokens=128, debug_memory_check=True) as engine:
+    with Engine(tiny_llama, dtype="float32", page_size=4, max_total_tokens=128, debug_memory_check=True) as engine:
         sid = engine.open_session(100, streaming=True)
         engine.generate(input_ids=list(range(10, 70)), sampling_params={**GREEDY, "max_new_tokens": 4},
                         session_params={"id": sid})
@@ -79,7 +79,7 @@ def test_idle_session_kv_does_not_deadlock_admission(tiny_llama):
 def test_session_offsets_that_cut_everything_or_overshoot_are_refused(tiny_llama):
     """A negative offset (it would cut the context from the end, or to nothing) or one past the
     end of the context is refused with an error naming the field; other requests are unaffected."""
-    with Engine(tiny_llama, page_size=4, debug_memory_check=True) as engine:
+    with Engine(tiny_llama, dtype="float32", page_size=4, debug_memory_check=True) as engine:
         sid = engine.open_session(100)
         first = engine.generate(input_ids=[10, 11, 12, 13, 14], sampling_params={**GREEDY, "max_new_tokens": 3},
                                 session_params={"id": sid})

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from baby_sgl.bench.peers import PEERS, run_peer
 from baby_sgl.bench.roofline import measure_roofs
 from baby_sgl.bench.workloads import Workload, one_batch_workload, random_workload, shared_prefix_workload
 from baby_sgl.engine import Engine
@@ -107,9 +108,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--compare", choices=["hf", "float32", "bfloat16"], default=None,
-                   help="hf: also run transformers on the same prompts; a dtype: also run baby-sgl in that "
-                        "dtype and report how many greedy outputs match")
+    p.add_argument("--compare", choices=["hf", "vllm", "llama.cpp", "float32", "bfloat16"], default=None,
+                   help="hf: also run transformers on the same prompts; vllm, llama.cpp: that engine on the same "
+                        "prompts (scripts/setup_peers.sh installs them); a dtype: also run baby-sgl in that dtype "
+                        "and report how many greedy outputs match")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
     ServerArgs.add_cli_args(p)
@@ -143,6 +145,9 @@ def main(argv: list[str]) -> int:
         from baby_sgl.bench.hf_baseline import compare_hf
 
         report["results"] += compare_hf(model_path, dtype, wl)
+    elif args.compare in PEERS:
+        report["results"].append(run_peer(args.compare, model_path, dtype, wl, args.workload == "one-batch",
+                                          torch.get_num_threads(), result))
     elif args.compare:
         with Engine(**{**kwargs, "dtype": args.compare}) as other:
             report["results"].append(dtype_variant(run(other, wl), str(other.dtype), result))

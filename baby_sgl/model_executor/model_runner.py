@@ -6,11 +6,14 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from baby_sgl.attention.registry import create_attention_backend
 from baby_sgl.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
+from baby_sgl.model_executor.compile import CompiledDense, cxx_compiler, device_needs_cxx
+from baby_sgl.models.llama import EAGER
 from baby_sgl.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -32,7 +35,7 @@ class ModelWorkerBatch:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, weights, dtype: torch.dtype, device: torch.device,
-                 attention_backend: str = "torch_native") -> None:
+                 attention_backend: str = "torch_native", compile_max_bs: int | None = None) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, device
         with torch.device("meta"):
             model = get_model_class(cfg)(cfg)
@@ -44,6 +47,17 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(attention_backend)
         self.req_to_token_pool: ReqToTokenPool | None = None
         self.kv_pool: KVPool | None = None
+        self.compiled: CompiledDense | None = None
+        if compile_max_bs:
+            self._enable_compile(compile_max_bs)
+
+    def _enable_compile(self, max_bs: int) -> None:
+        if device_needs_cxx(self.device) and cxx_compiler() is None:
+            logger.warning("--enable-torch-compile: no C++ compiler found (g++, c++ or clang++); running eager")
+            return
+        self.compiled = CompiledDense(self.model, max_bs)
+        logger.info("torch.compile warm-up: %.1f s for decode batch sizes %s", self.compiled.warmup_s,
+                    self.compiled.buckets)
 
     def init_memory_pool(self, max_total_tokens: int, max_running_requests: int, context_len: int) -> None:
         cfg = self.cfg
@@ -52,10 +66,16 @@ class ModelRunner:
 
     def forward(self, b: ModelWorkerBatch) -> torch.Tensor:
         dev = self.device
+        input_ids, positions, dense = b.input_ids, b.positions, EAGER
+        bucket = self.compiled.bucket(len(input_ids)) if self.compiled and b.mode == ForwardMode.DECODE else None
+        if bucket is not None:  # padded to the bucket's static shape; the padding never leaves the model
+            pad = bucket - len(input_ids)
+            input_ids, positions = input_ids + [0] * pad, F.pad(positions, (0, pad))
+            dense = self.compiled.fns
         fb = ForwardBatch(
             mode=b.mode,
-            input_ids=torch.tensor(b.input_ids, dtype=torch.long, device=dev),
-            positions=b.positions.to(dev),
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=positions.to(dev),
             out_cache_loc=b.out_cache_loc.to(dev),
             req_pool_indices=torch.tensor(b.req_pool_indices, dtype=torch.long, device=dev),
             seq_lens=torch.tensor(b.seq_lens, dtype=torch.long, device=dev),
@@ -67,4 +87,4 @@ class ModelRunner:
             extend_seq_lens_cpu=b.extend_seq_lens,
         )
         self.attn_backend.init_forward_metadata(fb)
-        return self.model(fb)
+        return self.model(fb, dense)

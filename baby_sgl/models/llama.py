@@ -6,17 +6,40 @@ Hugging Face tensor names onto the fused parameters.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baby_sgl.layers.layernorm import RMSNorm
-from baby_sgl.layers.linear import Linear
+from baby_sgl.layers.layernorm import RMSNorm, rms_norm
+from baby_sgl.layers.linear import Linear, linear
 from baby_sgl.layers.rotary_embedding import RotaryEmbedding
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.forward_batch import ForwardBatch
+
+
+def attention_in(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
+                 cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                 lin: Callable = linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's work before attention: norm, fused q/k/v projection, rope. Row-wise, and a
+    function of tensors only, so one compiled graph serves every layer."""
+    qkv = lin(rms_norm(x, norm_w, eps), qkv_w, qkv_b)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    # Queries and keys sit side by side in the fused output: rotate them in one go.
+    qk = RotaryEmbedding.apply(qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, head_dim), (cos, sin))
+    v = qkv[:, q_size + kv_size :].view(-1, kv_heads, head_dim)
+    return qk[:, :heads], qk[:, heads:], v
+
+
+def attention_out_mlp(attn: torch.Tensor, x: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                      gate_up_w: torch.Tensor, down_w: torch.Tensor, inter: int,
+                      lin: Callable = linear) -> torch.Tensor:
+    """A layer's work after attention: output projection, residual, norm, MLP, residual."""
+    x = x + lin(attn.reshape(attn.shape[0], -1), o_w)
+    gate, up = lin(rms_norm(x, norm_w, eps), gate_up_w).split(inter, dim=-1)
+    return x + lin(F.silu(gate) * up, down_w)
 
 
 class Attention(nn.Module):
@@ -29,16 +52,14 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        # Queries and keys sit side by side in the fused output: rotate them in one go.
-        qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = RotaryEmbedding.apply(qk, cos_sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        fb.kv_pool.set_kv_buffer(self.layer_id, fb.out_cache_loc, k, v)
-        out = fb.attn_backend.forward(q, self.layer_id, self.scale, fb)
-        return self.o_proj(out.reshape(-1, self.q_size))
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Writes the new tokens' K/V to the pool and attends over each request's slots. Rows
+        past the batch's real tokens (padding to a compiled bucket) are left out and come back
+        as zeros."""
+        n = fb.out_cache_loc.numel()
+        fb.kv_pool.set_kv_buffer(self.layer_id, fb.out_cache_loc, k[:n], v[:n])
+        out = fb.attn_backend.forward(q[:n], self.layer_id, self.scale, fb)
+        return out if n == q.shape[0] else F.pad(out, (0, 0, 0, 0, 0, q.shape[0] - n))
 
 
 class MLP(nn.Module):
@@ -47,10 +68,6 @@ class MLP(nn.Module):
         self.inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -61,9 +78,26 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), fb, cos_sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                dense: DenseFns) -> torch.Tensor:
+        a, m = self.self_attn, self.mlp
+        q, k, v = dense.attention_in(x, self.input_layernorm.weight, self.input_layernorm.eps, a.qkv_proj.weight,
+                                     a.qkv_proj.bias, *cos_sin, a.num_heads, a.num_kv_heads, a.head_dim)
+        out = a.attend(q, k, v, fb)
+        return dense.attention_out_mlp(out, x, a.o_proj.weight, self.post_attention_layernorm.weight,
+                                       self.post_attention_layernorm.eps, m.gate_up_proj.weight, m.down_proj.weight,
+                                       m.inter)
+
+
+@dataclass(frozen=True)
+class DenseFns:
+    """The two dense parts of a layer: eager (EAGER) or compiled (model_executor/compile.py)."""
+
+    attention_in: Callable
+    attention_out_mlp: Callable
+
+
+EAGER = DenseFns(attention_in, attention_out_mlp)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -82,12 +116,13 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Returns next-token logits (float32), one row per request."""
+    def forward(self, fb: ForwardBatch, dense: DenseFns = EAGER) -> torch.Tensor:
+        """Returns next-token logits (float32), one row per request. input_ids may be padded
+        past the batch's tokens (a compiled bucket); padded rows never reach the KV pool."""
         x = self.embed_tokens(fb.input_ids)
         cos_sin = self.rotary.cos_sin(fb.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, fb, cos_sin)
+            x = layer(x, fb, cos_sin, dense)
         # Only each request's last token needs logits: skip the vocab matmul for the rest.
         x = self.norm(x[fb.last_token_indices()])
         return self.lm_head(x).float()

@@ -65,7 +65,8 @@ def serve_in_thread(engine: Engine, server_args: ServerArgs | None = None) -> It
 
 @pytest.fixture(scope="session")
 def server(tiny_llama):
-    with serve_in_thread(Engine(tiny_llama, max_total_tokens=8192, max_running_requests=48)) as base:
+    engine = Engine(tiny_llama, dtype="float32", max_total_tokens=8192, max_running_requests=48)
+    with serve_in_thread(engine) as base:
         yield base
 
 

@@ -23,7 +23,7 @@ EXAMPLES_PER_ROUTE = 25
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_llama):
     # A short context keeps any generated max_new_tokens cheap.
-    engine = Engine(tiny_llama, max_total_tokens=4096, context_length=256, max_running_requests=16)
+    engine = Engine(tiny_llama, dtype="float32", max_total_tokens=4096, context_length=256, max_running_requests=16)
     with serve_in_thread(engine) as base:
         yield base
 

@@ -14,7 +14,7 @@ from baby_sgl.entrypoints.metrics import Metrics
 
 
 def test_turn_cancelled_during_submission_is_aborted_and_forgotten(tiny_llama):
-    with Engine(tiny_llama, max_total_tokens=2048) as engine:
+    with Engine(tiny_llama, dtype="float32", max_total_tokens=2048) as engine:
         bridge = AsyncEngine(engine, Metrics("tiny"))
         sid = engine.open_session(1000)
         item = {"input_ids": [5 + i for i in range(20)], "rid": "turn-1", "session_params": {"id": sid},

@@ -143,7 +143,7 @@ KEY = "test-key-123"
 
 @pytest.fixture(scope="module")
 def strict_server(tiny_llama):
-    engine = Engine(tiny_llama, max_total_tokens=2048, max_running_requests=8, max_sessions=3)
+    engine = Engine(tiny_llama, dtype="float32", max_total_tokens=2048, max_running_requests=8, max_sessions=3)
     args = ServerArgs(api_key=KEY, max_sessions=3, request_body_timeout=1.0, max_queued_requests=4,
                       max_request_bytes=64 * 1024)
     with serve_in_thread(engine, args) as base:

@@ -33,7 +33,7 @@ class _PoisonedSampler:
 @pytest.mark.parametrize("config", [{}, {"page_size": 16}, {"disable_radix_cache": True, "page_size": 4}])
 @pytest.mark.parametrize("after", [0, 3])  # in its prefill, or in the middle of decoding
 def test_sampling_fault_ends_only_that_request(tiny_llama, config, after):
-    with Engine(tiny_llama, debug_memory_check=True, **config) as engine:
+    with Engine(tiny_llama, dtype="float32", debug_memory_check=True, **config) as engine:
         clean = _run(engine, PROMPTS)
         engine.flush_cache()
         engine.scheduler.sampler = _PoisonedSampler(engine.scheduler.sampler, after)
@@ -53,7 +53,7 @@ def test_sampling_fault_ends_only_that_request(tiny_llama, config, after):
 
 @pytest.mark.parametrize("config", [{}, {"page_size": 16, "chunked_prefill_size": 16}])
 def test_forward_fault_ends_its_batch_and_frees_its_slots(tiny_llama, config):
-    with Engine(tiny_llama, debug_memory_check=True, **config) as engine:
+    with Engine(tiny_llama, dtype="float32", debug_memory_check=True, **config) as engine:
         runner = engine.scheduler.runner
         real_forward, calls = runner.forward, []
 
@@ -88,7 +88,7 @@ def test_a_dead_scheduler_fails_waiters_instead_of_hanging(tiny_llama):
     class Fatal(BaseException):
         pass
 
-    engine = Engine(tiny_llama)
+    engine = Engine(tiny_llama, dtype="float32")
     deaths = []
     engine.scheduler.on_death.append(deaths.append)
 

@@ -31,7 +31,7 @@ def test_sharded_checkpoint_with_llama3_rope_scaling(tiny_llama, tmp_path):
             shutil.copy(os.path.join(tiny_llama, name), tmp_path)
     prompts = random_prompts(6, 512, 60, 200, seed=9)  # past 64 positions, where scaling matters
     expected = hf_greedy(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32), prompts, 10)
-    with Engine(str(tmp_path), page_size=4) as engine:
+    with Engine(str(tmp_path), dtype="float32", page_size=4) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 10})
         assert [o["output_ids"] for o in outs] == expected
         engine.check_memory()

@@ -29,7 +29,7 @@ def reference():
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    with Engine() as engine:
+    with Engine(dtype="float32") as engine:
         prompts = [engine.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
         engine.check_memory()
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
@@ -43,7 +43,7 @@ def test_default_model_matches_transformers(reference, config):
     kwargs = dict(CONFIGS[config])
     if config == "retract":
         kwargs["max_total_tokens"] = 400
-    with Engine(**kwargs) as engine:
+    with Engine(dtype="float32", **kwargs) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW})
         for i, out in enumerate(outs):
             assert out["output_ids"] == expected[i], f"question {i} differs under {config}"
@@ -54,7 +54,7 @@ def test_default_model_matches_transformers(reference, config):
 
 def test_default_model_first_step_logprobs(reference):
     prompts, _, hf = reference
-    with Engine() as engine:
+    with Engine(dtype="float32") as engine:
         outs = engine.generate(input_ids=prompts[:4], sampling_params={**GREEDY, "max_new_tokens": 1},
                                top_logprobs_num=5)
         for p, out in zip(prompts[:4], outs):
@@ -65,7 +65,7 @@ def test_default_model_first_step_logprobs(reference):
 
 
 def test_default_model_answers_read_as_answers():
-    with Engine() as engine:
+    with Engine(dtype="float32") as engine:
         out = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
                           {"max_new_tokens": 20, "temperature": 0})
         assert "Paris" in out["text"]

@@ -24,7 +24,7 @@ def case(request):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_greedy_matches_transformers(case, config):
     path, prompts, expected, _ = case
-    with Engine(path, **CONFIGS[config]) as engine:
+    with Engine(path, dtype="float32", **CONFIGS[config]) as engine:
         params = {**GREEDY, "max_new_tokens": MAX_NEW}
         first = engine.generate(input_ids=prompts, sampling_params=params)
         # A second round is served largely from the prefix cache and must not change a token.
@@ -33,9 +33,11 @@ def test_greedy_matches_transformers(case, config):
             assert a["output_ids"] == expected[i], f"prompt {i} differs under {config}"
             assert b["output_ids"] == expected[i], f"prompt {i} differs under {config} (cached round)"
         info = engine.get_server_info()
-        if config.startswith("retract"):
+        if "retract" in config:
             assert info["num_retractions"] > 0, "the small pool was meant to force retraction"
-        if not CONFIGS[config].get("disable_radix_cache") and not config.startswith("retract"):
+        if CONFIGS[config].get("enable_torch_compile"):
+            assert engine.scheduler.runner.compiled is not None, "compiled graphs were meant to run"
+        if not CONFIGS[config].get("disable_radix_cache") and "retract" not in config:
             page = CONFIGS[config].get("page_size", 1)
             for p, out in zip(prompts, second):
                 assert out["meta_info"]["cached_tokens"] >= (len(p) - 1) // page * page
@@ -44,7 +46,7 @@ def test_greedy_matches_transformers(case, config):
 
 def test_first_step_logprobs_match_transformers(case):
     path, prompts, _, hf = case
-    with Engine(path) as engine:
+    with Engine(path, dtype="float32") as engine:
         outs = engine.generate(input_ids=prompts[:6], sampling_params={**GREEDY, "max_new_tokens": 1},
                                top_logprobs_num=10)
         for p, out in zip(prompts[:6], outs):
@@ -52,3 +54,12 @@ def test_first_step_logprobs_match_transformers(case):
             for logprob, token, _ in out["meta_info"]["output_top_logprobs"][0]:
                 assert abs(logprob - ref[token].item()) < 1e-4
         engine.check_memory()
+
+
+def test_compile_without_a_cxx_compiler_runs_eager(tiny_llama, monkeypatch, caplog):
+    monkeypatch.setattr("baby_sgl.model_executor.model_runner.cxx_compiler", lambda: None)
+    with Engine(tiny_llama, dtype="float32", enable_torch_compile=True) as engine:
+        assert engine.scheduler.runner.compiled is None
+        out = engine.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 3})
+        assert len(out["output_ids"]) == 3
+    assert sum("no C++ compiler" in r.message for r in caplog.records) == 1

@@ -1,0 +1,78 @@
+"""`--enable-torch-compile`: the dense parts of every layer (norms, projections, rope, MLP,
+residuals) compiled by torch.compile (inductor; on CPU it generates C++), attention left eager.
+
+As SGLang's graph runner does for decode, a decode batch of up to `--torch-compile-max-bs`
+requests is padded to the next batch-size bucket, so a few static shapes cover every batch: one
+graph per bucket and part, shared by all layers (the parts take the weights as inputs). Padded
+rows are computed and dropped; they never reach the KV pool or the logits. Prefill runs eager.
+Graphs are compiled at start-up (a progress bar), and inductor's cache lives in
+~/.cache/baby-sgl/inductor, so a second start with the same model and buckets compiles little.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from baby_sgl.models.llama import DenseFns, attention_in, attention_out_mlp
+
+logger = logging.getLogger(__name__)
+
+_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+def decode_buckets(max_bs: int) -> list[int]:
+    return [b for b in _BUCKETS if b < max_bs] + [max_bs]
+
+
+def cxx_compiler() -> str | None:
+    """Inductor's CPU backend needs a C++ compiler."""
+    return next((path for name in (os.environ.get("CXX"), "g++", "c++", "clang++") if name
+                 and (path := shutil.which(name))), None)
+
+
+def device_needs_cxx(device: torch.device) -> bool:
+    return device.type == "cpu"
+
+
+class CompiledDense:
+    def __init__(self, model: torch.nn.Module, max_bs: int) -> None:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "baby-sgl" / "inductor"))
+        self.model = model
+        self.buckets = decode_buckets(max_bs)
+        # One graph per bucket and part, all alive at once.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
+        # Inside a graph inductor chooses the matmul kernels, so the plain product is traced.
+        self.fns = DenseFns(
+            torch.compile(functools.partial(attention_in, lin=F.linear), dynamic=False),
+            torch.compile(functools.partial(attention_out_mlp, lin=F.linear), dynamic=False),
+        )
+        self.warmup_s = self._warm_up()
+
+    def bucket(self, batch_size: int) -> int | None:
+        return next((b for b in self.buckets if b >= batch_size), None)
+
+    @torch.inference_mode()
+    def _warm_up(self) -> float:
+        """Compiles every bucket's graphs now, not on the first requests."""
+        t0 = time.perf_counter()
+        layer, cfg = self.model.layers[0], self.model.config
+        param = layer.input_layernorm.weight
+        for b in tqdm(self.buckets, desc="torch.compile (decode batch sizes)", unit="bucket"):
+            x = torch.zeros(b, cfg.hidden_size, dtype=param.dtype, device=param.device)
+            cos_sin = self.model.rotary.cos_sin(torch.zeros(b, dtype=torch.long, device=param.device), x.dtype)
+            a, m = layer.self_attn, layer.mlp
+            q, _, _ = self.fns.attention_in(x, param, layer.input_layernorm.eps, a.qkv_proj.weight, a.qkv_proj.bias,
+                                            *cos_sin, a.num_heads, a.num_kv_heads, a.head_dim)
+            self.fns.attention_out_mlp(q.contiguous(), x, a.o_proj.weight, layer.post_attention_layernorm.weight,
+                                       layer.post_attention_layernorm.eps, m.gate_up_proj.weight,
+                                       m.down_proj.weight, m.inter)
+        return time.perf_counter() - t0
