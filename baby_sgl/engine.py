@@ -132,11 +132,15 @@ class Engine:
         if len(ids) > self.max_input_len:
             raise ValueError(f"prompt is too long: {len(ids)} tokens, the limit is {self.max_input_len} "
                              f"(context length {self.context_len}, KV pool {self.max_total_tokens})")
-        base = rid or uuid.uuid4().hex
-        reqs = [Req(base if params.n == 1 else f"{base}-{k}", ids, params) for k in range(params.n)]
+        reqs = [Req(r, ids, params) for r in self.copy_rids(rid or uuid.uuid4().hex, params.n)]
         for req in reqs:
             req.return_logprob, req.top_logprobs_num = return_logprob or top_logprobs_num > 0, top_logprobs_num
         return reqs
+
+    @staticmethod
+    def copy_rids(rid: str, n: int) -> list[str]:
+        """The engine requests' rids of one prompt sampled n times."""
+        return [rid] if n == 1 else [f"{rid}-{k}" for k in range(n)]
 
     def _prompt_ids(self, item: Any) -> list[int]:
         """A prompt's token ids; a text is bounded before it is tokenized."""

@@ -19,6 +19,7 @@ from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.errors import EngineDeadError, ServerBusyError
 from baby_sgl.managers.req import Req
+from baby_sgl.sampling.sampling_params import SamplingParams
 
 # How often a waiting request checks that its client is still there (SGLang: every 4 s).
 DISCONNECT_POLL_S = 0.5
@@ -31,6 +32,10 @@ class AsyncEngine:
         # The rid a client gave -> its engine requests (n > 1 runs copies "rid-0", "rid-1", ...),
         # so /abort_request with that rid reaches all of them and a reused rid is refused.
         self.active: dict[str, list[Req]] = {}
+        # Engine rids that client-given rids expand to (n > 1 makes copies "rid-0", ...), so no
+        # two running requests share one; by the client's rid.
+        self.engine_rids: set[str] = set()
+        self._reserved: dict[str, list[str]] = {}
         self._lock = threading.Lock()  # submissions run in worker threads
 
     def abort(self, rid: str) -> None:
@@ -92,8 +97,7 @@ class AsyncEngine:
             for req in submitted:
                 if not req.finished:
                     self.engine.abort_request(req.rid)
-            for key in keys:
-                self.active.pop(key, None)
+            self._forget(keys)
 
     def _undo_submission(self, submitting: asyncio.Future) -> None:
         if submitting.cancelled() or submitting.exception() is not None:
@@ -101,19 +105,26 @@ class AsyncEngine:
         submitted, keys = submitting.result()
         for req in submitted:
             self.engine.abort_request(req.rid)
-        for key in keys:
-            self.active.pop(key, None)
+        self._forget(keys)
 
     def _submit(self, items: list[dict[str, Any]], deliver: Callable[[dict], None]) -> tuple[list[Req], list[str]]:
+        if self.max_queued is not None and len(items) > self.max_queued:
+            raise ValueError(f"this call holds {len(items)} requests; at most {self.max_queued} can wait at once "
+                             f"(--max-queued-requests)")
         if self.max_queued is not None and self.engine.scheduler.num_queued() + len(items) > self.max_queued:
             raise ServerBusyError(f"the request queue is full ({self.max_queued} requests wait); try again later")
         given = [item["rid"] for item in items if item.get("rid") is not None]
+        planned = {item["rid"]: self._engine_rids(item) for item in items if item.get("rid") is not None}
+        every = [r for rids in planned.values() for r in rids]
         with self._lock:  # check and reserve the rids at once: two submissions may race
             clash = next((r for r in given if r in self.active or given.count(r) > 1), None)
+            clash = clash or next((r for r in every if r in self.engine_rids or every.count(r) > 1), None)
             if clash is not None:
-                raise ValueError(f"duplicate request id {clash!r}: a request with this rid is still running")
+                raise ValueError(f"duplicate request id {clash!r}: a request with this rid is running or in this call")
             for rid in given:
                 self.active[rid] = []
+            self.engine_rids.update(every)
+            self._reserved.update(planned)
         submitted: list[Req] = []
         keys: list[str] = list(given)
         try:
@@ -127,10 +138,20 @@ class AsyncEngine:
         except Exception:
             for req in submitted:
                 self.engine.abort_request(req.rid)
-            for key in keys:
-                self.active.pop(key, None)
+            self._forget(keys)
             raise
         return submitted, keys
+
+    def _engine_rids(self, item: dict[str, Any]) -> list[str]:
+        """The rids the engine will give this item's requests (n > 1 makes copies)."""
+        params = SamplingParams.from_dict(item.get("sampling_params"), self.engine.sampling_defaults)
+        return Engine.copy_rids(item["rid"], params.n)
+
+    def _forget(self, keys: list[str]) -> None:
+        with self._lock:
+            for key in keys:
+                self.active.pop(key, None)
+                self.engine_rids.difference_update(self._reserved.pop(key, []))
 
     def _observe(self, chunk: dict, last_piece: dict[str, float]) -> None:
         """Inter-token latency as SGLang measures it: the time since the request's previous

@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -129,6 +130,9 @@ def _add_native_routes(app: FastAPI) -> None:
     async def health_generate() -> Response:
         if not engine.is_alive():
             return error_response("the engine has stopped", 503)
+        sched = engine.scheduler
+        if (sched.running or sched.num_queued()) and time.monotonic() - sched.last_forward < HEALTH_GENERATE_TIMEOUT_S:
+            return Response(status_code=200)  # busy and making progress: a probe would only queue behind
 
         async def one_token() -> dict:
             item = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}

@@ -57,7 +57,11 @@ def _copies(item: dict, n: int) -> list[dict]:
     seed = item["sampling_params"].get("seed")
     if seed is None:
         return [item] * n
-    return [item | {"sampling_params": item["sampling_params"] | {"seed": seed + k}} for k in range(n)]
+    return [item | {"sampling_params": item["sampling_params"] | {"seed": _wrap_int64(seed + k)}} for k in range(n)]
+
+
+def _wrap_int64(x: int) -> int:
+    return (x + 2**63) % 2**64 - 2**63
 
 
 def add_openai_routes(app: FastAPI) -> None:

@@ -51,8 +51,8 @@ class RequestGuard:
 
     def _check_headers(self, scope: Scope, headers: dict[str, str]):
         origin = headers.get("origin")
-        if origin is not None and urlsplit(origin).netloc != headers.get("host"):
-            return error_response(f"cross-origin requests are refused (Origin: {origin})", 403)
+        if origin is not None and _origin_host(origin) != headers.get("host"):
+            return error_response(f"cross-origin requests are refused (Origin: {origin!r})", 403)
         if self.api_key is not None and scope["path"] not in OPEN_PATHS:
             given = headers.get("authorization", "")
             scheme, _, token = given.partition(" ")
@@ -87,6 +87,13 @@ class RequestGuard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks), None
+
+
+def _origin_host(origin: str) -> str | None:
+    try:
+        return urlsplit(origin).netloc
+    except ValueError:  # not even a URL: not this server
+        return None
 
 
 def _is_json(content_type: str) -> bool:

@@ -24,10 +24,9 @@ def match_prefix(req: Req, tree_cache, sessions: SessionController) -> None:
         req.prefix_indices, req.last_node = tree_cache.match_prefix(req.fill_ids[: req.seqlen - 1])
 
 
-def sort_waiting(waiting: list[Req], policy: str, tree_cache, sessions: SessionController) -> None:
-    """fcfs keeps arrival order; lpm puts the longest cached prefix first (stable on ties)."""
-    for req in waiting:
-        match_prefix(req, tree_cache, sessions)
+def sort_waiting(waiting: list[Req], policy: str) -> None:
+    """fcfs keeps arrival order; lpm puts the longest cached prefix first (stable on ties).
+    Every request's prefix has been matched (match_prefix) already."""
     if policy == "lpm":
         waiting.sort(key=lambda r: -len(r.prefix_indices))
 

@@ -19,7 +19,8 @@ from baby_sgl.managers.memory_checker import check_memory
 from baby_sgl.managers.messages import AbortReq, Call, Message, NewReq, Stop
 from baby_sgl.managers.req import Req
 from baby_sgl.managers.schedule_batch import ScheduleBatch
-from baby_sgl.managers.schedule_policy import AddResult, PrefillAdder, shares_uncached_prefix, sort_waiting
+from baby_sgl.managers.schedule_policy import (AddResult, PrefillAdder, match_prefix, shares_uncached_prefix,
+                                               sort_waiting)
 from baby_sgl.managers.session_controller import SessionController
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
@@ -72,6 +73,7 @@ class Scheduler:
         self.error: BaseException | None = None  # the last failure the loop survived
         self.dead: BaseException | None = None  # what stopped the loop, if it stopped on its own
         self.on_death: list[Callable[[BaseException], None]] = []
+        self.last_forward = time.monotonic()  # when the last forward pass ended (read by health checks)
         self.thread = threading.Thread(target=self._loop, name="baby-sgl-scheduler", daemon=True)
         self.thread.start()
 
@@ -241,6 +243,7 @@ class Scheduler:
             self._fail_batch(batch.reqs, f"internal error in the forward pass: {e!r}")
             return True
         self.stats["forward_steps"] += 1
+        self.last_forward = time.monotonic()
         self._process_result(batch, logits)
         return True
 
@@ -268,7 +271,8 @@ class Scheduler:
             return None, False
         short_of_memory = False
         if adder.new_chunked_req is None:
-            sort_waiting(self.waiting, self.args.schedule_policy, self.tree_cache, self.sessions)
+            self._match_waiting()
+            sort_waiting(self.waiting, self.args.schedule_policy)
             room = self.args.max_running_requests - len(self.running) - len(adder.can_run)
             free_rows = len(self.req_to_token_pool.free_slots)
             share = not self.args.disable_radix_cache
@@ -294,6 +298,16 @@ class Scheduler:
         batch = self._new_schedule_batch(adder.can_run, ForwardMode.EXTEND)
         batch.prepare_for_extend()
         return batch, False
+
+    def _match_waiting(self) -> None:
+        """Finds each waiting request's cached prefix; one that fails ends alone."""
+        for req in list(self.waiting):
+            try:
+                match_prefix(req, self.tree_cache, self.sessions)
+            except Exception as e:
+                logger.exception("request %s failed", req.rid)
+                self.waiting.remove(req)
+                self._fail_req(req, f"internal error while handling this request: {e!r}")
 
     def _get_decode_batch(self) -> ScheduleBatch | None:
         batch = self._new_schedule_batch(self.running, ForwardMode.DECODE)

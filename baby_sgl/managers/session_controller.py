@@ -26,6 +26,9 @@ from baby_sgl.managers.io_struct import OpenSessionReqInput, SessionParams
 from baby_sgl.managers.req import Req
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 
+# A normal session keeps every turn (any of them may be continued); this bounds its memory.
+MAX_SESSION_TURNS = 1024
+
 
 @dataclass
 class Session:
@@ -111,6 +114,9 @@ class SessionController:
         if session is None or session.closing:
             raise ValueError(f"session {params.id!r} is not open")
         rid, offset, replace, drop_output = params.rid, params.offset, params.replace, params.drop_previous_output
+        if len(session.reqs) >= MAX_SESSION_TURNS and not replace:
+            raise ValueError(f"session {session.id!r} holds {MAX_SESSION_TURNS} turns, the most one session keeps; "
+                             f"close it and open another")
         if req.rid in session.reqs or req.rid in session.in_flight:
             raise ValueError(f"request id {req.rid!r} is already used in session {session.id!r}")
         if rid is not None and rid not in session.reqs:
@@ -132,6 +138,8 @@ class SessionController:
         input_ids = self._turn_input(prev, req.origin_input_ids, offset, drop_output)
         if not input_ids:
             raise ValueError("the session turn's input is empty (offset 0 and a new input that is only BOS)")
+        if session.held is not None and len(input_ids) <= session.held.kv_len:
+            raise ValueError("the turn adds no tokens to the session's context (its input is empty or only BOS)")
         if len(input_ids) > self.max_input_len:
             raise ValueError(f"prompt is too long: the session's context plus the new input is {len(input_ids)} "
                              f"tokens, the limit is {self.max_input_len}")

@@ -143,7 +143,7 @@ KEY = "test-key-123"
 
 @pytest.fixture(scope="module")
 def strict_server(tiny_llama):
-    engine = Engine(tiny_llama, dtype="float32", max_total_tokens=2048, max_running_requests=8, max_sessions=3)
+    engine = Engine(tiny_llama, dtype="float32", max_total_tokens=2048, max_running_requests=1, max_sessions=3)
     args = ServerArgs(api_key=KEY, max_sessions=3, request_body_timeout=1.0, max_queued_requests=4,
                       max_request_bytes=64 * 1024)
     with serve_in_thread(engine, args) as base:
@@ -192,9 +192,30 @@ def test_session_limit(strict_server):
 
 
 def test_full_queue_is_503_with_retry_after(strict_server):
-    r = httpx.post(strict_server + "/generate", json={"text": ["a"] * 5, "sampling_params": {"max_new_tokens": 1}},
-                   headers=AUTH)
-    assert r.status_code == 503 and r.headers["retry-after"] == "1" and "queue" in error_of(r)
+    # One request runs at a time here and four may wait: fill the queue, then one more.
+    long = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 800, "ignore_eos": True}}
+
+    def until(key: str, value: int) -> None:
+        deadline = time.monotonic() + 30
+        while httpx.get(strict_server + "/server_info", headers=AUTH).json()[key] < value:
+            assert time.monotonic() < deadline, key
+            time.sleep(0.02)
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        post = lambda i: pool.submit(httpx.post, strict_server + "/generate", json=long | {"rid": f"q{i}"},  # noqa: E731
+                                     headers=AUTH, timeout=120)
+        running = [post(0)]
+        until("num_running_reqs", 1)
+        running += [post(i) for i in range(1, 5)]
+        until("num_waiting_reqs", 4)
+        r = httpx.post(strict_server + "/generate", json={"text": "x"}, headers=AUTH)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "queue" in error_of(r)
+        for i in range(5):
+            httpx.post(strict_server + "/abort_request", json={"rid": f"q{i}"}, headers=AUTH)
+        assert all(f.result().status_code == 200 for f in running)
+    # A call larger than the whole queue could never fit: that is the client's error.
+    r = httpx.post(strict_server + "/generate", json={"text": ["a"] * 5}, headers=AUTH)
+    assert r.status_code == 400 and "--max-queued-requests" in error_of(r)
     _strict_idle(strict_server)
 
 
@@ -211,3 +232,46 @@ def test_slow_body_is_timed_out(strict_server):
         reply = sock.recv(4096).decode()  # nothing more is sent: the server gives up after 1 s
     assert reply.startswith("HTTP/1.1 408"), reply
     assert httpx.get(strict_server + "/health").status_code == 200
+
+
+# ---- found by a hostile client after the first round of fixes ------------------------------
+def test_session_turn_adding_nothing_to_a_held_row_is_refused_alone(server):
+    sid = httpx.post(server + "/open_session", json={"capacity_of_str_len": 10, "streaming": True}).json()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        other = pool.submit(httpx.post, server + "/generate", timeout=60, json={
+            "input_ids": [9, 8, 7], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}})
+        first = httpx.post(server + "/generate", json={"input_ids": [1, 20, 21, 22], "sampling_params": {
+            "max_new_tokens": 0}, "session_params": {"id": sid}})
+        assert first.status_code == 200
+        bos_only = httpx.post(server + "/generate", json={"input_ids": [1], "session_params": {"id": sid}})
+        assert bos_only.status_code == 400 and "adds no tokens" in error_of(bos_only)
+        assert other.result().json()["meta_info"]["finish_reason"]["type"] == "length"
+    assert httpx.post(server + "/generate", json={"input_ids": [1, 30], "sampling_params": {"max_new_tokens": 2},
+                                                  "session_params": {"id": sid}}).status_code == 200
+    assert httpx.post(server + "/close_session", json={"session_id": sid}).status_code == 200
+
+
+@pytest.mark.parametrize("origin", ["http://[", "http://[::1", b"http://\xff["])
+def test_malformed_origin_is_refused_not_an_error(server, origin):
+    assert httpx.get(server + "/health", headers={"origin": origin}).status_code == 403
+
+
+def test_rids_of_n_copies_cannot_collide_with_other_rids(server):
+    body = {"text": ["Hello", "Paris is"], "rid": ["x-0", "x"],
+            "sampling_params": [{"max_new_tokens": 3}, {"max_new_tokens": 5, "n": 2}]}
+    r = httpx.post(server + "/generate", json=body)
+    assert r.status_code == 400 and "duplicate request id 'x-0'" in error_of(r)
+
+
+def test_largest_seed_with_n_choices(server):
+    r = httpx.post(server + "/v1/completions", json={"prompt": "hi", "n": 2, "seed": 2**63 - 1, "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+def test_health_generate_answers_while_long_work_runs(server):
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(httpx.post, server + "/generate", timeout=60, json={
+            "input_ids": [5] * 900, "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}})
+        time.sleep(0.2)
+        assert httpx.get(server + "/health_generate", timeout=30).status_code == 200
+        assert busy.result().status_code == 200
