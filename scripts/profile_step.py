@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=15)
     p.add_argument("--model-path", default=None)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--shapes", action="store_true", help="one row per op and input shapes")
     args = p.parse_args()
 
     rng = random.Random(0)
@@ -47,7 +48,7 @@ def main() -> None:
             seen[mode] += 1
             if mode != args.mode or report or seen[mode] != (args.step if mode == "decode" else 1):
                 return forward(batch)
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=args.shapes) as prof:
                 t0 = time.perf_counter()
                 out = forward(batch)
                 wall = time.perf_counter() - t0
@@ -61,7 +62,8 @@ def main() -> None:
     batch, longest, wall, prof = report[0]
     print(f"{args.mode} pass: batch {batch}, longest sequence {longest} tokens, {wall * 1e3:.1f} ms wall "
           "(the profiler adds a little)")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    averages = prof.key_averages(group_by_input_shape=args.shapes)
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 
 if __name__ == "__main__":

@@ -60,7 +60,8 @@ def run_one_batch(engine: Engine, wl: Workload) -> dict:
 def memory_budget(engine: Engine) -> dict[str, float]:
     """What the process needs: the weights and the KV pool; the README's budget adds 600 MB."""
     cfg = engine.model_config
-    weights = sum(p.numel() * p.element_size() for p in engine.scheduler.runner.model.parameters())
+    model = engine.scheduler.runner.model
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     kv = engine.max_total_tokens * KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.dtype)
     return {"weights_mb": weights / 1e6, "kv_pool_mb": kv / 1e6, "budget_mb": (weights + kv) / 1e6 + 600}
 

@@ -1,11 +1,12 @@
-"""A linear layer whose matmul orientation for skinny inputs on CPU is fixed by the CPU's
-instruction set, never by timing, so the same inputs always give the same bits.
+"""Linear layers, with kernels chosen by what the machine is, never by timing: the same
+inputs always give the same bits.
 
-For a few rows (decode batches) CPU BLAS speed depends on the orientation: `W @ x^T` with the
-[out, in] weight ran 8 rows x (576 -> 49152) at 37 GFLOP/s against 10 for `x @ W^T` on a 2-core
-AVX2 machine, while on AVX-512 machines `x @ W^T` (F.linear) is as fast or faster. The two forms
-differ in float rounding, so the choice is made once per process from the CPU's capability and
-kept: choosing by stopwatch would make outputs depend on machine load.
+On CPU with oneDNN (float32 or bfloat16) the weights are prepacked into oneDNN's blocked layout
+(`Linear.prepack`): one-row products over weights streamed from memory ran at 19 GB/s against
+10-13 for F.linear on a 2-core AVX-512 machine, and every batch size up to 512 rows was faster.
+Without oneDNN, the orientation of skinny products is fixed by the CPU's vector width: `W @ x^T`
+ran 8 rows x (576 -> 49152) at 37 GFLOP/s against 10 for `x @ W^T` on a 2-core AVX2 machine,
+while on AVX-512 machines `x @ W^T` (F.linear) is as fast or faster.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def skinny_transposed() -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if (x.dim() == 2 and SKINNY_ROWS[0] <= x.shape[0] <= SKINNY_ROWS[1] and x.device.type == "cpu"
             and skinny_transposed()):
         out = (weight @ x.t()).t().contiguous()
@@ -33,6 +36,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def can_prepack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and weight.dtype in (torch.float32, torch.bfloat16) and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def prepack(self) -> None:
+        """Replaces the weight by oneDNN's blocked copy of it (same values, laid out for its
+        matmul kernels): measured 2-2.5x faster for one-row products and faster at every batch
+        size up to 512 rows, float32 and bfloat16. The plain weight is dropped (a tied one
+        stays with the embedding)."""
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+        del self._parameters["weight"]
+        self.register_buffer("weight", packed, persistent=False)

@@ -12,6 +12,7 @@ from baby_sgl.attention.registry import create_attention_backend
 from baby_sgl.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
+from baby_sgl.layers.linear import Linear, can_prepack
 from baby_sgl.model_executor.compile import CompiledDense, cxx_compiler, device_needs_cxx
 from baby_sgl.models.llama import EAGER
 from baby_sgl.models.registry import get_model_class
@@ -50,6 +51,13 @@ class ModelRunner:
         self.compiled: CompiledDense | None = None
         if compile_max_bs:
             self._enable_compile(compile_max_bs)
+        if self.compiled is None:  # compiled graphs take plain weights and choose their own kernels
+            self._prepack_linear_weights()
+
+    def _prepack_linear_weights(self) -> None:
+        linears = [m for m in self.model.modules() if isinstance(m, Linear) and can_prepack(m.weight)]
+        for m in linears:
+            m.prepack()
 
     def _enable_compile(self, max_bs: int) -> None:
         if device_needs_cxx(self.device) and cxx_compiler() is None:
