@@ -1,5 +1,6 @@
 """Runs the benchmark suite and writes docs/benchmarks.md (and the README's results table).
 
+    bash scripts/setup_peers.sh             # once: vLLM's CPU engine and llama.cpp, each in its venv
     python scripts/benchmarks.py            # the runs below, SmolLM2-135M, this machine's threads
 
 Every row is one `baby-sgl bench offline` run; ratios are taken within a run.
@@ -17,22 +18,23 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RANDOM = "--workload random --num-prompts 32 --input-min 32 --input-max 256 --output-min 64 --output-max 128"
+SHARED = "--workload shared-prefix --groups 4 --prompts-per-group 4 --system-len 512 --question-len 32 --output-len 32"
+SHARED_8X8 = "--workload shared-prefix --groups 8 --prompts-per-group 8 --system-len 1024 --question-len 64 --output-len 64"
 RUNS = [
-    ("random, 64 prompts, in 32-512, out 32-256, vs transformers",
-     "--workload random --num-prompts 64 --input-min 32 --input-max 512 --output-min 32 --output-max 256 --compare hf"),
-    ("random, 64 prompts, in 32-512, out 32-256, float32 vs bfloat16",
-     "--workload random --num-prompts 64 --input-min 32 --input-max 512 --output-min 32 --output-max 256 "
-     "--compare bfloat16"),
-    ("shared-prefix 8x8, 1024-token system prompt, 64-token question, radix cache",
-     "--workload shared-prefix --groups 8 --prompts-per-group 8 --system-len 1024 --question-len 64 --output-len 64"),
-    ("shared-prefix 8x8, 1024-token system prompt, 64-token question, --disable-radix-cache",
-     "--workload shared-prefix --groups 8 --prompts-per-group 8 --system-len 1024 --question-len 64 --output-len 64 "
-     "--disable-radix-cache"),
-    ("one-batch B=1, in 128, out 64, float32 vs bfloat16",
-     "--workload one-batch --batch 1 --input-len 128 --output-len 64 --compare bfloat16"),
-    ("one-batch B=8, in 128, out 64", "--workload one-batch --batch 8 --input-len 128 --output-len 64"),
-    ("one-batch B=1, in 1000, out 16 (TTFT of a 1000-token prompt)",
-     "--workload one-batch --batch 1 --input-len 1000 --output-len 16"),
+    ("random, 32 prompts, in 32-256, out 64-128, bfloat16", f"{RANDOM} --dtype bfloat16 --compare vllm"),
+    ("random, 32 prompts, in 32-256, out 64-128, float32", f"{RANDOM} --dtype float32 --compare vllm"),
+    ("random, 32 prompts, in 32-256, out 64-128, float32, vs transformers", f"{RANDOM} --dtype float32 --compare hf"),
+    ("shared-prefix 4x4, 512-token system prompt, 32-token question, out 32, bfloat16",
+     f"{SHARED} --dtype bfloat16 --compare vllm"),
+    ("one-batch B=1, in 128, out 64, bfloat16", "--workload one-batch --batch 1 --input-len 128 --output-len 64 "
+     "--dtype bfloat16 --compare llama.cpp"),
+    ("shared-prefix 8x8, 1024-token system prompt, 64-token question, radix cache, bfloat16",
+     f"{SHARED_8X8} --dtype bfloat16"),
+    ("shared-prefix 8x8, 1024-token system prompt, 64-token question, --disable-radix-cache, bfloat16",
+     f"{SHARED_8X8} --dtype bfloat16 --disable-radix-cache"),
+    ("one-batch B=1, in 1000, out 16 (TTFT of a 1000-token prompt), bfloat16",
+     "--workload one-batch --batch 1 --input-len 1000 --output-len 16 --dtype bfloat16"),
 ]
 
 
@@ -82,10 +84,14 @@ def render(rows: list[tuple[str, str, dict]]) -> str:
             elif "bandwidth_roof_ratio" in r:
                 roof = f"{r['bandwidth_roof_ratio']:.2f}x bandwidth bound"
             rss = f"{rep['peak_rss_mb']:.0f} / {rep['memory']['budget_mb']:.0f}" if r is base else ""
-            notes = ""
+            notes = []
             if "greedy_identical_frac" in r:
-                notes = (f"greedy outputs identical to {base['engine']}: {r['greedy_identical_frac']:.0%} of requests; "
-                         f"{r['greedy_agree_prefix_frac']:.0%} of tokens agree before the first difference")
+                notes.append(f"greedy outputs identical to {base['engine']}: {r['greedy_identical_frac']:.0%} of requests")
+            if "greedy_agree_prefix_frac" in r:
+                notes.append(f"{r['greedy_agree_prefix_frac']:.0%} of tokens agree before the first difference")
+            if r is not base and step and base.get("decode_step_median_s"):
+                notes.append(f"decode step ratio (theirs / ours): {step / base['decode_step_median_s']:.2f}x")
+            notes = "; ".join(notes)
             lines.append(f"| {title} | {r['engine']} | {fmt(r.get('output_tok_s'))} | {fmt(r.get('total_tok_s'))} | "
                          f"{fmt(r.get('cache_hit_rate'), 2)} | {fmt(ttft, 2)} | {fmt(step and step * 1e3)} | {ratio} | "
                          f"{roof} | {rss} | {notes} |")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -33,19 +34,23 @@ def peer_python(name: str) -> Path:
 
 def hf_dir_for(model_source: str) -> str:
     """A Hugging Face directory of the model: the source itself, or its GGUF dequantized once
-    (float32 safetensors) into ~/.cache/baby-sgl/hf-from-gguf/."""
+    (float32 safetensors, config, tokenizer) into ~/.cache/baby-sgl/hf-from-gguf/."""
     if not model_source.endswith(".gguf"):
         return model_source
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "baby-sgl" / "hf-from-gguf"
     out = cache / Path(model_source).stem
     if not (out / "config.json").exists():
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from safetensors.torch import save_file
+
+        from baby_sgl.model_loader.loader import load_model
 
         logger.warning("dequantizing %s for the peer into %s (once)", model_source, out)
-        where, name = os.path.dirname(model_source), os.path.basename(model_source)
-        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
-        model.save_pretrained(out)
-        AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(out)
+        loaded = load_model(model_source)  # our GGUF reader: Hugging Face names and layouts
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({name: t.contiguous() for name, t in loaded.weights}, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps(loaded.hf_config, indent=1))
+        for f in Path(loaded.tokenizer_path).iterdir():
+            shutil.copy(f, out / f.name)
     return str(out)
 
 
