@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import socket
+import threading
 import time
 
 import httpx
@@ -142,11 +143,15 @@ KEY = "test-key-123"
 
 
 @pytest.fixture(scope="module")
-def strict_server(tiny_llama):
-    engine = Engine(tiny_llama, dtype="float32", max_total_tokens=2048, max_running_requests=1, max_sessions=3)
+def strict_engine(tiny_llama):
+    return Engine(tiny_llama, dtype="float32", max_total_tokens=2048, max_running_requests=1, max_sessions=3)
+
+
+@pytest.fixture(scope="module")
+def strict_server(strict_engine):
     args = ServerArgs(api_key=KEY, max_sessions=3, request_body_timeout=1.0, max_queued_requests=4,
                       max_request_bytes=64 * 1024)
-    with serve_in_thread(engine, args) as base:
+    with serve_in_thread(strict_engine, args) as base:
         yield base
 
 
@@ -191,28 +196,23 @@ def test_session_limit(strict_server):
     assert httpx.post(strict_server + "/open_session", json={"capacity_of_str_len": 10}, headers=AUTH).status_code == 200
 
 
-def test_full_queue_is_503_with_retry_after(strict_server):
-    # One request runs at a time here and four may wait: fill the queue, then one more.
-    long = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 800, "ignore_eos": True}}
-
-    def until(key: str, value: int) -> None:
+def test_full_queue_is_503_with_retry_after(strict_server, strict_engine):
+    # The scheduler is held inside a call, so nothing is admitted and four requests fill the queue.
+    release = threading.Event()
+    sched = strict_engine.scheduler
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        held = pool.submit(sched.call, release.wait)
+        queued = [pool.submit(httpx.post, strict_server + "/generate", json={"text": f"q{i}", "sampling_params": {
+            "max_new_tokens": 2}}, headers=AUTH, timeout=60) for i in range(4)]
         deadline = time.monotonic() + 30
-        while httpx.get(strict_server + "/server_info", headers=AUTH).json()[key] < value:
-            assert time.monotonic() < deadline, key
-            time.sleep(0.02)
-
-    with concurrent.futures.ThreadPoolExecutor(5) as pool:
-        post = lambda i: pool.submit(httpx.post, strict_server + "/generate", json=long | {"rid": f"q{i}"},  # noqa: E731
-                                     headers=AUTH, timeout=120)
-        running = [post(0)]
-        until("num_running_reqs", 1)
-        running += [post(i) for i in range(1, 5)]
-        until("num_waiting_reqs", 4)
+        while sched.num_queued() < 4:
+            assert time.monotonic() < deadline, sched.num_queued()
+            time.sleep(0.01)
         r = httpx.post(strict_server + "/generate", json={"text": "x"}, headers=AUTH)
         assert r.status_code == 503 and r.headers["retry-after"] == "1" and "queue" in error_of(r)
-        for i in range(5):
-            httpx.post(strict_server + "/abort_request", json={"rid": f"q{i}"}, headers=AUTH)
-        assert all(f.result().status_code == 200 for f in running)
+        release.set()
+        held.result()
+        assert all(f.result().status_code == 200 for f in queued)
     # A call larger than the whole queue could never fit: that is the client's error.
     r = httpx.post(strict_server + "/generate", json={"text": ["a"] * 5}, headers=AUTH)
     assert r.status_code == 400 and "--max-queued-requests" in error_of(r)
