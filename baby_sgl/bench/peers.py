@@ -22,11 +22,12 @@ from baby_sgl.bench.workloads import Workload
 logger = logging.getLogger(__name__)
 
 _RUNNERS = Path(__file__).with_name("peer_runners")
+PEERS_DIR = Path(__file__).resolve().parents[2] / ".peers"  # where scripts/setup_peers.sh puts them
 PEERS = {"vllm": "vllm_runner.py", "llama.cpp": "llama_cpp_runner.py"}
 
 
 def peer_python(name: str) -> Path:
-    python = Path(__file__).resolve().parents[2] / ".peers" / name / "bin" / "python"
+    python = PEERS_DIR / name / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"{name} is not installed here: run `bash scripts/setup_peers.sh {name}` first")
     return python

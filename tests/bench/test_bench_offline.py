@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from baby_sgl.bench.offline import main
+from baby_sgl.bench.peers import _as_row
+from baby_sgl.bench.workloads import Workload
 
 
 def test_bench_offline_runs_each_workload(tiny_llama, tmp_path, capsys):
@@ -16,7 +20,7 @@ def test_bench_offline_runs_each_workload(tiny_llama, tmp_path, capsys):
                  "--question-len", "4", *common]) == 0
     assert main(["--workload", "one-batch", "--batch", "2", "--input-len", "8", *common]) == 0
     assert main(["--workload", "random", "--num-prompts", "3", "--input-min", "8", "--input-max", "16",
-                 "--output-min", "2", "--output-max", "4", "--compare", "float32", *common]) == 0
+                 "--output-min", "2", "--output-max", "4", "--dtype", "float32", "--compare", "float32", *common]) == 0
     reports = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["workload"] for r in reports] == ["random", "shared-prefix", "one-batch", "random"]
     same = reports[3]["results"][1]  # float32 against float32: the very same greedy outputs
@@ -27,3 +31,18 @@ def test_bench_offline_runs_each_workload(tiny_llama, tmp_path, capsys):
     assert reports[1]["results"][0]["cache_hit_rate"] > 0.3
     assert reports[2]["results"][0]["decode_step_median_s"] > 0
     assert "roofs" in capsys.readouterr().out
+
+
+def test_a_peer_that_is_not_installed_says_how_to_install_it(tiny_llama, monkeypatch, tmp_path):
+    monkeypatch.setattr("baby_sgl.bench.peers.PEERS_DIR", tmp_path)
+    with pytest.raises(SystemExit, match="scripts/setup_peers.sh vllm"):
+        main(["--model-path", tiny_llama, "--workload", "one-batch", "--batch", "1", "--input-len", "8",
+              "--output-len", "2", "--compare", "vllm"])
+
+
+def test_peer_results_become_rows_with_ratios_and_agreement():
+    wl = Workload("one-batch", [[5, 6, 7]] * 2, [4, 4])
+    base = {"outputs": [[1, 2, 3, 4], [1, 2, 3, 4]]}
+    row = _as_row("peer", {"seconds": 2.0, "prefill_s": 0.5, "outputs": [[1, 2, 3, 4], [1, 2, 9, 9]]}, wl, base)
+    assert row["output_tok_s"] == 4.0 and row["total_tok_s"] == 7.0 and row["greedy_identical_frac"] == 0.5
+    assert row["decode_step_median_s"] == 0.5  # (2.0 - 0.5) / 3 later tokens
