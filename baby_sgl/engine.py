@@ -20,10 +20,10 @@ from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.model_runner import ModelRunner
 from baby_sgl.model_loader.loader import load_model
 from baby_sgl.errors import EngineDeadError
-from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams
+from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, ReqOptions, SessionParams
 from baby_sgl.sampling.sampling_params import SamplingParams
 from baby_sgl.server_args import ServerArgs
-from baby_sgl.validation import MAX_ID_LEN, MAX_TOP_LOGPROBS, validate, validate_text
+from baby_sgl.validation import validate, validate_text
 
 logger = logging.getLogger(__name__)
 
@@ -121,20 +121,15 @@ class Engine:
     def _make_req(self, item: str | list[int], sampling_params: dict | SamplingParams | None, rid: str | None,
                   return_logprob: bool, top_logprobs_num: int) -> list[Req]:
         params = SamplingParams.from_dict(sampling_params, self.sampling_defaults)
-        if not isinstance(top_logprobs_num, int) or isinstance(top_logprobs_num, bool) or \
-                not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs_num must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num!r}")
-        if not isinstance(return_logprob, bool):
-            raise ValueError(f"return_logprob must be true or false, got {return_logprob!r}")
-        if rid is not None and (not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID_LEN):
-            raise ValueError(f"rid must be a non-empty string of at most {MAX_ID_LEN} characters, got {rid!r}")
+        opts = validate(ReqOptions, {"rid": rid, "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num})
         ids = self._prompt_ids(item)
         if len(ids) > self.max_input_len:
             raise ValueError(f"prompt is too long: {len(ids)} tokens, the limit is {self.max_input_len} "
                              f"(context length {self.context_len}, KV pool {self.max_total_tokens})")
-        reqs = [Req(r, ids, params) for r in self.copy_rids(rid or uuid.uuid4().hex, params.n)]
+        reqs = [Req(r, ids, params) for r in self.copy_rids(opts.rid or uuid.uuid4().hex, params.n)]
         for req in reqs:
-            req.return_logprob, req.top_logprobs_num = return_logprob or top_logprobs_num > 0, top_logprobs_num
+            req.return_logprob = opts.return_logprob or opts.top_logprobs_num > 0
+            req.top_logprobs_num = opts.top_logprobs_num
         return reqs
 
     @staticmethod

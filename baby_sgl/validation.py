@@ -35,17 +35,13 @@ Id = Annotated[Text, Field(min_length=1, max_length=MAX_ID_LEN)]
 Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
 NonNegInt32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
 TokenId = NonNegInt32
+TopLogprobsNum = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 class StrictModel(BaseModel):
     """Exact JSON types, no unknown fields, no NaN or infinity."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-def describe(err: ValidationError, prefix: str = "") -> str:
-    """The first problem of a validation error as one line naming the field and the value."""
-    return describe_error(err.errors()[0], prefix)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "body"}
@@ -63,6 +59,8 @@ def field_path(loc: tuple, prefix: str = "") -> str:
 
 
 def describe_error(first: dict, prefix: str = "") -> str:
+    """One pydantic error as one line naming the field (and the value, unless our own check
+    already says it)."""
     where = field_path(tuple(first.get("loc", ())), prefix)
     msg = first.get("msg", "invalid value")
     if first.get("type") == "extra_forbidden":
@@ -87,7 +85,7 @@ def validate(model: type[BaseModel], data: Any, prefix: str = "") -> BaseModel:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise ValueError(describe(e, prefix)) from None
+        raise ValueError(describe_error(e.errors()[0], prefix)) from None
 
 
 def validate_text(s: str, name: str) -> str:

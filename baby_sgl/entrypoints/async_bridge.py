@@ -32,9 +32,8 @@ class AsyncEngine:
         # The rid a client gave -> its engine requests (n > 1 runs copies "rid-0", "rid-1", ...),
         # so /abort_request with that rid reaches all of them and a reused rid is refused.
         self.active: dict[str, list[Req]] = {}
-        # Engine rids that client-given rids expand to (n > 1 makes copies "rid-0", ...), so no
-        # two running requests share one; by the client's rid.
-        self.engine_rids: set[str] = set()
+        # The engine rids each client-given rid expands to (n > 1 makes copies "rid-0", ...), held
+        # from submission to the end, so no two running requests share an engine rid.
         self._reserved: dict[str, list[str]] = {}
         self._lock = threading.Lock()  # submissions run in worker threads
 
@@ -117,13 +116,13 @@ class AsyncEngine:
         planned = {item["rid"]: self._engine_rids(item) for item in items if item.get("rid") is not None}
         every = [r for rids in planned.values() for r in rids]
         with self._lock:  # check and reserve the rids at once: two submissions may race
+            taken = {r for rids in self._reserved.values() for r in rids}
             clash = next((r for r in given if r in self.active or given.count(r) > 1), None)
-            clash = clash or next((r for r in every if r in self.engine_rids or every.count(r) > 1), None)
+            clash = clash or next((r for r in every if r in taken or every.count(r) > 1), None)
             if clash is not None:
                 raise ValueError(f"duplicate request id {clash!r}: a request with this rid is running or in this call")
             for rid in given:
                 self.active[rid] = []
-            self.engine_rids.update(every)
             self._reserved.update(planned)
         submitted: list[Req] = []
         keys: list[str] = list(given)
@@ -151,7 +150,7 @@ class AsyncEngine:
         with self._lock:
             for key in keys:
                 self.active.pop(key, None)
-                self.engine_rids.difference_update(self._reserved.pop(key, []))
+                self._reserved.pop(key, None)
 
     def _observe(self, chunk: dict, last_piece: dict[str, float]) -> None:
         """Inter-token latency as SGLang measures it: the time since the request's previous

@@ -10,9 +10,8 @@ from pydantic import Field
 
 from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams
 from baby_sgl.sampling.sampling_params import SamplingParams, StopString
-from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_BATCH, MAX_ID_LEN, MAX_N, MAX_STOP,
-                                 MAX_TOP_LOGPROBS, Id, Int32,
-                                 NonNegInt32, StrictModel, Text, TokenId)
+from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_BATCH, MAX_ID_LEN, MAX_N, MAX_STOP, Id, Int32,
+                                 NonNegInt32, StrictModel, Text, TokenId, TopLogprobsNum)
 
 MAX_MESSAGES = 4096
 
@@ -29,7 +28,7 @@ class GenerateRequest(StrictModel):
     stream: bool = False
     rid: Id | Annotated[list[Id], Field(max_length=MAX_BATCH)] | None = None
     return_logprob: bool = False
-    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs_num: TopLogprobsNum = 0
     logprob_start_len: Int32 = -1
     session_params: SessionParams | None = None
 
@@ -74,7 +73,7 @@ class _OpenAISampling(StrictModel):
 class CompletionRequest(_OpenAISampling):
     prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_BATCH)] | TokenIds | \
         Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: TopLogprobsNum | None = None
     echo: Literal[False] = False
 
 
@@ -98,4 +97,4 @@ class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: NonNegInt32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: TopLogprobsNum | None = None

@@ -47,9 +47,8 @@ class Linear(nn.Linear):
 
     def prepack(self) -> None:
         """Replaces the weight by oneDNN's blocked copy of it (same values, laid out for its
-        matmul kernels): measured 2-2.5x faster for one-row products and faster at every batch
-        size up to 512 rows, float32 and bfloat16. The plain weight is dropped (a tied one
-        stays with the embedding)."""
+        matmul kernels; see the module's figures). The plain weight is dropped; a tied one
+        stays with the embedding, so a tied lm_head costs one extra copy."""
         packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
         del self._parameters["weight"]
         self.register_buffer("weight", packed, persistent=False)

@@ -1,4 +1,5 @@
-"""Session inputs, validated by one model for the Engine and the HTTP routes alike."""
+"""Per-request options and session inputs, validated by one model for the Engine and the HTTP
+routes alike."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from baby_sgl.validation import INT32_MAX, Id, NonNegInt32, StrictModel
+from baby_sgl.validation import INT32_MAX, Id, NonNegInt32, StrictModel, TopLogprobsNum
 
 MAX_SESSION_TIMEOUT_S = 30 * 24 * 3600.0
 
@@ -17,6 +18,14 @@ class _DropNulls(StrictModel):
     def _drop_nulls(cls, data: Any) -> Any:
         """null means "not given", as SGLang's clients send it."""
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class ReqOptions(StrictModel):
+    """What one request asks for besides its prompt and sampling parameters."""
+
+    rid: Id | None = None
+    return_logprob: bool = False
+    top_logprobs_num: TopLogprobsNum = 0
 
 
 class SessionParams(_DropNulls):

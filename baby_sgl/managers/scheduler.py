@@ -163,8 +163,7 @@ class Scheduler:
         exits so that its supervisor can restart it)."""
         self.dead = e
         logger.critical("the scheduler thread stopped: %r", e, exc_info=e)
-        reqs = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
-        reqs += [r for r in (self.cur_batch.reqs if self.cur_batch else []) if r not in reqs]
+        reqs = self._in_flight()
         while True:
             try:
                 msg = self.inbox.get_nowait()
@@ -489,12 +488,17 @@ class Scheduler:
         for req in failed:
             self._fail_req(req, message)
 
-    def _fail_all(self, message: str) -> None:
+    def _in_flight(self) -> list[Req]:
+        """Every request the scheduler holds: waiting, running, chunked, or in the current batch."""
         reqs = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
-        reqs += [r for r in (self.cur_batch.reqs if self.cur_batch else []) if r not in reqs]
+        return reqs + [r for r in (self.cur_batch.reqs if self.cur_batch else []) if r not in reqs]
+
+    def _fail_all(self, message: str) -> None:
+        reqs = self._in_flight()
         self.waiting, self.running, self.chunked_req, self.cur_batch = [], [], None, None
         for req in reqs:
-            self._fail_req(req, message)
+            if not req.finished:  # a finished one was released and its last piece sent already
+                self._fail_req(req, message)
 
     def _trace_batch(self, batch: ScheduleBatch, mwb) -> None:
         self.tracer.event(

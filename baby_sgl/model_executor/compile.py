@@ -12,7 +12,6 @@ Graphs are compiled at start-up (a progress bar), and inductor's cache lives in
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import shutil
 import time
@@ -23,8 +22,6 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from baby_sgl.models.llama import DenseFns, attention_in, attention_out_mlp
-
-logger = logging.getLogger(__name__)
 
 _BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
@@ -69,10 +66,6 @@ class CompiledDense:
         for b in tqdm(self.buckets, desc="torch.compile (decode batch sizes)", unit="bucket"):
             x = torch.zeros(b, cfg.hidden_size, dtype=param.dtype, device=param.device)
             cos_sin = self.model.rotary.cos_sin(torch.zeros(b, dtype=torch.long, device=param.device), x.dtype)
-            a, m = layer.self_attn, layer.mlp
-            q, _, _ = self.fns.attention_in(x, param, layer.input_layernorm.eps, a.qkv_proj.weight, a.qkv_proj.bias,
-                                            *cos_sin, a.num_heads, a.num_kv_heads, a.head_dim)
-            self.fns.attention_out_mlp(q.contiguous(), x, a.o_proj.weight, layer.post_attention_layernorm.weight,
-                                       layer.post_attention_layernorm.eps, m.gate_up_proj.weight,
-                                       m.down_proj.weight, m.inter)
+            q, _, _ = layer.dense_in(x, cos_sin, self.fns)
+            layer.dense_out(q.contiguous(), x, self.fns)
         return time.perf_counter() - t0

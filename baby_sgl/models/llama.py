@@ -80,13 +80,18 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 dense: DenseFns) -> torch.Tensor:
-        a, m = self.self_attn, self.mlp
-        q, k, v = dense.attention_in(x, self.input_layernorm.weight, self.input_layernorm.eps, a.qkv_proj.weight,
-                                     a.qkv_proj.bias, *cos_sin, a.num_heads, a.num_kv_heads, a.head_dim)
-        out = a.attend(q, k, v, fb)
-        return dense.attention_out_mlp(out, x, a.o_proj.weight, self.post_attention_layernorm.weight,
-                                       self.post_attention_layernorm.eps, m.gate_up_proj.weight, m.down_proj.weight,
-                                       m.inter)
+        q, k, v = self.dense_in(x, cos_sin, dense)
+        return self.dense_out(self.self_attn.attend(q, k, v, fb), x, dense)
+
+    def dense_in(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], dense: DenseFns):
+        a, norm = self.self_attn, self.input_layernorm
+        return dense.attention_in(x, norm.weight, norm.eps, a.qkv_proj.weight, a.qkv_proj.bias, *cos_sin,
+                                  a.num_heads, a.num_kv_heads, a.head_dim)
+
+    def dense_out(self, attn: torch.Tensor, x: torch.Tensor, dense: DenseFns) -> torch.Tensor:
+        a, m, norm = self.self_attn, self.mlp, self.post_attention_layernorm
+        return dense.attention_out_mlp(attn, x, a.o_proj.weight, norm.weight, norm.eps, m.gate_up_proj.weight,
+                                       m.down_proj.weight, m.inter)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import pytest
 
 from baby_sgl import Engine
 from baby_sgl.errors import EngineDeadError
+from baby_sgl.managers.memory_checker import check_memory
 from helpers import GREEDY, random_prompts
 
 PROMPTS = random_prompts(6, 512, 5, 40, seed=7)
@@ -104,3 +105,24 @@ def test_a_dead_scheduler_fails_waiters_instead_of_hanging(tiny_llama):
     with pytest.raises(EngineDeadError):
         engine.generate(input_ids=PROMPTS[0])
     engine.shutdown()
+
+
+def test_a_request_that_finished_in_a_failed_step_keeps_its_result(tiny_llama, monkeypatch):
+    """A failure found after a step (here the memory check) fails what is still in flight;
+    a request that finished in that step was already answered and must stay as it was."""
+    calls = []
+
+    def failing_once(sched):
+        calls.append(1)
+        if len(calls) == 1:
+            raise AssertionError("injected memory check failure")
+        return check_memory(sched)
+
+    monkeypatch.setattr("baby_sgl.managers.scheduler.check_memory", failing_once)
+    with Engine(tiny_llama, dtype="float32", debug_memory_check=True) as engine:
+        done, running = engine.generate(input_ids=PROMPTS[:2], sampling_params=[
+            {**GREEDY, "max_new_tokens": 1}, {**GREEDY, "max_new_tokens": 50}])
+        assert done["meta_info"]["finish_reason"] == {"type": "length", "length": 1}
+        assert running["meta_info"]["finish_reason"]["type"] == "abort"
+        assert engine.get_server_info()["num_failed_reqs"] == 1
+        engine.check_memory()
