@@ -14,7 +14,10 @@ class ServerArgs:
     device: str = "auto"
     page_size: int = 1
     disable_radix_cache: bool = False
-    chunked_prefill_size: int = 2048
+    # Tokens prefilled per pass at most; None: the engine picks (see Engine), -1: no chunking.
+    chunked_prefill_size: int | None = None
+    # Prefill chunks share their pass with the running requests' decode step (needs chunking).
+    enable_mixed_chunk: bool = False
     max_prefill_tokens: int = 8192
     max_total_tokens: int | None = None
     max_running_requests: int = 64
@@ -48,7 +51,7 @@ class ServerArgs:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
-            self.chunked_prefill_size = None  # SGLang: -1 disables chunking
+            self.chunked_prefill_size = -1  # SGLang: -1 disables chunking
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         for name in ("max_sessions", "max_request_bytes", "torch_compile_max_bs"):

@@ -25,6 +25,10 @@ CONFIGS = {
     "compile-chunked-retract": {"enable_torch_compile": True, "torch_compile_max_bs": 4, "chunked_prefill_size": 16,
                                 "page_size": 4, "max_total_tokens": 320, "schedule_conservativeness": 0.0,
                                 "debug_memory_check": True},
+    # Prefill chunks share passes with running decodes (--enable-mixed-chunk).
+    "mixed-chunk": {"enable_mixed_chunk": True, "chunked_prefill_size": 16, "page_size": 4, "debug_memory_check": True},
+    "mixed-chunk-retract": {"enable_mixed_chunk": True, "chunked_prefill_size": 16, "max_total_tokens": 320,
+                            "schedule_conservativeness": 0.0, "debug_memory_check": True},
 }
 
 

@@ -2,7 +2,8 @@
 
 Decode is batched: every request's KV slots are gathered into a padded [B, L] table (padding
 masked), and each KV head's group of query heads is treated as a short query sequence, so GQA
-needs no copies of K/V. A prefix several requests share is read once per group (see
+needs no copies of K/V. Requests of very different lengths go in separate calls (see
+split_by_length), and a prefix several requests share is read once per group (see
 shared_prefix.py). Extend loops over the requests of the batch (not over tokens): each
 request's new queries attend to its cached prefix plus the causal part of its new tokens.
 """
@@ -26,9 +27,47 @@ class _DecodeMeta:
 
 
 @dataclass
+class _DecodePlan:
+    parts: list[tuple[torch.Tensor | None, _DecodeMeta]]  # (batch rows, or None for all; their metadata)
+
+
+# An extra attention call costs about as much as this many padded KV slots (per request and
+# layer: ~0.3 us a slot, ~100-150 us a call on a 2-core CPU).
+_CALL_COST_SLOTS = 512
+
+
+def split_by_length(lens: list[int]) -> list[list[int]]:
+    """Batch rows in groups of similar length, each group padded to its own longest: the split
+    of the sorted lengths that minimises padded slots plus a fixed cost per group (dynamic
+    programming). Padding a batch of short requests to one 4000-token context made a decode
+    step 6x slower (measured: 584 vs 91 ms for 17 requests)."""
+    order = sorted(range(len(lens)), key=lambda i: lens[i])
+    best, cut = [0] + [float("inf")] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        longest = lens[order[j - 1]]
+        for i in range(j):
+            cost = best[i] + (j - i) * longest + _CALL_COST_SLOTS
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], len(order)
+    while j:
+        groups.append(sorted(order[cut[j] : j]))
+        j = cut[j]
+    return groups[::-1]
+
+
+@dataclass
 class _ExtendMeta:
     kv_indices: list[torch.Tensor]  # per request: its slots 0..seq_len-1
     masks: list[torch.Tensor | None]  # per request: None means plain causal (no cached prefix)
+    extend_lens: list[int]  # per request: new tokens
+
+
+@dataclass
+class _MixedMeta:
+    extend: _ExtendMeta  # the batch's first requests, whose new tokens come first
+    decode: _DecodePlan  # the rest, one new token each
+    extend_tokens: int
 
 
 def _gather(buf: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -83,38 +122,68 @@ class TorchNativeAttnBackend:
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, : max(fb.seq_lens_cpu)]
         if fb.mode == ForwardMode.DECODE:
-            self._init_decode(fb, rows)
+            fb.attn_metadata = self._decode_meta(rows, fb.seq_lens, fb.seq_lens_cpu, fb.kv_pool.dtype)
             return
+        n = fb.batch_size - fb.num_decode_reqs
+        extend = self._extend_meta(rows[:n], fb.extend_prefix_lens_cpu[:n], fb.extend_seq_lens_cpu[:n])
+        if fb.mode == ForwardMode.EXTEND:
+            fb.attn_metadata = extend
+            return
+        decode = self._decode_meta(rows[n:], fb.seq_lens[n:], fb.seq_lens_cpu[n:], fb.kv_pool.dtype)
+        fb.attn_metadata = _MixedMeta(extend, decode, sum(extend.extend_lens))
+
+    @staticmethod
+    def _extend_meta(rows: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]) -> _ExtendMeta:
         indices, masks = [], []
-        for i, (prefix, ext) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)):
+        for i, (prefix, ext) in enumerate(zip(prefix_lens, extend_lens)):
             indices.append(rows[i, : prefix + ext])
             # Invariant 2: query j (absolute position prefix + j) sees keys 0..prefix + j.
             causal = None
             if prefix:
                 causal = torch.ones(ext, prefix + ext, dtype=torch.bool, device=rows.device).tril(prefix)
             masks.append(causal)
-        fb.attn_metadata = _ExtendMeta(indices, masks)
+        return _ExtendMeta(indices, masks, list(extend_lens))
 
-    def _init_decode(self, fb: ForwardBatch, rows: torch.Tensor) -> None:
-        dtype, device = fb.kv_pool.k_buffers[0].dtype, rows.device
-        shared = find_shared_prefixes(rows.cpu(), fb.seq_lens_cpu, dtype, device)
+    @classmethod
+    def _decode_meta(cls, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
+                     dtype: torch.dtype) -> _DecodePlan:
+        groups = split_by_length(seq_lens_cpu)
+        if len(groups) == 1:
+            return _DecodePlan([(None, cls._decode_group(rows, seq_lens, seq_lens_cpu, dtype))])
+        parts = []
+        for g in groups:
+            idx = torch.tensor(g, device=rows.device)
+            parts.append((idx, cls._decode_group(rows[idx], seq_lens[idx], [seq_lens_cpu[i] for i in g], dtype)))
+        return _DecodePlan(parts)
+
+    @staticmethod
+    def _decode_group(rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
+                      dtype: torch.dtype) -> _DecodeMeta:
+        rows = rows[:, : max(seq_lens_cpu)]
+        shared = find_shared_prefixes(rows.cpu(), seq_lens_cpu, dtype, rows.device)
         if shared is None:
-            fb.attn_metadata = _DecodeMeta(rows, _padding_mask(fb.seq_lens, rows.shape[1], dtype), None)
-            return
+            return _DecodeMeta(rows, _padding_mask(seq_lens, rows.shape[1], dtype), None)
         # Each request keeps the slots after its group's shared prefix.
-        starts = torch.tensor(shared.lens, device=device)
-        lens = fb.seq_lens - starts
-        width = max(n - s for n, s in zip(fb.seq_lens_cpu, shared.lens))
-        take = (starts[:, None] + torch.arange(width, device=device)).clamp_(max=rows.shape[1] - 1)
-        fb.attn_metadata = _DecodeMeta(rows.gather(1, take), _padding_mask(lens, width, dtype), shared)
+        starts = torch.tensor(shared.lens, device=rows.device)
+        width = max(n - s for n, s in zip(seq_lens_cpu, shared.lens))
+        take = (starts[:, None] + torch.arange(width, device=rows.device)).clamp_(max=rows.shape[1] - 1)
+        return _DecodeMeta(rows.gather(1, take), _padding_mask(seq_lens - starts, width, dtype), shared)
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, fb: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer_id)
         meta = fb.attn_metadata
         if fb.mode == ForwardMode.DECODE:
             return self._decode(q, k_buf, v_buf, scale, meta)
+        if fb.mode == ForwardMode.EXTEND:
+            return self._extend(q, k_buf, v_buf, scale, meta)
+        t = meta.extend_tokens
+        return torch.cat([self._extend(q[:t], k_buf, v_buf, scale, meta.extend),
+                          self._decode(q[t:], k_buf, v_buf, scale, meta.decode)])
+
+    @staticmethod
+    def _extend(q, k_buf, v_buf, scale, meta: _ExtendMeta) -> torch.Tensor:
         outs, start = [], 0
-        for idx, mask, ext in zip(meta.kv_indices, meta.masks, fb.extend_seq_lens_cpu):
+        for idx, mask, ext in zip(meta.kv_indices, meta.masks, meta.extend_lens):
             qi = q[start : start + ext].transpose(0, 1).unsqueeze(0)  # [1, H, ext, D]
             ki = _gather(k_buf, idx).transpose(0, 1).unsqueeze(0)
             vi = _gather(v_buf, idx).transpose(0, 1).unsqueeze(0)
@@ -125,7 +194,15 @@ class TorchNativeAttnBackend:
             start += ext
         return torch.cat(outs, dim=0)
 
-    def _decode(self, q, k_buf, v_buf, scale, meta: _DecodeMeta) -> torch.Tensor:
+    def _decode(self, q, k_buf, v_buf, scale, plan: _DecodePlan) -> torch.Tensor:
+        if len(plan.parts) == 1:
+            return self._decode_group_attn(q, k_buf, v_buf, scale, plan.parts[0][1])
+        out = torch.empty_like(q)
+        for idx, meta in plan.parts:
+            out.index_copy_(0, idx, self._decode_group_attn(q[idx], k_buf, v_buf, scale, meta))
+        return out
+
+    def _decode_group_attn(self, q, k_buf, v_buf, scale, meta: _DecodeMeta) -> torch.Tensor:
         batch, heads, dim = q.shape
         kv_heads = k_buf.shape[1]
         group = heads // kv_heads

@@ -2,7 +2,9 @@
 
 Requests arrive as a Poisson process (--request-rate) or at fixed concurrency (--max-concurrency);
 each is streamed so time to first token (TTFT), inter-token latency (ITL) and time per output
-token (TPOT) are measured at the client."""
+token (TPOT) are measured at the client. --long-prompt-len adds one long prompt that arrives while
+the others stream (--long-prompt-delay seconds in): their ITL then shows whether its prefill
+stalls them (the summary's ITL is over the other requests only; the long one is reported apart)."""
 
 from __future__ import annotations
 
@@ -137,7 +139,8 @@ def _served_model(args: argparse.Namespace) -> str:
 
 
 async def run(args: argparse.Namespace) -> dict:
-    prompts = build_prompts(args, None if args.no_tokenizer else load_tokenizer(args))
+    tokenizer = None if args.no_tokenizer else load_tokenizer(args)
+    prompts = build_prompts(args, tokenizer)
     if args.backend == "openai" and args.model is None:
         args.model = _served_model(args)
     rng = random.Random(args.seed + 1)
@@ -147,21 +150,34 @@ async def run(args: argparse.Namespace) -> dict:
             async with limit:
                 return await one_request(c, args, p, n)
 
-        t0, tasks = time.perf_counter(), []
+        async def late(prompt: str) -> Result:
+            await asyncio.sleep(args.long_prompt_delay)
+            return await one_request(c, args, prompt, args.long_prompt_output)
+
+        t0, tasks, long_task = time.perf_counter(), [], None
+        if args.long_prompt_len:
+            long_prompt = _random_text(random.Random(args.seed + 2), args.long_prompt_len, tokenizer)
+            long_task = asyncio.create_task(late(long_prompt))
         for p, n in prompts:
             tasks.append(asyncio.create_task(guarded(p, n)))
             if args.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
+        long_result = await long_task if long_task else None
         duration = time.perf_counter() - t0
-    return summarize(results, duration)
+    summary = summarize(results, duration)
+    if long_result is not None:
+        summary["long_prompt"] = {"ok": long_result.ok, "prompt_tokens": long_result.prompt_tokens,
+                                  "ttft_s": long_result.ttft, "latency_s": long_result.latency,
+                                  "error": long_result.error}
+    return summary
 
 
 def _stats(values: list[float]) -> dict[str, float]:
     if not values:
-        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0}
     q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else values * 99
-    return {"mean": statistics.fmean(values), "p50": q[49], "p90": q[89], "p99": q[98]}
+    return {"mean": statistics.fmean(values), "p50": q[49], "p90": q[89], "p99": q[98], "max": max(values)}
 
 
 def summarize(results: list[Result], duration: float) -> dict:
@@ -198,8 +214,16 @@ def print_summary(s: dict, args: argparse.Namespace) -> None:
                        ("tpot_s", "Time per Output Token (excl. 1st token)"), ("itl_s", "Inter-token Latency")):
         print("{:-^60}".format(title))
         short = {"e2e_latency_s": "E2E Latency", "ttft_s": "TTFT", "tpot_s": "TPOT", "itl_s": "ITL"}[key]
-        for stat in ("mean", "p50", "p90", "p99"):
+        for stat in ("mean", "p50", "p90", "p99") + (("max",) if key == "itl_s" else ()):
             print(f"{stat.capitalize() + ' ' + short + ' (ms):':<44}{s[key][stat] * 1e3:>16.2f}")
+    if "long_prompt" in s:
+        lp = s["long_prompt"]
+        print("{:-^60}".format(" Long prompt arriving mid-run "))
+        print(f"{'Prompt tokens:':<44}{lp['prompt_tokens']:>16}")
+        print(f"{'TTFT (ms):':<44}{lp['ttft_s'] * 1e3:>16.2f}")
+        print(f"{'Others: ITL p99 / p50:':<44}{s['itl_s']['p99'] / max(s['itl_s']['p50'], 1e-9):>16.2f}")
+        if not lp["ok"]:
+            print(f"error: {lp['error']}")
     print("=" * 60)
     for e in s["errors"]:
         print(f"error: {e}")
@@ -226,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gsp-output-len", type=int, default=32)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--long-prompt-len", type=int, default=0,
+                   help="also send one prompt of this many tokens while the others stream")
+    p.add_argument("--long-prompt-delay", type=float, default=3.0, help="seconds after the start it is sent")
+    p.add_argument("--long-prompt-output", type=int, default=8, help="tokens it generates")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--output-file", default=None)
@@ -235,4 +263,4 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_file:
         with open(args.output_file, "a") as f:
             f.write(json.dumps({"args": vars(args) | {"request_rate": str(args.request_rate)}, **summary}) + "\n")
-    return 0 if summary["failed"] == 0 else 1
+    return 0 if summary["failed"] == 0 and summary.get("long_prompt", {}).get("ok", True) else 1

@@ -20,6 +20,7 @@ class ScheduleBatch:
         self.prefix_lens: list[int] = []
         self.seq_lens: list[int] = []
         self.out_cache_loc: torch.Tensor | None = None
+        self.num_decode_reqs = 0  # MIXED: the last requests of the batch decode one token each
 
     # ---- KV slots ------------------------------------------------------------------------
     def alloc_token_slots(self, prefix_lens: list[int], seq_lens: list[int]) -> torch.Tensor | None:
@@ -66,6 +67,15 @@ class ScheduleBatch:
         assert self.out_cache_loc is not None, "decode was scheduled without enough KV slots"
         self._write_rows()
 
+    def mix_with_running(self, decoding: ScheduleBatch) -> None:
+        """--enable-mixed-chunk: this extend batch also carries one decode step of the running
+        requests (`decoding`, prepared for decode), which come after the extend requests."""
+        self.mode, self.num_decode_reqs = ForwardMode.MIXED, len(decoding.reqs)
+        self.reqs = self.reqs + decoding.reqs
+        self.prefix_lens = self.prefix_lens + decoding.prefix_lens
+        self.seq_lens = self.seq_lens + decoding.seq_lens
+        self.out_cache_loc = torch.cat([self.out_cache_loc, decoding.out_cache_loc])
+
     def can_decode(self) -> bool:
         need = self.decode_pages_needed() * self.allocator.page_size
         return need <= self.allocator.available_size() + self.tree_cache.evictable_size()
@@ -90,7 +100,7 @@ class ScheduleBatch:
             input_ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in self.reqs]
             positions = torch.tensor(self.prefix_lens, dtype=torch.long)
             ext = [1] * len(self.reqs)
-        else:
+        else:  # EXTEND, or MIXED (a decoding request's one new token is the last of its fill_ids)
             input_ids = [t for r, a, b in zip(self.reqs, self.prefix_lens, self.seq_lens) for t in r.fill_ids[a:b]]
             positions = torch.cat([torch.arange(a, b) for a, b in zip(self.prefix_lens, self.seq_lens)])
             ext = [b - a for a, b in zip(self.prefix_lens, self.seq_lens)]
@@ -103,4 +113,5 @@ class ScheduleBatch:
             seq_lens=self.seq_lens,
             extend_prefix_lens=self.prefix_lens,
             extend_seq_lens=ext,
+            num_decode_reqs=self.num_decode_reqs,
         )

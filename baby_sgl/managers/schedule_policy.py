@@ -56,15 +56,17 @@ def reserved_tokens(req: Req, ratio: float) -> int:
 
 class PrefillAdder:
     def __init__(self, tree_cache, allocator: PagedTokenAllocator, running: list[Req], new_token_ratio: float,
-                 max_prefill_tokens: int, chunked_prefill_size: int | None, sessions: SessionController) -> None:
+                 max_prefill_tokens: int, chunked_prefill_size: int | None, sessions: SessionController,
+                 mixed_decode_tokens: int = 0) -> None:
         self.tree_cache, self.allocator, self.ratio = tree_cache, allocator, new_token_ratio
         self.sessions = sessions
         self.page_size = allocator.page_size
         # KV room kept for the decode steps of requests already running.
         self.reserved = sum(reserved_tokens(r, new_token_ratio) + self.page_size for r in running)
         self.idle = not running
-        self.rem_input_tokens = max_prefill_tokens
-        self.rem_chunk_tokens = chunked_prefill_size or float("inf")
+        # A mixed pass also carries one token per running request: they count against the budgets.
+        self.rem_input_tokens = max_prefill_tokens - mixed_decode_tokens
+        self.rem_chunk_tokens = (chunked_prefill_size or float("inf")) - mixed_decode_tokens
         self.can_run: list[Req] = []
         self.new_chunked_req: Req | None = None
 

@@ -66,8 +66,10 @@ class Scheduler:
         c = args.schedule_conservativeness
         self.init_ratio, self.min_ratio = min(INIT_NEW_TOKEN_RATIO * c, 1.0), min(MIN_NEW_TOKEN_RATIO * c, 1.0)
         self.new_token_ratio = self.init_ratio
+        # As SGLang: mixing needs chunked prefill, whose chunk size bounds each mixed step.
+        self.mixed_chunk = args.enable_mixed_chunk and args.chunked_prefill_size is not None
         self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
-                      "forward_steps": 0, "num_failed_reqs": 0}
+                      "forward_steps": 0, "mixed_steps": 0, "num_failed_reqs": 0}
         self.inbox: queue.Queue[Message] = queue.Queue()
         self._stop = threading.Event()
         self.error: BaseException | None = None  # the last failure the loop survived
@@ -227,7 +229,9 @@ class Scheduler:
         self._handle_aborts()
         self.cur_batch = None
         batch = self._get_new_batch_prefill()
-        if batch is None and self.running:
+        if batch is not None and self.running and self.mixed_chunk:
+            self._mix_running(batch)
+        elif batch is None and self.running:
             batch = self._get_decode_batch()
         if batch is None:
             return False
@@ -242,6 +246,7 @@ class Scheduler:
             self._fail_batch(batch.reqs, f"internal error in the forward pass: {e!r}")
             return True
         self.stats["forward_steps"] += 1
+        self.stats["mixed_steps"] += batch.mode == ForwardMode.MIXED
         self.last_forward = time.monotonic()
         self._process_result(batch, logits)
         return True
@@ -265,7 +270,8 @@ class Scheduler:
         if not self.waiting and self.chunked_req is None:
             return None, False
         adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
-                             self.args.max_prefill_tokens, self.args.chunked_prefill_size, self.sessions)
+                             self.args.max_prefill_tokens, self.args.chunked_prefill_size, self.sessions,
+                             mixed_decode_tokens=len(self.running) if self.mixed_chunk else 0)
         if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
             return None, False
         short_of_memory = False
@@ -308,6 +314,17 @@ class Scheduler:
                 self.waiting.remove(req)
                 self._fail_req(req, f"internal error while handling this request: {e!r}")
 
+    def _mix_running(self, batch: ScheduleBatch) -> None:
+        """--enable-mixed-chunk: the running requests decode in the same pass as the prefill, so
+        a long prompt arriving does not stall their streams. Admission kept room for their next
+        token; if the pool is short anyway they wait for this step (retraction is left to decode
+        batches)."""
+        decoding = ScheduleBatch(list(self.running), ForwardMode.DECODE, self.req_to_token_pool, self.allocator,
+                                 self.tree_cache)
+        if decoding.can_decode():
+            decoding.prepare_for_decode()
+            batch.mix_with_running(decoding)
+
     def _get_decode_batch(self) -> ScheduleBatch | None:
         batch = self._new_schedule_batch(self.running, ForwardMode.DECODE)
         while not batch.can_decode() and self.sessions.release_idle_row(self.waiting):
@@ -336,19 +353,20 @@ class Scheduler:
         detokenizer, a stop check, its session) ends that request alone."""
         tokens = self._sample(logits, batch.reqs)
         still_running = []
-        for req, seq_len, token in zip(batch.reqs, batch.seq_lens, tokens):
+        num_extend = 0 if batch.mode == ForwardMode.DECODE else len(batch.reqs) - batch.num_decode_reqs
+        for i, (req, seq_len, token) in enumerate(zip(batch.reqs, batch.seq_lens, tokens)):
             req.kv_len = seq_len
             try:
                 if isinstance(token, Exception):
                     raise token
-                if self._advance(req, batch.mode, token):
+                if self._advance(req, i < num_extend, token):
                     still_running.append(req)
             except Exception as e:
                 logger.exception("request %s failed", req.rid)
                 self._fail_req(req, f"internal error while handling this request: {e!r}")
         if batch.mode == ForwardMode.EXTEND:
             self.running.extend(still_running)
-        else:
+        else:  # a decode or mixed batch held every running request
             self.running = still_running
 
     def _needs_token(self, req: Req) -> bool:
@@ -375,8 +393,9 @@ class Scheduler:
                 out[i] = e
         return out
 
-    def _advance(self, req: Req, mode: ForwardMode, token: int | None) -> bool:
-        """Applies one pass to one request; True if it keeps decoding."""
+    def _advance(self, req: Req, extended: bool, token: int | None) -> bool:
+        """Applies one pass to one request (`extended`: the pass computed part of its prompt
+        rather than one decode step); True if it keeps decoding."""
         if req.is_chunked:  # more of its prompt to come; it stays the chunked request
             self.tree_cache.cache_unfinished_req(req)
             return False
@@ -393,7 +412,7 @@ class Scheduler:
         self._append_token(req, token)
         if req.finished:
             self._release(req)
-        elif mode == ForwardMode.EXTEND:
+        elif extended:
             self.tree_cache.cache_unfinished_req(req)
         self._emit(req)
         return not req.finished

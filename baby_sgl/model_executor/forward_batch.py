@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 class ForwardMode(enum.Enum):
     EXTEND = enum.auto()  # prefill of the uncached suffix (possibly one chunk of it)
     DECODE = enum.auto()  # one new token per running request
+    # --enable-mixed-chunk: extend requests first, then running requests decoding one token each
+    MIXED = enum.auto()
 
 
 @dataclass
@@ -33,6 +35,7 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    num_decode_reqs: int = 0  # MIXED: how many requests at the end of the batch decode
     # Filled by the attention backend once per pass, shared by all layers.
     attn_metadata: Any = None
 

@@ -32,6 +32,7 @@ class ModelWorkerBatch:
     seq_lens: list[int]
     extend_prefix_lens: list[int]
     extend_seq_lens: list[int]
+    num_decode_reqs: int = 0  # MIXED: requests at the end of the batch that decode one token
 
 
 class ModelRunner:
@@ -93,6 +94,7 @@ class ModelRunner:
             seq_lens_cpu=b.seq_lens,
             extend_prefix_lens_cpu=b.extend_prefix_lens,
             extend_seq_lens_cpu=b.extend_seq_lens,
+            num_decode_reqs=b.num_decode_reqs,
         )
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb, dense)

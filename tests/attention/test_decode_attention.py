@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from baby_sgl.attention.shared_prefix import MIN_SHARED_LEN, find_shared_prefixes
 from baby_sgl.attention import torch_native
-from baby_sgl.attention.torch_native import TorchNativeAttnBackend
+from baby_sgl.attention.torch_native import TorchNativeAttnBackend, split_by_length
 from baby_sgl.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
 
@@ -18,10 +18,10 @@ HEADS, KV_HEADS, DIM = 6, 2, 16
 
 def _batch(rows: list[list[int]], dtype: torch.dtype, seed: int = 0):
     torch.manual_seed(seed)
-    pool = KVPool(1024, 1, KV_HEADS, DIM, dtype, torch.device("cpu"))
+    pool = KVPool(4096, 1, KV_HEADS, DIM, dtype, torch.device("cpu"))
     pool.k_buffers[0].normal_()
     pool.v_buffers[0].normal_()
-    req_pool = ReqToTokenPool(len(rows), 512, torch.device("cpu"))
+    req_pool = ReqToTokenPool(len(rows), 2048, torch.device("cpu"))
     for i, r in enumerate(rows):
         req_pool.write(i, 0, torch.tensor(r))
     backend = TorchNativeAttnBackend()
@@ -71,7 +71,8 @@ def test_cascade_decode_matches_per_request_attention(dtype, tol, fallback, monk
         monkeypatch.setattr(torch_native, "_CPU_FLASH_WITH_LSE", None)
     rows = _rows_with_groups()
     backend, fb, pool = _batch(rows, dtype)
-    shared = fb.attn_metadata.shared
+    [(_, meta)] = fb.attn_metadata.parts  # lengths close enough for one call
+    shared = meta.shared
     assert shared is not None
     assert shared.lens == [100, 100, 0, 60, 60, 0, 0, 0]
     q = torch.randn(len(rows), HEADS, DIM).to(dtype)
@@ -84,7 +85,8 @@ def test_cascade_decode_matches_per_request_attention(dtype, tol, fallback, monk
 def test_without_sharing_decode_matches_per_request_attention():
     rows = [list(range(i * 50, i * 50 + n)) for i, n in enumerate([5, 49, 17, 33])]
     backend, fb, pool = _batch(rows, torch.float32)
-    assert fb.attn_metadata.shared is None
+    [(_, meta)] = fb.attn_metadata.parts
+    assert meta.shared is None
     q = torch.randn(len(rows), HEADS, DIM)
     assert (backend.forward(q, 0, 0.3, fb) - _reference(q, rows, pool, 0.3)).abs().max().item() < 1e-5
 
@@ -106,6 +108,30 @@ def test_nested_prefixes_and_a_request_sharing_only_the_first_slot():
         [0] + list(range(500, 530)) + [510],  # shares only slot 0
     ]
     backend, fb, pool = _batch(rows, torch.float32)
-    assert fb.attn_metadata.shared.lens == [160, 160, 120, 120, 0]
+    [(_, meta)] = fb.attn_metadata.parts
+    assert meta.shared.lens == [160, 160, 120, 120, 0]
     q = torch.randn(len(rows), HEADS, DIM)
     assert (backend.forward(q, 0, 0.25, fb) - _reference(q, rows, pool, 0.25)).abs().max().item() < 1e-5
+
+
+def test_requests_of_very_different_lengths_attend_in_separate_calls():
+    """One long context among short ones: the short ones are not padded to its length, and
+    every request's result is still its own attention (long rows shuffled among short ones,
+    one pair sharing a prefix in the long group)."""
+    long_a = list(range(1000, 1600))
+    rows = [list(range(i * 30, i * 30 + 10 + i)) for i in range(6)]
+    rows[2:2] = [long_a + [1700], long_a + [1701, 1702]]
+    rows.append(list(range(1800, 2200)))
+    backend, fb, pool = _batch(rows, torch.float32)
+    groups = [sorted(idx.tolist()) if idx is not None else None for idx, _ in fb.attn_metadata.parts]
+    assert groups == [[0, 1, 4, 5, 6, 7], [2, 3, 8]]
+    assert fb.attn_metadata.parts[1][1].shared.lens == [600, 600, 0]
+    q = torch.randn(len(rows), HEADS, DIM)
+    assert (backend.forward(q, 0, 0.25, fb) - _reference(q, rows, pool, 0.25)).abs().max().item() < 1e-5
+
+
+def test_length_split_pads_little_and_calls_few_times():
+    assert split_by_length([100, 120, 90]) == [[0, 1, 2]]
+    assert split_by_length([4000] + [200] * 16) == [list(range(1, 17)), [0]]
+    lens = [37, 900, 41, 2000, 880, 35, 1990]
+    assert split_by_length(lens) == [[0, 2, 5], [1, 4], [3, 6]]

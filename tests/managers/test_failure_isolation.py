@@ -52,21 +52,25 @@ def test_sampling_fault_ends_only_that_request(tiny_llama, config, after):
         engine.check_memory()
 
 
-@pytest.mark.parametrize("config", [{}, {"page_size": 16, "chunked_prefill_size": 16}])
+@pytest.mark.parametrize("config", [{}, {"page_size": 16, "chunked_prefill_size": 16},
+                                    {"page_size": 4, "chunked_prefill_size": 8, "enable_mixed_chunk": True}])
 def test_forward_fault_ends_its_batch_and_frees_its_slots(tiny_llama, config):
     with Engine(tiny_llama, dtype="float32", debug_memory_check=True, **config) as engine:
         runner = engine.scheduler.runner
         real_forward, calls = runner.forward, []
+        fail_on = "MIXED" if config.get("enable_mixed_chunk") else None
 
         def flaky_forward(batch):
             calls.append(batch.mode.name)
-            if len(calls) == 3:  # a pass after the prompts' slots were allocated
+            # A pass after the prompts' slots were allocated; with mixing, the first mixed pass.
+            if (calls.count(fail_on) == 1 and calls[-1] == fail_on) if fail_on else len(calls) == 3:
                 raise RuntimeError("injected forward fault")
             return real_forward(batch)
 
         runner.forward = flaky_forward
         outs = _run(engine, PROMPTS, 8)
         runner.forward = real_forward
+        assert fail_on is None or fail_on in calls
         aborted = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "abort"]
         assert aborted and all("injected forward fault" in o["meta_info"]["finish_reason"]["message"] for o in aborted)
         engine.check_memory()

@@ -35,6 +35,8 @@ def test_greedy_matches_transformers(case, config):
         info = engine.get_server_info()
         if "retract" in config:
             assert info["num_retractions"] > 0, "the small pool was meant to force retraction"
+        if CONFIGS[config].get("enable_mixed_chunk"):
+            assert info["mixed_steps"] > 0, "prefill chunks were meant to share passes with decodes"
         if CONFIGS[config].get("enable_torch_compile"):
             assert engine.scheduler.runner.compiled is not None, "compiled graphs were meant to run"
         if not CONFIGS[config].get("disable_radix_cache") and "retract" not in config:
