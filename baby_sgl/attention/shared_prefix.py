@@ -27,6 +27,7 @@ MIN_SHARED_LEN = 32
 @dataclass
 class SharedPrefixes:
     kv_indices: torch.Tensor  # [G, C] each group's shared slots, padded
+    kv_lens: torch.Tensor  # [G] how many of them each group has
     mask: torch.Tensor  # [G, 1, 1, C] 0 for a shared slot, -inf for padding
     members: torch.Tensor  # [G, M] batch rows of each group, padded by repeating a member
     rows: torch.Tensor  # [S] batch rows that belong to a group
@@ -58,7 +59,8 @@ def find_shared_prefixes(rows: torch.Tensor, seq_lens: list[int], dtype: torch.d
             flat_rows.append(b)
             flat.append(g * width + m)
             lens[b] = n
-    return SharedPrefixes(kv_indices.to(device), mask.to(device), members_t.to(device),
+    kv_lens = torch.tensor([n for _, n in groups], device=device)
+    return SharedPrefixes(kv_indices.to(device), kv_lens, mask.to(device), members_t.to(device),
                           torch.tensor(flat_rows, device=device), torch.tensor(flat, device=device), lens)
 
 

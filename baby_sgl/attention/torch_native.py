@@ -1,10 +1,11 @@
 """Attention over the paged KV pool with torch's scaled_dot_product_attention (CPU and CUDA).
 
-Decode is batched: every request's KV slots are gathered into a padded [B, L] table (padding
-masked), and each KV head's group of query heads is treated as a short query sequence, so GQA
-needs no copies of K/V. Requests of very different lengths go in separate calls (see
-split_by_length), and a prefix several requests share is read once per group (see
-shared_prefix.py). Extend loops over the requests of the batch (not over tokens): each
+Decode is batched, and each KV head's group of query heads is treated as a short query
+sequence, so GQA needs no copies of K/V. On CPU our kernel (cpu_kernel.py) reads each request's
+slots in place; elsewhere, or without a C++ compiler, the slots are gathered into a padded
+[B, L] table (padding masked) for scaled_dot_product_attention, and requests of very different
+lengths go in separate calls (see split_by_length). Either way a prefix several requests share
+is read once per group (see shared_prefix.py). Extend loops over the requests of the batch (not over tokens): each
 request's new queries attend to its cached prefix plus the causal part of its new tokens.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from baby_sgl.attention.cpu_kernel import decode_kernel
 from baby_sgl.attention.shared_prefix import SharedPrefixes, find_shared_prefixes, merge
 from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
 
@@ -22,6 +24,7 @@ from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
 @dataclass
 class _DecodeMeta:
     kv_indices: torch.Tensor  # [B, L] each request's slots after its shared prefix, padded
+    lens: torch.Tensor  # [B] how many of them each request has
     mask: torch.Tensor  # [B, 1, 1, L] 0 where the slot belongs to the request, -inf for padding
     shared: SharedPrefixes | None
 
@@ -116,8 +119,10 @@ def _padding_mask(lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.T
 
 
 class TorchNativeAttnBackend:
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         self.workspace = _Workspace()
+        # On CPU, decode attention reads the pool in place with our kernel when it can be built.
+        self.decode_kernel = decode_kernel() if device is not None and device.type == "cpu" else None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, : max(fb.seq_lens_cpu)]
@@ -144,30 +149,31 @@ class TorchNativeAttnBackend:
             masks.append(causal)
         return _ExtendMeta(indices, masks, list(extend_lens))
 
-    @classmethod
-    def _decode_meta(cls, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
+    def _decode_meta(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
                      dtype: torch.dtype) -> _DecodePlan:
-        groups = split_by_length(seq_lens_cpu)
+        # The kernel pads nothing: one call. The portable path splits by length.
+        groups = [list(range(len(seq_lens_cpu)))] if self.decode_kernel else split_by_length(seq_lens_cpu)
         if len(groups) == 1:
-            return _DecodePlan([(None, cls._decode_group(rows, seq_lens, seq_lens_cpu, dtype))])
+            return _DecodePlan([(None, self._decode_group(rows, seq_lens, seq_lens_cpu, dtype))])
         parts = []
         for g in groups:
             idx = torch.tensor(g, device=rows.device)
-            parts.append((idx, cls._decode_group(rows[idx], seq_lens[idx], [seq_lens_cpu[i] for i in g], dtype)))
+            parts.append((idx, self._decode_group(rows[idx], seq_lens[idx], [seq_lens_cpu[i] for i in g], dtype)))
         return _DecodePlan(parts)
 
     @staticmethod
     def _decode_group(rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
                       dtype: torch.dtype) -> _DecodeMeta:
-        rows = rows[:, : max(seq_lens_cpu)]
+        rows = rows[:, : max(seq_lens_cpu)].contiguous()
         shared = find_shared_prefixes(rows.cpu(), seq_lens_cpu, dtype, rows.device)
         if shared is None:
-            return _DecodeMeta(rows, _padding_mask(seq_lens, rows.shape[1], dtype), None)
+            return _DecodeMeta(rows, seq_lens, _padding_mask(seq_lens, rows.shape[1], dtype), None)
         # Each request keeps the slots after its group's shared prefix.
         starts = torch.tensor(shared.lens, device=rows.device)
         width = max(n - s for n, s in zip(seq_lens_cpu, shared.lens))
         take = (starts[:, None] + torch.arange(width, device=rows.device)).clamp_(max=rows.shape[1] - 1)
-        return _DecodeMeta(rows.gather(1, take), _padding_mask(seq_lens - starts, width, dtype), shared)
+        lens = seq_lens - starts
+        return _DecodeMeta(rows.gather(1, take), lens, _padding_mask(lens, width, dtype), shared)
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, fb: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer_id)
@@ -207,20 +213,19 @@ class TorchNativeAttnBackend:
         kv_heads = k_buf.shape[1]
         group = heads // kv_heads
         qg = q.view(batch, kv_heads, group, dim)  # [B, Hkv, group, D]: plain MHA over Hkv heads
-        k = self.workspace.gather("k", k_buf, meta.kv_indices).transpose(1, 2)  # [B, Hkv, L, D]
-        v = self.workspace.gather("v", v_buf, meta.kv_indices).transpose(1, 2)
         sp = meta.shared
+        if sp is None and self.decode_kernel is None:  # no log-sum-exp needed: the plain kernel
+            k = self.workspace.gather("k", k_buf, meta.kv_indices).transpose(1, 2)  # [B, Hkv, L, D]
+            v = self.workspace.gather("v", v_buf, meta.kv_indices).transpose(1, 2)
+            return F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask, scale=scale).reshape(batch, heads, dim)
+        out, lse = self._attend(qg, k_buf, v_buf, meta.kv_indices, meta.lens, meta.mask, scale, "")
         if sp is None:
-            out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask, scale=scale)
             return out.reshape(batch, heads, dim)
-        out, lse = _attend_with_lse(qg, k, v, meta.mask, scale)
         n_groups, width = sp.members.shape
         # Every group's queries as one sequence: [G, Hkv, M * group, D].
         qs = qg[sp.members.reshape(-1)].view(n_groups, width, kv_heads, group, dim)
         qs = qs.transpose(1, 2).reshape(n_groups, kv_heads, width * group, dim)
-        ks = self.workspace.gather("shared_k", k_buf, sp.kv_indices).transpose(1, 2)
-        vs = self.workspace.gather("shared_v", v_buf, sp.kv_indices).transpose(1, 2)
-        out_s, lse_s = _attend_with_lse(qs, ks, vs, sp.mask, scale)
+        out_s, lse_s = self._attend(qs, k_buf, v_buf, sp.kv_indices, sp.kv_lens, sp.mask, scale, "shared_")
         # Back to one entry per grouped request: [S, Hkv, group, (D)].
         out_s = out_s.view(n_groups, kv_heads, width, group, dim).transpose(1, 2)
         out_s = out_s.reshape(n_groups * width, kv_heads, group, dim)[sp.flat]
@@ -229,3 +234,12 @@ class TorchNativeAttnBackend:
         merged = merge(out[sp.rows], lse[sp.rows], out_s, lse_s)
         out = out.index_copy(0, sp.rows, merged)
         return out.reshape(batch, heads, dim)
+
+    def _attend(self, q, k_buf, v_buf, table, lens, mask, scale, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of q [N, Hkv, G, D] over each row's slots (table [N, L], the first lens[n] of
+        row n; mask says the same for the portable path), with the log-sum-exp of the scores."""
+        if self.decode_kernel is not None:
+            return self.decode_kernel.decode_attention(q.contiguous(), k_buf, v_buf, table, lens, scale)
+        k = self.workspace.gather(name + "k", k_buf, table).transpose(1, 2)
+        v = self.workspace.gather(name + "v", v_buf, table).transpose(1, 2)
+        return _attend_with_lse(q, k, v, mask, scale)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -28,12 +27,6 @@ _BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 1
 
 def decode_buckets(max_bs: int) -> list[int]:
     return [b for b in _BUCKETS if b < max_bs] + [max_bs]
-
-
-def cxx_compiler() -> str | None:
-    """Inductor's CPU backend needs a C++ compiler."""
-    return next((path for name in (os.environ.get("CXX"), "g++", "c++", "clang++") if name
-                 and (path := shutil.which(name))), None)
 
 
 def device_needs_cxx(device: torch.device) -> bool:

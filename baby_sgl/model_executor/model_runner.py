@@ -13,9 +13,10 @@ from baby_sgl.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
 from baby_sgl.layers.linear import Linear, can_prepack
-from baby_sgl.model_executor.compile import CompiledDense, cxx_compiler, device_needs_cxx
+from baby_sgl.model_executor.compile import CompiledDense, device_needs_cxx
 from baby_sgl.models.llama import EAGER
 from baby_sgl.models.registry import get_model_class
+from baby_sgl.toolchain import cxx_compiler
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class ModelRunner:
         model.tie_weights()
         model.load_weights(weights)
         self.model = model.to(dtype).eval()
-        self.attn_backend = create_attention_backend(attention_backend)
+        self.attn_backend = create_attention_backend(attention_backend, device)
         self.req_to_token_pool: ReqToTokenPool | None = None
         self.kv_pool: KVPool | None = None
         self.compiled: CompiledDense | None = None

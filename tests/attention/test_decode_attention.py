@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from baby_sgl.attention.shared_prefix import MIN_SHARED_LEN, find_shared_prefixes
 from baby_sgl.attention import torch_native
+from baby_sgl.attention.cpu_kernel import decode_kernel
 from baby_sgl.attention.torch_native import TorchNativeAttnBackend, split_by_length
 from baby_sgl.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -16,7 +17,15 @@ from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
 HEADS, KV_HEADS, DIM = 6, 2, 16
 
 
-def _batch(rows: list[list[int]], dtype: torch.dtype, seed: int = 0):
+@pytest.fixture(params=["kernel", "portable"])
+def path(request):
+    """Decode attention through our CPU kernel, or the portable gather + SDPA path."""
+    if request.param == "kernel" and decode_kernel() is None:
+        pytest.skip("the CPU kernel could not be built here (no C++ compiler?)")
+    return request.param
+
+
+def _batch(rows: list[list[int]], dtype: torch.dtype, seed: int = 0, path: str = "portable"):
     torch.manual_seed(seed)
     pool = KVPool(4096, 1, KV_HEADS, DIM, dtype, torch.device("cpu"))
     pool.k_buffers[0].normal_()
@@ -24,7 +33,7 @@ def _batch(rows: list[list[int]], dtype: torch.dtype, seed: int = 0):
     req_pool = ReqToTokenPool(len(rows), 2048, torch.device("cpu"))
     for i, r in enumerate(rows):
         req_pool.write(i, 0, torch.tensor(r))
-    backend = TorchNativeAttnBackend()
+    backend = TorchNativeAttnBackend(torch.device("cpu") if path == "kernel" else None)
     fb = ForwardBatch(
         mode=ForwardMode.DECODE, input_ids=torch.zeros(len(rows), dtype=torch.long),
         positions=torch.tensor([len(r) - 1 for r in rows]), out_cache_loc=torch.tensor([r[-1] for r in rows]),
@@ -66,11 +75,11 @@ def _rows_with_groups():
 
 @pytest.mark.parametrize("fallback", [False, True], ids=["cpu-kernel", "portable"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_cascade_decode_matches_per_request_attention(dtype, tol, fallback, monkeypatch):
+def test_cascade_decode_matches_per_request_attention(dtype, tol, fallback, monkeypatch, path):
     if fallback:  # the path other devices take
         monkeypatch.setattr(torch_native, "_CPU_FLASH_WITH_LSE", None)
     rows = _rows_with_groups()
-    backend, fb, pool = _batch(rows, dtype)
+    backend, fb, pool = _batch(rows, dtype, path=path)
     [(_, meta)] = fb.attn_metadata.parts  # lengths close enough for one call
     shared = meta.shared
     assert shared is not None
@@ -82,9 +91,9 @@ def test_cascade_decode_matches_per_request_attention(dtype, tol, fallback, monk
     assert (out.float() - ref).abs().max().item() < tol
 
 
-def test_without_sharing_decode_matches_per_request_attention():
+def test_without_sharing_decode_matches_per_request_attention(path):
     rows = [list(range(i * 50, i * 50 + n)) for i, n in enumerate([5, 49, 17, 33])]
-    backend, fb, pool = _batch(rows, torch.float32)
+    backend, fb, pool = _batch(rows, torch.float32, path=path)
     [(_, meta)] = fb.attn_metadata.parts
     assert meta.shared is None
     q = torch.randn(len(rows), HEADS, DIM)
@@ -96,7 +105,7 @@ def test_short_common_prefixes_are_not_shared():
     assert find_shared_prefixes(rows, [MIN_SHARED_LEN + 1, MIN_SHARED_LEN + 1], torch.float32) is None
 
 
-def test_nested_prefixes_and_a_request_sharing_only_the_first_slot():
+def test_nested_prefixes_and_a_request_sharing_only_the_first_slot(path):
     """Every prompt starts with the same BOS slot; one shares nothing else. The others are still
     grouped by their long prefixes, the deepest first."""
     system = list(range(1, 120))
@@ -107,14 +116,14 @@ def test_nested_prefixes_and_a_request_sharing_only_the_first_slot():
         [0] + system + [410],
         [0] + list(range(500, 530)) + [510],  # shares only slot 0
     ]
-    backend, fb, pool = _batch(rows, torch.float32)
+    backend, fb, pool = _batch(rows, torch.float32, path=path)
     [(_, meta)] = fb.attn_metadata.parts
     assert meta.shared.lens == [160, 160, 120, 120, 0]
     q = torch.randn(len(rows), HEADS, DIM)
     assert (backend.forward(q, 0, 0.25, fb) - _reference(q, rows, pool, 0.25)).abs().max().item() < 1e-5
 
 
-def test_requests_of_very_different_lengths_attend_in_separate_calls():
+def test_requests_of_very_different_lengths_attend_in_separate_calls(path):
     """One long context among short ones: the short ones are not padded to its length, and
     every request's result is still its own attention (long rows shuffled among short ones,
     one pair sharing a prefix in the long group)."""
@@ -122,10 +131,11 @@ def test_requests_of_very_different_lengths_attend_in_separate_calls():
     rows = [list(range(i * 30, i * 30 + 10 + i)) for i in range(6)]
     rows[2:2] = [long_a + [1700], long_a + [1701, 1702]]
     rows.append(list(range(1800, 2200)))
-    backend, fb, pool = _batch(rows, torch.float32)
-    groups = [sorted(idx.tolist()) if idx is not None else None for idx, _ in fb.attn_metadata.parts]
-    assert groups == [[0, 1, 4, 5, 6, 7], [2, 3, 8]]
-    assert fb.attn_metadata.parts[1][1].shared.lens == [600, 600, 0]
+    backend, fb, pool = _batch(rows, torch.float32, path=path)
+    if path == "portable":  # the kernel pads nothing, so it takes the batch in one call
+        groups = [sorted(idx.tolist()) if idx is not None else None for idx, _ in fb.attn_metadata.parts]
+        assert groups == [[0, 1, 4, 5, 6, 7], [2, 3, 8]]
+        assert fb.attn_metadata.parts[1][1].shared.lens == [600, 600, 0]
     q = torch.randn(len(rows), HEADS, DIM)
     assert (backend.forward(q, 0, 0.25, fb) - _reference(q, rows, pool, 0.25)).abs().max().item() < 1e-5
 
@@ -135,3 +145,13 @@ def test_length_split_pads_little_and_calls_few_times():
     assert split_by_length([4000] + [200] * 16) == [list(range(1, 17)), [0]]
     lens = [37, 900, 41, 2000, 880, 35, 1990]
     assert split_by_length(lens) == [[0, 2, 5], [1, 4], [3, 6]]
+
+
+def test_without_a_compiler_the_kernel_is_not_built_and_the_portable_path_is_taken(monkeypatch, caplog):
+    from baby_sgl.attention import cpu_kernel
+
+    monkeypatch.setattr(cpu_kernel, "cxx_compiler", lambda: None)
+    monkeypatch.setattr(cpu_kernel, "_loaded", {})
+    backend = TorchNativeAttnBackend(torch.device("cpu"))
+    assert backend.decode_kernel is None
+    assert any("no C++ compiler" in r.message for r in caplog.records)

@@ -1,0 +1,168 @@
+// Decode attention on the CPU, reading K/V straight from the paged pool.
+//
+// Each row is one task: for every KV head, its G queries (the query heads of that KV head, or
+// the queries of every request in a shared-prefix group) walk the row's slot list in blocks,
+// computing the scores in float32, keeping a running maximum and sum (online softmax) and
+// accumulating V. Nothing is gathered or padded, and a row's result does not depend on the
+// other rows of the batch. Returns the output and the log-sum-exp of each query's scores, so
+// that partial results over disjoint key sets can be merged (shared_prefix.merge).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // keys scored before their values are accumulated
+constexpr int64_t kLanes = 16;  // independent partial sums, so the compiler can vectorize dot products
+
+template <typename T>
+inline float as_float(T x) {
+  return static_cast<float>(x);
+}
+
+// bfloat16 is the top half of a float32: widening is a shift, which vectorizes.
+template <>
+inline float as_float<c10::BFloat16>(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = as_float(src[i]);
+}
+
+// exp(x) for x <= 0 (scores minus their running maximum), branch-free so that the loop over a
+// block vectorizes: Cephes' expf (range reduction by ln 2, degree-6 polynomial, 2^k from the
+// exponent bits), relative error ~1e-7. Below -87 the result is ~1e-38 instead of 0.
+inline void exp_nonpositive(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::max(x[i], -87.f);
+    const float k = std::floor(v * 1.44269504088896341f + 0.5f);
+    const float r = v - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    x[i] = p * scale;
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float part[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) part[l] += a[i + l] * b[i + l];
+  float total = 0.f;
+  for (; i < n; ++i) total += a[i] * b[i];
+  for (int64_t l = 0; l < kLanes; ++l) total += part[l];
+  return total;
+}
+
+template <typename T>
+void decode_rows(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf, const at::Tensor& table,
+                 const at::Tensor& lens, double scale, at::Tensor& out, at::Tensor& lse) {
+  const int64_t rows = q.size(0), heads = q.size(1), group = q.size(2), dim = q.size(3);
+  const int64_t width = table.size(1), slot_stride = k_buf.stride(0), head_stride = k_buf.stride(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_buf.data_ptr<T>();
+  const T* vp = v_buf.data_ptr<T>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  float* sp = lse.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  // One task per row; its heads are handled together, so each slot's K (and V) row, all heads
+  // side by side in the pool, is read from memory once.
+  const int64_t hg = heads * group;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(hg * dim), acc(hg * dim), scores(hg * kBlock), mx(hg), sum(hg), row(heads * dim);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t len = lp[r];
+      widen(qp + r * hg * dim, qf.data(), hg * dim);
+      for (auto& x : qf) x *= fscale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
+      std::fill(sum.begin(), sum.end(), 0.f);
+      for (int64_t start = 0; start < len; start += kBlock) {
+        const int64_t n = std::min(kBlock, len - start);
+        const int64_t* slots = tp + r * width + start;
+        for (int64_t j = 0; j < n; ++j) {
+          const T* krow = kp + slots[j] * slot_stride;
+          for (int64_t h = 0; h < heads; ++h) widen(krow + h * head_stride, row.data() + h * dim, dim);
+          for (int64_t q = 0; q < hg; ++q) scores[q * kBlock + j] = dot(qf.data() + q * dim, row.data() + q / group * dim, dim);
+        }
+        for (int64_t q = 0; q < hg; ++q) {
+          float* sq = scores.data() + q * kBlock;
+          float block_max = mx[q];
+          for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, sq[j]);
+          const float rescale = std::exp(mx[q] - block_max);  // 0 on the first block
+          float* aq = acc.data() + q * dim;
+          for (int64_t d = 0; d < dim; ++d) aq[d] *= rescale;
+          sum[q] *= rescale;
+          mx[q] = block_max;
+          for (int64_t j = 0; j < n; ++j) sq[j] -= block_max;
+          exp_nonpositive(sq, n);
+          for (int64_t j = 0; j < n; ++j) sum[q] += sq[j];
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          const T* vrow = vp + slots[j] * slot_stride;
+          for (int64_t h = 0; h < heads; ++h) widen(vrow + h * head_stride, row.data() + h * dim, dim);
+          for (int64_t q = 0; q < hg; ++q) {
+            const float p = scores[q * kBlock + j];
+            const float* vq = row.data() + q / group * dim;
+            float* aq = acc.data() + q * dim;
+            for (int64_t d = 0; d < dim; ++d) aq[d] += p * vq[d];
+          }
+        }
+      }
+      T* orow = op + r * hg * dim;
+      for (int64_t q = 0; q < hg; ++q) {
+        const float inv = sum[q] > 0.f ? 1.f / sum[q] : 0.f;
+        for (int64_t d = 0; d < dim; ++d) orow[q * dim + d] = static_cast<T>(acc[q * dim + d] * inv);
+        sp[r * hg + q] = sum[q] > 0.f ? mx[q] + std::log(sum[q]) : -std::numeric_limits<float>::infinity();
+      }
+    }
+  });
+}
+
+// q: [N, H, G, D] contiguous; k_buf, v_buf: [slots, H, D] with unit stride in D; table: [N, W]
+// int64 slot ids (row r uses its first lens[r]); returns (out [N, H, G, D], lse [N, H, G] float32).
+std::vector<at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                                         const at::Tensor& table, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "q must be a contiguous [N, H, G, D] tensor");
+  TORCH_CHECK(k_buf.dim() == 3 && k_buf.stride(2) == 1 && v_buf.strides() == k_buf.strides(),
+              "k_buf and v_buf must be [slots, H, D] with the same layout");
+  TORCH_CHECK(q.scalar_type() == k_buf.scalar_type() && k_buf.scalar_type() == v_buf.scalar_type(),
+              "q, k_buf and v_buf must share a dtype");
+  TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && table.is_contiguous(),
+              "table and lens must be int64 (table contiguous)");
+  TORCH_CHECK(q.size(1) == k_buf.size(1) && q.size(3) == k_buf.size(2), "q and the KV pool disagree on heads/dim");
+  TORCH_CHECK(table.size(0) == q.size(0) && lens.size(0) == q.size(0), "one table row and one length per query row");
+  auto out = at::empty_like(q);
+  auto lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+    decode_rows<scalar_t>(q, k_buf, v_buf, table, lens.contiguous(), scale, out, lse);
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "decode attention over the paged KV pool (CPU)");
+}
