@@ -89,7 +89,7 @@ class Engine:
         size = self.server_args.chunked_prefill_size
         if size is None:
             return CPU_MIXED_CHUNK_SIZE if self.device.type == "cpu" and self.server_args.enable_mixed_chunk else 2048
-        return None if size < 0 else size
+        return None if size <= 0 else size  # SGLang: -1 disables chunking
 
     def _eos_ids(self, gen: dict, cfg: ModelConfig) -> list[int]:
         eos = gen.get("eos_token_id", cfg.eos_token_ids or self.tokenizer.eos_token_id)

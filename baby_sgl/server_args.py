@@ -50,8 +50,6 @@ class ServerArgs:
             raise ValueError(f"schedule_policy must be 'fcfs' or 'lpm', got {self.schedule_policy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size <= 0:
-            self.chunked_prefill_size = -1  # SGLang: -1 disables chunking
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         for name in ("max_sessions", "max_request_bytes", "torch_compile_max_bs"):

@@ -5,8 +5,9 @@ sequence, so GQA needs no copies of K/V. On CPU our kernel (cpu_kernel.py) reads
 slots in place; elsewhere, or without a C++ compiler, the slots are gathered into a padded
 [B, L] table (padding masked) for scaled_dot_product_attention, and requests of very different
 lengths go in separate calls (see split_by_length). Either way a prefix several requests share
-is read once per group (see shared_prefix.py). Extend loops over the requests of the batch (not over tokens): each
-request's new queries attend to its cached prefix plus the causal part of its new tokens.
+is read once per group (see shared_prefix.py). Extend loops over the requests of the batch (not
+over tokens): each request's new queries attend to its cached prefix plus the causal part of its
+new tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
 class _DecodeMeta:
     kv_indices: torch.Tensor  # [B, L] each request's slots after its shared prefix, padded
     lens: torch.Tensor  # [B] how many of them each request has
-    mask: torch.Tensor  # [B, 1, 1, L] 0 where the slot belongs to the request, -inf for padding
+    mask: torch.Tensor | None  # [B, 1, 1, L] 0 for the request's slots, -inf for padding (portable path)
     shared: SharedPrefixes | None
 
 
@@ -124,10 +125,12 @@ def _padding_mask(lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.T
 
 
 class TorchNativeAttnBackend:
-    def __init__(self, device: torch.device | None = None) -> None:
+    def __init__(self, device: torch.device | None = None, queries_per_kv_head: int = 1) -> None:
         self.workspace = _Workspace()
-        # On CPU, decode attention reads the pool in place with our kernel when it can be built.
+        # On CPU, decode attention reads the pool in place with our kernel when it can be built,
+        # for every request's own slots if the model has few query heads per KV head.
         self.decode_kernel = decode_kernel() if device is not None and device.type == "cpu" else None
+        self.kernel_rows = self.decode_kernel is not None and queries_per_kv_head <= _KERNEL_MAX_QUERIES
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, : max(fb.seq_lens_cpu)]
@@ -157,7 +160,7 @@ class TorchNativeAttnBackend:
     def _decode_meta(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
                      dtype: torch.dtype) -> _DecodePlan:
         # The kernel pads nothing: one call. The portable path splits by length.
-        groups = [list(range(len(seq_lens_cpu)))] if self.decode_kernel else split_by_length(seq_lens_cpu)
+        groups = [list(range(len(seq_lens_cpu)))] if self.kernel_rows else split_by_length(seq_lens_cpu)
         if len(groups) == 1:
             return _DecodePlan([(None, self._decode_group(rows, seq_lens, seq_lens_cpu, dtype))])
         parts = []
@@ -166,19 +169,22 @@ class TorchNativeAttnBackend:
             parts.append((idx, self._decode_group(rows[idx], seq_lens[idx], [seq_lens_cpu[i] for i in g], dtype)))
         return _DecodePlan(parts)
 
-    @staticmethod
-    def _decode_group(rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
+    def _decode_group(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
                       dtype: torch.dtype) -> _DecodeMeta:
         rows = rows[:, : max(seq_lens_cpu)].contiguous()
         shared = find_shared_prefixes(rows.cpu(), seq_lens_cpu, dtype, rows.device)
+
+        def mask(lens: torch.Tensor, width: int) -> torch.Tensor | None:  # the kernel needs none
+            return None if self.kernel_rows else _padding_mask(lens, width, dtype)
+
         if shared is None:
-            return _DecodeMeta(rows, seq_lens, _padding_mask(seq_lens, rows.shape[1], dtype), None)
+            return _DecodeMeta(rows, seq_lens, mask(seq_lens, rows.shape[1]), None)
         # Each request keeps the slots after its group's shared prefix.
         starts = torch.tensor(shared.lens, device=rows.device)
         width = max(n - s for n, s in zip(seq_lens_cpu, shared.lens))
         take = (starts[:, None] + torch.arange(width, device=rows.device)).clamp_(max=rows.shape[1] - 1)
         lens = seq_lens - starts
-        return _DecodeMeta(rows.gather(1, take), lens, _padding_mask(lens, width, dtype), shared)
+        return _DecodeMeta(rows.gather(1, take), lens, mask(lens, width), shared)
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, fb: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer_id)
@@ -219,7 +225,7 @@ class TorchNativeAttnBackend:
         group = heads // kv_heads
         qg = q.view(batch, kv_heads, group, dim)  # [B, Hkv, group, D]: plain MHA over Hkv heads
         sp = meta.shared
-        if sp is None and not self._kernel_takes(qg):  # no log-sum-exp needed: the plain kernel
+        if sp is None and not self.kernel_rows:  # no log-sum-exp needed: the plain SDPA kernel
             k = self.workspace.gather("k", k_buf, meta.kv_indices).transpose(1, 2)  # [B, Hkv, L, D]
             v = self.workspace.gather("v", v_buf, meta.kv_indices).transpose(1, 2)
             return F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask, scale=scale).reshape(batch, heads, dim)

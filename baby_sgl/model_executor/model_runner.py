@@ -47,7 +47,7 @@ class ModelRunner:
         model.tie_weights()
         model.load_weights(weights)
         self.model = model.to(dtype).eval()
-        self.attn_backend = create_attention_backend(attention_backend, device)
+        self.attn_backend = create_attention_backend(attention_backend, device, cfg.num_heads // cfg.num_kv_heads)
         self.req_to_token_pool: ReqToTokenPool | None = None
         self.kv_pool: KVPool | None = None
         self.compiled: CompiledDense | None = None

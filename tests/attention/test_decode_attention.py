@@ -33,7 +33,7 @@ def _batch(rows: list[list[int]], dtype: torch.dtype, seed: int = 0, path: str =
     req_pool = ReqToTokenPool(len(rows), 2048, torch.device("cpu"))
     for i, r in enumerate(rows):
         req_pool.write(i, 0, torch.tensor(r))
-    backend = TorchNativeAttnBackend(torch.device("cpu") if path == "kernel" else None)
+    backend = TorchNativeAttnBackend(torch.device("cpu") if path == "kernel" else None, HEADS // KV_HEADS)
     fb = ForwardBatch(
         mode=ForwardMode.DECODE, input_ids=torch.zeros(len(rows), dtype=torch.long),
         positions=torch.tensor([len(r) - 1 for r in rows]), out_cache_loc=torch.tensor([r[-1] for r in rows]),
@@ -152,6 +152,6 @@ def test_without_a_compiler_the_kernel_is_not_built_and_the_portable_path_is_tak
 
     monkeypatch.setattr(cpu_kernel, "cxx_compiler", lambda: None)
     monkeypatch.setattr(cpu_kernel, "_loaded", {})
-    backend = TorchNativeAttnBackend(torch.device("cpu"))
-    assert backend.decode_kernel is None
+    backend = TorchNativeAttnBackend(torch.device("cpu"), HEADS // KV_HEADS)
+    assert backend.decode_kernel is None and not backend.kernel_rows
     assert any("no C++ compiler" in r.message for r in caplog.records)

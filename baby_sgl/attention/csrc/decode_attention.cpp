@@ -104,37 +104,37 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor&
         for (int64_t j = 0; j < n; ++j) {
           const T* krow = kp + slots[j] * slot_stride;
           for (int64_t h = 0; h < heads; ++h) widen(krow + h * head_stride, row.data() + h * dim, dim);
-          for (int64_t q = 0; q < hg; ++q) scores[q * kBlock + j] = dot(qf.data() + q * dim, row.data() + q / group * dim, dim);
+          for (int64_t qi = 0; qi < hg; ++qi) scores[qi * kBlock + j] = dot(qf.data() + qi * dim, row.data() + qi / group * dim, dim);
         }
-        for (int64_t q = 0; q < hg; ++q) {
-          float* sq = scores.data() + q * kBlock;
-          float block_max = mx[q];
+        for (int64_t qi = 0; qi < hg; ++qi) {
+          float* sq = scores.data() + qi * kBlock;
+          float block_max = mx[qi];
           for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, sq[j]);
-          const float rescale = std::exp(mx[q] - block_max);  // 0 on the first block
-          float* aq = acc.data() + q * dim;
+          const float rescale = std::exp(mx[qi] - block_max);  // 0 on the first block
+          float* aq = acc.data() + qi * dim;
           for (int64_t d = 0; d < dim; ++d) aq[d] *= rescale;
-          sum[q] *= rescale;
-          mx[q] = block_max;
+          sum[qi] *= rescale;
+          mx[qi] = block_max;
           for (int64_t j = 0; j < n; ++j) sq[j] -= block_max;
           exp_nonpositive(sq, n);
-          for (int64_t j = 0; j < n; ++j) sum[q] += sq[j];
+          for (int64_t j = 0; j < n; ++j) sum[qi] += sq[j];
         }
         for (int64_t j = 0; j < n; ++j) {
           const T* vrow = vp + slots[j] * slot_stride;
           for (int64_t h = 0; h < heads; ++h) widen(vrow + h * head_stride, row.data() + h * dim, dim);
-          for (int64_t q = 0; q < hg; ++q) {
-            const float p = scores[q * kBlock + j];
-            const float* vq = row.data() + q / group * dim;
-            float* aq = acc.data() + q * dim;
+          for (int64_t qi = 0; qi < hg; ++qi) {
+            const float p = scores[qi * kBlock + j];
+            const float* vq = row.data() + qi / group * dim;
+            float* aq = acc.data() + qi * dim;
             for (int64_t d = 0; d < dim; ++d) aq[d] += p * vq[d];
           }
         }
       }
       T* orow = op + r * hg * dim;
-      for (int64_t q = 0; q < hg; ++q) {
-        const float inv = sum[q] > 0.f ? 1.f / sum[q] : 0.f;
-        for (int64_t d = 0; d < dim; ++d) orow[q * dim + d] = static_cast<T>(acc[q * dim + d] * inv);
-        sp[r * hg + q] = sum[q] > 0.f ? mx[q] + std::log(sum[q]) : -std::numeric_limits<float>::infinity();
+      for (int64_t qi = 0; qi < hg; ++qi) {
+        const float inv = sum[qi] > 0.f ? 1.f / sum[qi] : 0.f;
+        for (int64_t d = 0; d < dim; ++d) orow[qi * dim + d] = static_cast<T>(acc[qi * dim + d] * inv);
+        sp[r * hg + qi] = sum[qi] > 0.f ? mx[qi] + std::log(sum[qi]) : -std::numeric_limits<float>::infinity();
       }
     }
   });
