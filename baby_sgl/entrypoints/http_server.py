@@ -24,7 +24,8 @@ from baby_sgl.entrypoints.request_guard import RequestGuard
 from baby_sgl.errors import EngineDeadError, ServerBusyError
 from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.entrypoints.openai_api import add_openai_routes
-from baby_sgl.entrypoints.protocol import AbortRequest, CloseSessionRequest, GenerateRequest, OpenSessionRequest
+from baby_sgl.entrypoints.protocol import (AbortRequest, CloseSessionRequest, ConcateAndAppendRequest, GenerateRequest,
+                                          OpenSessionRequest)
 from baby_sgl.entrypoints.responses import SSE_DONE, error_response, first_item, sse
 from baby_sgl.server_args import ServerArgs
 from baby_sgl.validation import describe_error, field_path
@@ -95,8 +96,6 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _native_items(body: GenerateRequest) -> tuple[list[dict], bool]:
     if (body.text is None) == (body.input_ids is None):
         raise ValueError("give exactly one of text or input_ids")
-    if body.logprob_start_len not in (-1, None):
-        raise ValueError("prompt logprobs (logprob_start_len >= 0) are not supported; output logprobs are")
     single = isinstance(body.text, str) or (body.input_ids is not None and
                                             (not body.input_ids or isinstance(body.input_ids[0], int)))
     prompts = ([body.text] if single else body.text) if body.text is not None else \
@@ -106,8 +105,10 @@ def _native_items(body: GenerateRequest) -> tuple[list[dict], bool]:
     if len(params) != len(prompts) or len(rids) != len(prompts):
         raise ValueError("sampling_params and rid lists must have one entry per prompt")
     key = "prompt" if body.text is not None else "input_ids"
-    items = [{key: p, "sampling_params": sp, "rid": r, "return_logprob": body.return_logprob,
-              "top_logprobs_num": body.top_logprobs_num} for p, sp, r in zip(prompts, params, rids)]
+    logprobs = {"return_logprob": body.return_logprob, "top_logprobs_num": body.top_logprobs_num,
+                "logprob_start_len": body.logprob_start_len, "token_ids_logprob": body.token_ids_logprob,
+                "return_text_in_logprobs": body.return_text_in_logprobs}
+    items = [{key: p, "sampling_params": sp, "rid": r, **logprobs} for p, sp, r in zip(prompts, params, rids)]
     if body.session_params is not None:
         if len(items) != 1:
             raise ValueError("a session turn is one request: give one text or one input_ids list")
@@ -136,7 +137,7 @@ def _add_native_routes(app: FastAPI) -> None:
 
         async def one_token() -> dict:
             item = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}
-            return [chunk async for _, chunk in aengine.generate([item], stream=False)][0]
+            return [chunk async for _, chunk in aengine.generate([item], stream=False, log_metrics=False)][0]
 
         try:
             out = await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
@@ -159,6 +160,7 @@ def _add_native_routes(app: FastAPI) -> None:
         info = await asyncio.to_thread(engine.get_server_info)
         return info | getattr(app.state, "listen", {})  # where this server really listens
 
+    @app.get("/flush_cache")
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
         if not await asyncio.to_thread(engine.flush_cache):
@@ -192,29 +194,47 @@ def _add_native_routes(app: FastAPI) -> None:
         except AssertionError as e:
             return error_response(f"memory check failed: {e}", 500)
 
+    @app.put("/generate")
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request):
         items, single = _native_items(body)
-        chunks = aengine.generate(items, body.stream, request.is_disconnected)
+        chunks = aengine.generate(items, body.stream, request.is_disconnected, log_metrics=body.log_metrics)
+        with_prompt = body.return_prompt_token_ids
         if body.stream:
             first = await first_item(chunks)  # raises ValueError -> 400 before the stream starts
-            return StreamingResponse(_native_sse(first, chunks), media_type="text/event-stream")
+            return StreamingResponse(_native_sse(first, chunks, with_prompt), media_type="text/event-stream")
         results = {i: chunk async for i, chunk in chunks}
         if await request.is_disconnected():
             return Response(status_code=499)  # nobody to answer; the requests were aborted
-        out = [{k: v for k, v in results[i].items() if k != "finished"} for i in sorted(results)]
+        out = [_public(results[i], with_prompt) for i in sorted(results)]
         return out[0] if single and len(out) == 1 else out
 
+    @app.post("/concate_and_append_request")
+    async def concate_and_append(body: ConcateAndAppendRequest) -> Response:
+        """SGLang's frontend calls this when `fork(...).join("concate_and_append")` ends: it has
+        appended the branches' texts to the parent's text itself, and asks the server to splice
+        the branches' KV into the parent's. We do not splice: KV computed for a branch sits at the
+        branch's positions, so spliced KV would change the model's outputs. The parent's next
+        request prefills the joined text instead, its shared prefix served by the radix cache."""
+        return Response(status_code=200)
 
-async def _native_sse(first: tuple | None, chunks: AsyncIterator) -> AsyncIterator[str]:
-    """SGLang streams the cumulative text and ids so far in every event."""
+
+def _public(result: dict, with_prompt_ids: bool) -> dict:
+    out = {k: v for k, v in result.items() if k not in ("finished", "prompt_token_ids")}
+    return out | ({"prompt_token_ids": result["prompt_token_ids"]} if with_prompt_ids else {})
+
+
+async def _native_sse(first: tuple | None, chunks: AsyncIterator, with_prompt_ids: bool) -> AsyncIterator[str]:
+    """SGLang streams the cumulative text and ids so far in every event (and the cumulative
+    logprob lists in meta_info)."""
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
 
     def event(i: int, chunk: dict) -> str:
         texts[i] = texts.get(i, "") + chunk["text"]
         ids[i] = ids.get(i, []) + chunk["output_ids"]
-        return sse({"text": texts[i], "output_ids": ids[i], "meta_info": chunk["meta_info"], "index": i})
+        out = {"text": texts[i], "output_ids": ids[i], "meta_info": chunk["meta_info"], "index": i}
+        return sse(out | ({"prompt_token_ids": chunk["prompt_token_ids"]} if with_prompt_ids else {}))
 
     try:
         if first is not None:

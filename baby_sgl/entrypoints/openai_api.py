@@ -44,11 +44,17 @@ def _chat_logprobs(engine: Engine, meta: dict, start: int) -> dict:
     return {"content": content}
 
 
-def _completion_logprobs(engine: Engine, meta: dict, start: int) -> dict:
+def _completion_logprobs(engine: Engine, meta: dict, start: int, echo: bool) -> dict:
+    """OpenAI's completion logprobs of the output from token `start` on; with echo, the prompt's
+    come first (in the first piece only), the first prompt token's logprob null."""
     tokens = meta["output_token_logprobs"][start:]
     tops = (meta.get("output_top_logprobs") or [[]] * len(meta["output_token_logprobs"]))[start:]
+    if echo and start == 0:
+        tokens = meta["input_token_logprobs"] + tokens
+        tops = (meta.get("input_top_logprobs") or [None] * len(meta["input_token_logprobs"])) + tops
     return {"tokens": [_token_str(engine, t) for _, t, _ in tokens], "token_logprobs": [lp for lp, _, _ in tokens],
-            "top_logprobs": [{_token_str(engine, t): v for v, t, _ in top} for top in tops], "text_offset": []}
+            "top_logprobs": [None if top is None else {_token_str(engine, t): v for v, t, _ in top} for top in tops],
+            "text_offset": [-1] * len(tokens)}  # as SGLang: offsets are not computed
 
 
 def _copies(item: dict, n: int) -> list[dict]:
@@ -77,12 +83,18 @@ def add_openai_routes(app: FastAPI) -> None:
         batch = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
         prompts = body.prompt if batch else [body.prompt]
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
+        echo_logprobs = body.echo and body.logprobs is not None
         items = [item for p in prompts for item in _copies({
             ("prompt" if isinstance(p, str) else "input_ids"): p, "sampling_params": body.sampling_params(max_tokens),
-            "return_logprob": body.logprobs is not None, "top_logprobs_num": body.logprobs or 0}, body.n)]
-        logprobs = (lambda meta, start: _completion_logprobs(engine, meta, start)) if body.logprobs is not None \
-            else (lambda meta, start: None)
-        return await _respond(app, request, items, body, "text_completion", logprobs)
+            "return_logprob": body.logprobs is not None, "top_logprobs_num": body.logprobs or 0,
+            "logprob_start_len": 0 if echo_logprobs else -1}, body.n)]
+        logprobs = (lambda meta, start: _completion_logprobs(engine, meta, start, body.echo)) \
+            if body.logprobs is not None else (lambda meta, start: None)
+        echoed = None
+        if body.echo:  # each choice's text starts with its prompt
+            texts = [p if isinstance(p, str) else await asyncio.to_thread(engine.tokenizer.decode, p) for p in prompts]
+            echoed = [t for t in texts for _ in range(body.n)]
+        return await _respond(app, request, items, body, "text_completion", logprobs, echoed)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -95,21 +107,22 @@ def add_openai_routes(app: FastAPI) -> None:
         return await _respond(app, request, _copies(item, body.n), body, "chat.completion", logprobs)
 
 
-async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind: str, logprobs):
+async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind: str, logprobs,
+                   echoed: list[str] | None = None):
     rid, created = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": body.model or app.state.model_name}
     chunks = app.state.async_engine.generate(items, body.stream, request.is_disconnected)
     if body.stream:
         first = await first_item(chunks)  # raises ValueError -> 400 before the stream starts
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_openai_sse(first, chunks, head, kind, body.n, include_usage, logprobs),
+        return StreamingResponse(_openai_sse(first, chunks, head, kind, body.n, include_usage, logprobs, echoed),
                                  media_type="text/event-stream")
     finals = {i: chunk async for i, chunk in chunks}
     if await request.is_disconnected():
         return Response(status_code=499)  # nobody to answer; the requests were aborted
     choices, metas = [], [finals[i]["meta_info"] for i in sorted(finals)]
     for i in sorted(finals):
-        meta, text = finals[i]["meta_info"], finals[i]["text"]
+        meta, text = finals[i]["meta_info"], (echoed[i] if echoed else "") + finals[i]["text"]
         choice = {"index": i, "logprobs": logprobs(meta, 0), "finish_reason": _finish_reason(meta)}
         choice |= {"message": {"role": "assistant", "content": text}} if kind == "chat.completion" else {"text": text}
         choices.append(choice)
@@ -117,7 +130,7 @@ async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind
 
 
 async def _openai_sse(first, chunks: AsyncIterator, head: dict, kind: str, n: int, include_usage: bool,
-                      logprobs) -> AsyncIterator[str]:
+                      logprobs, echoed: list[str] | None) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     sent: dict[int, int] = {}  # tokens already reported per choice (for logprobs)
     metas: dict[int, dict] = {}
@@ -128,8 +141,8 @@ async def _openai_sse(first, chunks: AsyncIterator, head: dict, kind: str, n: in
         choice = {"index": i, "logprobs": logprobs(meta, start), "finish_reason": _finish_reason(meta)}
         if kind == "chat.completion":
             choice["delta"] = {"content": chunk["text"]} | ({"role": "assistant"} if start == 0 else {})
-        else:
-            choice["text"] = chunk["text"]
+        else:  # echo: the prompt comes with the first piece
+            choice["text"] = (echoed[i] if echoed and start == 0 else "") + chunk["text"]
         if chunk["finished"]:
             metas[i] = meta
         return sse({**head, "object": obj, "choices": [choice]})

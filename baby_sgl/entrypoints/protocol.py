@@ -4,14 +4,15 @@ apply the same rules (validation.py)."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams
-from baby_sgl.sampling.sampling_params import SamplingParams, StopString
+from baby_sgl.managers.io_struct import MAX_TOKEN_IDS_LOGPROB, CloseSessionReqInput, OpenSessionReqInput, SessionParams
+from baby_sgl.sampling.sampling_params import GRAMMAR_KINDS, Grammar, SamplingParams, StopString
 from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_BATCH, MAX_ID_LEN, MAX_N, MAX_STOP, Id, Int32,
-                                 NonNegInt32, StrictModel, Text, TokenId, TopLogprobsNum)
+                                 NonNegInt32, StrictModel, Text, TokenId, TopLogprobsNum, accept_defaults_only)
 
 MAX_MESSAGES = 4096
 
@@ -19,6 +20,27 @@ TokenIds = Annotated[list[TokenId], Field(max_length=2**24)]
 
 OpenSessionRequest = OpenSessionReqInput
 CloseSessionRequest = CloseSessionReqInput
+
+
+# SGLang's /generate fields we do not implement: accepted at their default only (null when not
+# listed), anything else is refused by name.
+_GENERATE_DEFAULT_ONLY = {
+    name: None for name in (
+        "input_embeds", "image_data", "video_data", "audio_data", "modalities", "lora_path", "lora_id",
+        "custom_logit_processor", "session_id", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+        "bootstrap_pair_key", "decode_tp_size", "data_parallel_rank", "routed_dp_rank", "disagg_prefill_dp_rank",
+        "routing_key", "conversation_id", "max_thinking_tokens", "priority", "extra_key", "cache_salt",
+        "custom_labels", "external_trace_header", "received_time", "mm_hashes", "mm_content_hashes",
+        "video_config", "watermark", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
+        "video_max_dynamic_patch", "images_config", "mm_processor_kwargs", "multi_item_delimiter_indices",
+        "token_indices_to_pool", "kv_hints", "positional_embed_overrides", "return_sampling_mask",
+        "sampling_logprobs_mode")
+} | {
+    name: False for name in (
+        "return_hidden_states", "return_routed_experts", "return_indexer_topk", "background", "require_reasoning",
+        "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
+        "return_bytes", "return_entropy", "use_audio_in_video")
+} | {"routed_experts_start_len": 0}
 
 
 class GenerateRequest(StrictModel):
@@ -30,15 +52,59 @@ class GenerateRequest(StrictModel):
     return_logprob: bool = False
     top_logprobs_num: TopLogprobsNum = 0
     logprob_start_len: Int32 = -1
+    token_ids_logprob: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS_LOGPROB)] | None = None
+    return_text_in_logprobs: bool = False
+    return_prompt_token_ids: bool = False
     session_params: SessionParams | None = None
+    log_metrics: bool = True  # false: the request is left out of /metrics (health probes)
+    no_logs: bool = False  # nothing of a request is logged anyway
+    model: Annotated[Text, Field(max_length=MAX_ID_LEN)] | None = None  # sent by routers; one model is served
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data: Any) -> Any:
+        """null means "not given", as SGLang's clients send it."""
+        if not isinstance(data, dict):
+            return data
+        return accept_defaults_only({k: v for k, v in data.items() if v is not None}, _GENERATE_DEFAULT_ONLY)
 
 
 class AbortRequest(StrictModel):
     rid: Id
 
 
+class ConcateAndAppendRequest(StrictModel):
+    """What SGLang's frontend sends when it joins forks with mode="concate_and_append"."""
+
+    src_rids: Annotated[list[Id], Field(max_length=MAX_BATCH)]
+    dst_rid: Id
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(StrictModel):
+    name: Annotated[Text, Field(max_length=MAX_ID_LEN)] | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's structured output: json_object (any JSON object) or json_schema (that schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> dict[str, str]:
+        if self.type == "json_object":
+            return {"json_schema": '{"type": "object"}'}
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise ValueError("response_format.json_schema.schema is required for type json_schema")
+            return {"json_schema": json.dumps(self.json_schema.schema_)}
+        return {}
 
 
 class _OpenAISampling(StrictModel):
@@ -59,6 +125,17 @@ class _OpenAISampling(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[Text, Field(max_length=MAX_ID_LEN)] | None = None
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # SGLang's extensions of OpenAI's requests.
+    regex: Grammar | None = None
+    ebnf: Grammar | None = None
+    json_schema: Grammar | None = None
+    stop_regex: Text | list[Text] | None = None
+    min_tokens: NonNegInt32 | None = None
+    no_stop_trim: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
 
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
         params = {
@@ -66,15 +143,23 @@ class _OpenAISampling(StrictModel):
             "min_p": self.min_p, "stop": self.stop, "stop_token_ids": self.stop_token_ids, "seed": self.seed,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
+            "logit_bias": self.logit_bias, "regex": self.regex, "ebnf": self.ebnf, "json_schema": self.json_schema,
+            "stop_regex": self.stop_regex, "min_new_tokens": self.min_tokens, "no_stop_trim": self.no_stop_trim,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
         }
-        return {k: v for k, v in params.items() if v is not None}
+        params = {k: v for k, v in params.items() if v is not None}
+        constraint = self.response_format.constraint() if self.response_format else {}
+        if constraint and any(k in params for k in GRAMMAR_KINDS):
+            raise ValueError("give response_format or one of regex, ebnf, json_schema, not both")
+        return params | constraint
 
 
 class CompletionRequest(_OpenAISampling):
     prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_BATCH)] | TokenIds | \
         Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)]
     logprobs: TopLogprobsNum | None = None
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt precedes the completion (and its logprobs, with logprobs)
 
 
 class TextPart(StrictModel):

@@ -3,13 +3,14 @@ routes alike."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from baby_sgl.validation import INT32_MAX, Id, NonNegInt32, StrictModel, TopLogprobsNum
+from baby_sgl.validation import INT32_MAX, Id, Int32, NonNegInt32, StrictModel, TokenId, TopLogprobsNum
 
 MAX_SESSION_TIMEOUT_S = 30 * 24 * 3600.0
+MAX_TOKEN_IDS_LOGPROB = 256
 
 
 class _DropNulls(StrictModel):
@@ -26,6 +27,10 @@ class ReqOptions(StrictModel):
     rid: Id | None = None
     return_logprob: bool = False
     top_logprobs_num: TopLogprobsNum = 0
+    # Prompt logprobs from this position (-1: none); only with return_logprob.
+    logprob_start_len: Int32 = -1
+    token_ids_logprob: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS_LOGPROB)] | None = None
+    return_text_in_logprobs: bool = False
 
 
 class SessionParams(_DropNulls):

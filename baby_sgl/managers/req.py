@@ -32,11 +32,20 @@ class Req:
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (max over prefills)
         self.is_retracted = False
         self.session: Any = None  # the Session this request is a turn of (session_controller.py)
-        # Log-probabilities, SGLang's format: [logprob, token_id, None] per output token.
+        # Log-probabilities, SGLang's format: [logprob, token_id, None] per token (see
+        # sampling/logprobs.py); prompt ones from position logprob_start_len on.
         self.return_logprob = False
         self.top_logprobs_num = 0
+        self.token_ids_logprob: list[int] | None = None
+        self.return_text_in_logprobs = False
+        self.logprob_start_len = len(input_ids)
+        self.input_token_logprobs: list[list] = []
+        self.input_top_logprobs: list[list[list] | None] = []
+        self.input_token_ids_logprobs: list[list[list] | None] = []
         self.output_token_logprobs: list[list] = []
         self.output_top_logprobs: list[list[list]] = []
+        self.output_token_ids_logprobs: list[list[list]] = []
+        self.grammar: Any = None  # the constraint's matcher (constrained/), advanced token by token
         # KV state: row `req_pool_idx` of the ReqToTokenPool holds alloc_len slots, of which the
         # first kv_len hold computed K/V (the rest were allocated for a pass not yet done); the
         # first cache_protected_len are owned by the tree (locked through last_node).
@@ -64,6 +73,10 @@ class Req:
     @property
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    def input_logprobs_pending(self) -> bool:
+        """Prompt logprobs were asked for and are not all computed yet."""
+        return self.return_logprob and len(self.input_token_logprobs) < len(self.origin_input_ids) - self.logprob_start_len
 
     @property
     def finished(self) -> bool:

@@ -10,6 +10,7 @@ from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.mem_cache.memory_pool import ReqToTokenPool
 from baby_sgl.model_executor.forward_batch import ForwardMode
 from baby_sgl.model_executor.model_runner import ModelWorkerBatch
+from baby_sgl.sampling.logprobs import InputLogprobSpan, plan_input_logprobs
 
 
 class ScheduleBatch:
@@ -21,6 +22,7 @@ class ScheduleBatch:
         self.seq_lens: list[int] = []
         self.out_cache_loc: torch.Tensor | None = None
         self.num_decode_reqs = 0  # MIXED: the last requests of the batch decode one token each
+        self.input_logprob_spans: list[InputLogprobSpan] = []  # prompt logprobs this pass computes
 
     # ---- KV slots ------------------------------------------------------------------------
     def alloc_token_slots(self, prefix_lens: list[int], seq_lens: list[int]) -> torch.Tensor | None:
@@ -104,6 +106,11 @@ class ScheduleBatch:
             input_ids = [t for r, a, b in zip(self.reqs, self.prefix_lens, self.seq_lens) for t in r.fill_ids[a:b]]
             positions = torch.cat([torch.arange(a, b) for a, b in zip(self.prefix_lens, self.seq_lens)])
             ext = [b - a for a, b in zip(self.prefix_lens, self.seq_lens)]
+        logprob_rows = None
+        if self.mode != ForwardMode.DECODE:
+            rows, self.input_logprob_spans = plan_input_logprobs(self.reqs, self.prefix_lens, self.seq_lens,
+                                                                 len(self.reqs) - self.num_decode_reqs)
+            logprob_rows = rows or None
         return ModelWorkerBatch(
             mode=self.mode,
             input_ids=input_ids,
@@ -114,4 +121,5 @@ class ScheduleBatch:
             extend_prefix_lens=self.prefix_lens,
             extend_seq_lens=ext,
             num_decode_reqs=self.num_decode_reqs,
+            input_logprob_rows=logprob_rows,
         )

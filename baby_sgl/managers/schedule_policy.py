@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import random
+from collections import defaultdict
 
 from baby_sgl.managers.req import Req
 from baby_sgl.managers.session_controller import SessionController
@@ -21,14 +23,62 @@ def match_prefix(req: Req, tree_cache, sessions: SessionController) -> None:
     if held is not None:
         req.prefix_indices, req.last_node = held, tree_cache.root
     else:
-        req.prefix_indices, req.last_node = tree_cache.match_prefix(req.fill_ids[: req.seqlen - 1])
+        limit = req.seqlen - 1
+        if req.input_logprobs_pending():  # prompt logprobs need those positions computed here
+            limit = min(limit, req.logprob_start_len)
+        req.prefix_indices, req.last_node = tree_cache.match_prefix(req.fill_ids[:limit])
 
 
-def sort_waiting(waiting: list[Req], policy: str) -> None:
-    """fcfs keeps arrival order; lpm puts the longest cached prefix first (stable on ties).
-    Every request's prefix has been matched (match_prefix) already."""
-    if policy == "lpm":
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # need the radix tree; fcfs without it, as SGLang
+# lpm sorts only queues up to this long; a longer one is served in arrival order (as SGLang).
+LPM_MAX_QUEUE = 128
+
+
+def sort_waiting(waiting: list[Req], policy: str, rng: random.Random, root=None) -> None:
+    """Orders the waiting queue in place (every request's prefix is matched already):
+    - fcfs: arrival order;
+    - lpm: longest cached prefix first (stable on ties);
+    - dfs-weight: a depth-first walk of the radix tree from `root`, heaviest subtree (most
+      waiting requests under it) first, so requests sharing a prefix run together;
+    - lof: longest output (max_new_tokens) first;
+    - random: shuffled with the scheduler's seeded generator (same seed and arrivals, same order)."""
+    if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
         waiting.sort(key=lambda r: -len(r.prefix_indices))
+    elif policy == "dfs-weight":
+        waiting[:] = _dfs_weight_order(waiting, root)
+    elif policy == "lof":
+        waiting.sort(key=lambda r: -r.sampling_params.max_new_tokens)
+    elif policy == "random":
+        rng.shuffle(waiting)
+
+
+def _dfs_weight_order(waiting: list[Req], root) -> list[Req]:
+    """Requests grouped by the tree node their cached prefix ends at; a node weighs as many
+    requests as end in its subtree. Children are visited heaviest first, and a node's own
+    requests come after its subtree's, in arrival order."""
+    at_node: dict[int, list[Req]] = defaultdict(list)
+    weight: dict[int, int] = defaultdict(int)
+    for req in waiting:
+        node = req.last_node if req.last_node is not None else root
+        at_node[id(node)].append(req)
+        while node is not None:  # every ancestor's subtree holds this request too
+            weight[id(node)] += 1
+            node = node.parent
+    order: list[Req] = []
+    stack = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.extend(at_node.get(id(node), []))
+            continue
+        stack.append((node, True))
+        children = [c for c in node.children.values() if weight.get(id(c))]
+        # Pushed lightest first so the heaviest is popped (visited) first; ties keep tree order.
+        for child in sorted(reversed(children), key=lambda c: weight[id(c)]):
+            stack.append((child, False))
+    seen = set(map(id, order))  # a prefix matched on a node evicted since cannot be reached
+    return order + [r for r in waiting if id(r) not in seen]
 
 
 # A waiting request whose uncached part starts with this many tokens of a request already in the

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -19,8 +21,8 @@ from baby_sgl.managers.memory_checker import check_memory
 from baby_sgl.managers.messages import AbortReq, Call, Message, NewReq, Stop
 from baby_sgl.managers.req import Req
 from baby_sgl.managers.schedule_batch import ScheduleBatch
-from baby_sgl.managers.schedule_policy import (AddResult, PrefillAdder, match_prefix, shares_uncached_prefix,
-                                               sort_waiting)
+from baby_sgl.managers.schedule_policy import (CACHE_AWARE_POLICIES, AddResult, PrefillAdder, match_prefix,
+                                               shares_uncached_prefix, sort_waiting)
 from baby_sgl.managers.session_controller import SessionController
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
@@ -28,6 +30,7 @@ from baby_sgl.mem_cache.chunk_cache import ChunkCache
 from baby_sgl.mem_cache.radix_cache import RadixCache
 from baby_sgl.model_executor.forward_batch import ForwardMode
 from baby_sgl.model_executor.model_runner import ModelRunner
+from baby_sgl.sampling.logprobs import record_input_logprobs
 from baby_sgl.sampling.sampler import Sampler
 from baby_sgl.server_args import ServerArgs
 from baby_sgl.trace import Tracer
@@ -61,6 +64,9 @@ class Scheduler:
         self.sampler = Sampler(runner.cfg.vocab_size, sorted(self.eos_token_ids), args.random_seed)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
+        cache_aware = args.schedule_policy in CACHE_AWARE_POLICIES
+        self.schedule_policy = "fcfs" if cache_aware and args.disable_radix_cache else args.schedule_policy
+        self.rng = random.Random(args.random_seed)  # the random policy's, seeded: same arrivals, same order
         self.chunked_req: Req | None = None
         self.cur_batch: ScheduleBatch | None = None
         c = args.schedule_conservativeness
@@ -239,7 +245,7 @@ class Scheduler:
         if self.tracer:
             self._trace_batch(batch, mwb)
         try:
-            logits = self.runner.forward(mwb)
+            logits, logprob_hidden = self.runner.forward(mwb)
         except Exception as e:  # shared by the batch: its requests end, the others go on
             logger.exception("forward pass failed")
             self.error = e
@@ -248,8 +254,19 @@ class Scheduler:
         self.stats["forward_steps"] += 1
         self.stats["mixed_steps"] += batch.mode == ForwardMode.MIXED
         self.last_forward = time.monotonic()
+        if batch.input_logprob_spans:
+            self._record_input_logprobs(batch, logprob_hidden)
         self._process_result(batch, logits)
         return True
+
+    def _record_input_logprobs(self, batch: ScheduleBatch, hidden: torch.Tensor) -> None:
+        """Prompt logprobs of the pass; if scoring fails, the requests that asked for them fail."""
+        try:
+            record_input_logprobs(self.runner.compute_logits, hidden, batch.input_logprob_spans)
+        except Exception as e:
+            logger.exception("prompt logprobs failed")
+            for span in batch.input_logprob_spans:
+                span.req.to_abort = f"internal error while computing prompt logprobs: {e!r}"
 
     # ---- forming batches -----------------------------------------------------------------
     def _new_schedule_batch(self, reqs: list[Req], mode: ForwardMode) -> ScheduleBatch:
@@ -277,7 +294,7 @@ class Scheduler:
         short_of_memory = False
         if adder.new_chunked_req is None:
             self._match_waiting()
-            sort_waiting(self.waiting, self.args.schedule_policy)
+            sort_waiting(self.waiting, self.schedule_policy, self.rng, self.tree_cache.root)
             room = self.args.max_running_requests - len(self.running) - len(adder.can_run)
             free_rows = len(self.req_to_token_pool.free_slots)
             share = not self.args.disable_radix_cache
@@ -423,14 +440,20 @@ class Scheduler:
         if req.time_stats.first_token is None:
             req.time_stats.first_token = time.perf_counter()
         p = req.sampling_params
+        if req.grammar is not None:  # raises if the token breaks the constraint: the request fails
+            req.grammar.accept_token(token)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             req.finished_reason = {"type": "stop", "matched": token}
         elif len(req.output_ids) >= p.max_new_tokens or req.seqlen >= self.context_len:
             req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+        elif req.grammar is not None and req.grammar.is_terminated():
+            req.finished_reason = {"type": "stop", "matched": token}
         text_before = len(req.text)
         detokenize_step(self.tokenizer, req, final=req.finished)
         if not req.finished and p.stop:
             self._check_stop_strings(req, max(0, text_before - max(map(len, p.stop)) + 1))
+        if not req.finished and p.stop_regex:
+            self._check_stop_regex(req)
 
     def _check_stop_strings(self, req: Req, start: int) -> None:
         """Looks for a stop string in the text that could contain one only now."""
@@ -440,6 +463,14 @@ class Scheduler:
             if not req.sampling_params.no_stop_trim:
                 req.text = req.text[:pos]
             req.finished_reason = {"type": "stop", "matched": matched}
+
+    @staticmethod
+    def _check_stop_regex(req: Req) -> None:
+        """As SGLang: `re.search` over the output text; the text is kept whole."""
+        for pattern in req.sampling_params.stop_regex:
+            if re.search(pattern, req.text):
+                req.finished_reason = {"type": "stop", "matched": pattern}
+                return
 
     def _finish(self, req: Req, reason: dict) -> None:
         req.finished_reason = reason
@@ -456,10 +487,13 @@ class Scheduler:
     def _emit(self, req: Req) -> None:
         """Sends the new text and ids to whoever waits for this request (stream) or the whole
         result when it finishes."""
+        interval = req.sampling_params.stream_interval
         if req.finished:
             req.time_stats.finished = time.perf_counter()
         elif not req.stream:
             return
+        elif interval and req.sent_ids_len and len(req.output_ids) - req.sent_ids_len < interval:
+            return  # stream_interval: a piece every `interval` tokens (the first at once)
         text_end = len(req.text)
         if not req.finished and req.sampling_params.stop:
             # Hold back what could still become the start of a stop string.

@@ -36,6 +36,7 @@ class ForwardBatch:
     extend_prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
     num_decode_reqs: int = 0  # MIXED: how many requests at the end of the batch decode
+    input_logprob_rows: torch.Tensor | None = None  # token rows whose hidden states give prompt logprobs
     # Filled by the attention backend once per pass, shared by all layers.
     attn_metadata: Any = None
 

@@ -34,6 +34,7 @@ class ModelWorkerBatch:
     extend_prefix_lens: list[int]
     extend_seq_lens: list[int]
     num_decode_reqs: int = 0  # MIXED: requests at the end of the batch that decode one token
+    input_logprob_rows: list[int] | None = None  # token rows whose logits give prompt logprobs
 
 
 class ModelRunner:
@@ -74,7 +75,9 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, context_len, self.device)
         self.kv_pool = KVPool(max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
 
-    def forward(self, b: ModelWorkerBatch) -> torch.Tensor:
+    def forward(self, b: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next-token logits, one row per request, and the hidden states of input_logprob_rows
+        (turned into logits by compute_logits, a slice at a time)."""
         dev = self.device
         input_ids, positions, dense = b.input_ids, b.positions, EAGER
         bucket = self.compiled.bucket(len(input_ids)) if self.compiled and b.mode == ForwardMode.DECODE else None
@@ -96,6 +99,12 @@ class ModelRunner:
             extend_prefix_lens_cpu=b.extend_prefix_lens,
             extend_seq_lens_cpu=b.extend_seq_lens,
             num_decode_reqs=b.num_decode_reqs,
+            input_logprob_rows=None if b.input_logprob_rows is None else
+            torch.tensor(b.input_logprob_rows, dtype=torch.long, device=dev),
         )
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb, dense)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)

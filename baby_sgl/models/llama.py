@@ -121,16 +121,20 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, dense: DenseFns = EAGER) -> torch.Tensor:
-        """Returns next-token logits (float32), one row per request. input_ids may be padded
-        past the batch's tokens (a compiled bucket); padded rows never reach the KV pool."""
+    def forward(self, fb: ForwardBatch, dense: DenseFns = EAGER) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns next-token logits (float32), one row per request, and the final hidden states
+        of the rows fb.input_logprob_rows names (prompt logprobs; None if none). input_ids may be
+        padded past the batch's tokens (a compiled bucket); padded rows never reach the KV pool."""
         x = self.embed_tokens(fb.input_ids)
         cos_sin = self.rotary.cos_sin(fb.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, fb, cos_sin, dense)
         # Only each request's last token needs logits: skip the vocab matmul for the rest.
-        x = self.norm(x[fb.last_token_indices()])
-        return self.lm_head(x).float()
+        hidden = None if fb.input_logprob_rows is None else self.norm(x[fb.input_logprob_rows])
+        return self.compute_logits(self.norm(x[fb.last_token_indices()])), hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
 
     _FUSED = {  # HF name piece -> (our fused parameter, shard index)
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -1,4 +1,5 @@
-"""Batched next-token selection: penalties, greedy, temperature, top-k, top-p, min-p, seeds.
+"""Batched next-token selection, in SGLang's order: penalties (and min_new_tokens' blocked
+stops), the grammar mask, logit_bias; then greedy, or temperature, top-k, top-p, min-p and a draw.
 
 Sampling uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1) picks i with probability
 p_i). A request with a seed draws its noise from a generator seeded by (seed, step), over the
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from baby_sgl.constrained.grammar import apply_grammar_masks
 from baby_sgl.managers.req import Req
+from baby_sgl.sampling.logprobs import record_output_logprobs
 
 _TOPK_FAST_PATH = 1024
 
@@ -22,11 +25,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
         logits = logits[:, : self.vocab_size]
-        raw = logits
         if any(r.sampling_params.has_penalties for r in reqs):
             logits = self._apply_penalties(logits.clone(), reqs)
         if any(len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs):
             logits = self._block_stop_tokens(logits.clone(), reqs)
+        if any(r.grammar is not None for r in reqs):
+            logits = apply_grammar_masks(logits.clone(), reqs)
+        if any(r.sampling_params.logit_bias for r in reqs):
+            logits = self._apply_logit_bias(logits.clone(), reqs)
         next_ids = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
         if sampled:
@@ -34,22 +40,11 @@ class Sampler:
             next_ids[rows] = self._sample(logits[rows], [reqs[i] for i in sampled])
         ids = next_ids.tolist()
         if any(r.return_logprob for r in reqs):
-            self._record_logprobs(raw, reqs, ids)
+            # As SGLang: the distribution the token came from, temperature included when sampled.
+            temps = torch.tensor([1.0 if r.sampling_params.is_greedy else r.sampling_params.temperature
+                                  for r in reqs], dtype=logits.dtype)
+            record_output_logprobs(torch.log_softmax(logits / temps[:, None], dim=-1), reqs, ids)
         return ids
-
-    @staticmethod
-    def _record_logprobs(logits: torch.Tensor, reqs: list[Req], ids: list[int]) -> None:
-        """Log-probabilities under the model's own distribution (before penalties and temperature)."""
-        rows = [i for i, r in enumerate(reqs) if r.return_logprob]
-        logprobs = torch.log_softmax(logits[rows], dim=-1)
-        k = max(reqs[i].top_logprobs_num for i in rows)
-        top = logprobs.topk(k, dim=-1) if k else None
-        for j, i in enumerate(rows):
-            req = reqs[i]
-            req.output_token_logprobs.append([float(logprobs[j, ids[i]]), ids[i], None])
-            if req.top_logprobs_num:
-                vals, idx = top.values[j, : req.top_logprobs_num].tolist(), top.indices[j, : req.top_logprobs_num].tolist()
-                req.output_top_logprobs.append([[v, t, None] for v, t in zip(vals, idx)])
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         params = [r.sampling_params for r in reqs]
@@ -101,4 +96,13 @@ class Sampler:
             if len(r.output_ids) < p.min_new_tokens:
                 stops = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
                 logits[i, [t for t in stops if t < logits.shape[1]]] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        for i, r in enumerate(reqs):
+            bias = r.sampling_params.logit_bias
+            if bias:
+                ids = torch.tensor([int(k) for k in bias])
+                logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype))
         return logits

@@ -1,20 +1,30 @@
 """Per-request sampling parameters, with SGLang's names, validated by one model for the Engine
-and the HTTP routes alike (see validation.py)."""
+and the HTTP routes alike (see validation.py). Every field of SGLang's SamplingParams is
+accepted; the few we do not implement only at their default (null), anything else is refused by
+name (see `accept_defaults_only`)."""
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Annotated, Any
 
 from pydantic import Field, ValidationError, model_validator
 
 from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_N, MAX_STOP, MAX_STOP_LEN, Int32, NonNegInt32,
-                                 StrictModel, Text, TokenId, validate)
+                                 StrictModel, Text, TokenId, accept_defaults_only, validate)
 
 logger = logging.getLogger(__name__)
 
 _EPS = 1e-6
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_LEN)]
+MAX_STOP_REGEX, MAX_STOP_REGEX_BYTES = 32, 256  # as SGLang
+MAX_GRAMMAR_LEN = 2**20  # characters of a regex, JSON schema or EBNF grammar
+MAX_LOGIT_BIAS = 4096
+Grammar = Annotated[Text, Field(min_length=1, max_length=MAX_GRAMMAR_LEN)]
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
+# SGLang's fields we do not implement: accepted at these values only.
+_DEFAULT_ONLY = {"structural_tag": None, "custom_params": None, "beam_width": (None, 1), "watermark": None}
 
 
 class SamplingParams(StrictModel):
@@ -35,6 +45,16 @@ class SamplingParams(StrictModel):
     no_stop_trim: bool = False
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     n: int = Field(1, ge=1, le=MAX_N)
+    # Constrained decoding (constrained/): at most one of these; json_schema is a JSON string.
+    json_schema: Grammar | None = None
+    regex: Grammar | None = None
+    ebnf: Grammar | None = None
+    # Generation stops where the output text matches one of these (Python `re.search`).
+    stop_regex: list[Annotated[Text, Field(min_length=1)]] = Field(default_factory=list, max_length=MAX_STOP_REGEX)
+    # token id (as a string, SGLang's JSON form) -> added to its logit before sampling
+    logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
+    spaces_between_special_tokens: bool = True
+    stream_interval: int | None = Field(None, ge=1, le=2**20)  # stream every k tokens (None: every one)
 
     @model_validator(mode="before")
     @classmethod
@@ -43,13 +63,17 @@ class SamplingParams(StrictModel):
         sampling_seed; a single stop string stands for a list of one."""
         if not isinstance(data, dict):
             return data
-        data = {k: v for k, v in data.items() if v is not None}
+        data = accept_defaults_only({k: v for k, v in data.items() if v is not None}, _DEFAULT_ONLY)
+        for kind in GRAMMAR_KINDS:
+            if data.get(kind) == "":  # SGLang: an empty grammar means none
+                data.pop(kind)
         if "sampling_seed" in data:
             if "seed" in data:
                 raise ValueError("give seed or sampling_seed, not both")
             data["seed"] = data.pop("sampling_seed")
-        if isinstance(data.get("stop"), str):
-            data["stop"] = [data["stop"]]
+        for key in ("stop", "stop_regex"):
+            if isinstance(data.get(key), str):
+                data[key] = [data[key]]
         return data
 
     @model_validator(mode="after")
@@ -59,7 +83,31 @@ class SamplingParams(StrictModel):
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens "
                              f"({self.max_new_tokens})")
+        kinds = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        if len(kinds) > 1:
+            raise ValueError(f"give at most one of json_schema, regex, ebnf; got {' and '.join(kinds)}")
+        for pattern in self.stop_regex:
+            if len(pattern.encode()) > MAX_STOP_REGEX_BYTES:
+                raise ValueError(f"stop_regex {pattern[:40]!r} is over {MAX_STOP_REGEX_BYTES} bytes")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"invalid stop_regex {pattern!r}: {e}") from None
+        for key in self.logit_bias:
+            if not key.isdigit() or int(key) > INT64_MAX:
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
         return self
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The checks that need the model: token ids in logit_bias."""
+        bad = [k for k in self.logit_bias if int(k) >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's constraint, if any: the grammar cache's key."""
+        return next(((k, getattr(self, k)) for k in GRAMMAR_KINDS if getattr(self, k) is not None), None)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SamplingParams | None,

@@ -1,0 +1,153 @@
+"""Constrained decoding: a request's `regex`, `json_schema` or `ebnf` becomes a grammar over the
+tokenizer's vocabulary, and at every step only the tokens that keep the output inside the
+grammar may be sampled.
+
+The grammar library is llguidance (`--grammar-backend llguidance`, the default; `none` turns
+constraints off). It was chosen by measurement against xgrammar (SGLang's default) and
+outlines-core on SmolLM2's 49k vocabulary: a JSON schema compiles in ~1 ms (xgrammar 8 ms), the
+masks of 32 requests fill in ~0.4 ms a step (xgrammar 0.2 ms), and it is one 8 MB wheel with no
+dependencies, where xgrammar needs triton (hundreds of MB); outlines-core has no EBNF. See
+docs/structured_output.md.
+
+Life of a constraint: `GrammarCache.get` compiles it in the thread that submits the request
+(never the scheduler's), remembers it by its text (an invalid one too, with its error), and each
+request gets its own matcher, a copy of the compiled one. In the scheduler thread, the sampler
+asks every constrained request's matcher for its allowed tokens (a bitmask) and sets the rest of
+the logits to -inf before penalties' results are sampled (SGLang's order: penalties, the mask,
+logit_bias); the scheduler then feeds the chosen token to the matcher. The matcher lives on the
+request, so retraction (which keeps the output) and chunked prefill (which samples nothing until
+the prompt is done) leave it where it was. When the grammar can take no further token the request
+finishes (`stop`, matched on that token).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_BACKENDS = ("llguidance", "none")
+_CACHE_SIZE = 1024  # compiled grammars kept, least recently used dropped first
+# JSON the model writes under a schema: compact separators, no free whitespace. Free whitespace
+# lets a model pad forever (a grammar cannot end while spaces are still allowed).
+_JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+class GrammarMatcher:
+    """One request's position in its grammar (scheduler thread only)."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+
+    def accept_token(self, token: int) -> None:
+        """Advances past the sampled token; raises if the grammar does not allow it."""
+        if not self._m.consume_token(token):
+            raise ValueError(f"token {token} breaks the request's constraint: {self._m.get_error() or 'not allowed'}")
+
+    def is_terminated(self) -> bool:
+        """No further token can follow (the grammar is complete and closed)."""
+        return self._m.is_stopped()
+
+
+class CompiledGrammar:
+    def __init__(self, template: Any) -> None:
+        self._template = template
+        self._lock = threading.Lock()  # copies are made from submitting threads
+
+    def matcher(self) -> GrammarMatcher:
+        with self._lock:
+            return GrammarMatcher(self._template.deep_copy())
+
+
+class GrammarCache:
+    """Compiled grammars by (kind, text), for one tokenizer and model vocabulary."""
+
+    def __init__(self, backend: str, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        if backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {backend!r}")
+        self.backend, self.tokenizer, self.vocab_size = backend, tokenizer, vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._llg_tokenizer = None  # built on first use (~0.5 s for a 49k vocabulary)
+        self._cache: OrderedDict[tuple[str, str], CompiledGrammar | ValueError] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[str, str]) -> CompiledGrammar:
+        """The compiled grammar of (kind, text); raises ValueError naming the problem if the
+        grammar is invalid or constraints are off."""
+        if self.backend == "none":
+            raise ValueError(f"{key[0]} needs constrained decoding, which is off (--grammar-backend none)")
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if hit is None:
+            hit = self._compile(*key)  # outside the lock: other requests' lookups go on
+            with self._lock:
+                self._cache[key] = hit
+                while len(self._cache) > _CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        if isinstance(hit, ValueError):
+            raise hit
+        return hit
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
+    def _tokenizer(self):
+        with self._lock:
+            if self._llg_tokenizer is None:
+                import llguidance.hf
+
+                self._llg_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                                   eos_token=self.eos_token_ids or None)
+            return self._llg_tokenizer
+
+    def _compile(self, kind: str, text: str) -> CompiledGrammar | ValueError:
+        import llguidance
+
+        try:
+            if kind == "json_schema":
+                try:
+                    json.loads(text)
+                except json.JSONDecodeError as e:
+                    return ValueError(f"json_schema is not valid JSON: {e}")
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
+            elif kind == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(text)
+            else:  # ebnf: SGLang's (xgrammar's) GBNF dialect, root rule `root`
+                grammar = llguidance.grammar_from("ebnf", text)
+            matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        except Exception as e:  # the library's own words for what is wrong with the grammar
+            return ValueError(f"invalid {kind}: {e}")
+        if matcher.is_error():
+            return ValueError(f"invalid {kind}: {matcher.get_error()}")
+        return CompiledGrammar(matcher)
+
+
+def apply_grammar_masks(logits: torch.Tensor, reqs: list) -> torch.Tensor:
+    """Sets the logits of every token a constrained request's grammar forbids to -inf (in
+    place; rows without a constraint are left alone)."""
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
+    for j, i in enumerate(rows):
+        reqs[i].grammar.fill_mask(bitmask, j)
+    bits = (bitmask.unsqueeze(2) >> torch.arange(32, dtype=torch.int32)) & 1  # [rows, words, 32]
+    allowed = bits.flatten(1)[:, :vocab].bool()
+    index = torch.tensor(rows)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
