@@ -105,6 +105,6 @@ def accept_defaults_only(data: dict[str, Any], defaults: dict[str, Any]) -> dict
         value = out.pop(name)
         accepted = default if isinstance(default, tuple) else (default,)
         if not any(value is a or (type(value) is type(a) and value == a) for a in accepted):
-            raise ValueError(f"{name} is not supported by baby-sgl (accepted only at its default, "
-                             f"{default[0] if isinstance(default, tuple) else default!r}), got {_short(value)}")
+            shown = " or ".join(map(repr, accepted))
+            raise ValueError(f"{name} is not supported by baby-sgl (accepted only as {shown}), got {_short(value)}")
     return out

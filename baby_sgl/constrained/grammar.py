@@ -120,10 +120,11 @@ class GrammarCache:
         try:
             if kind == "json_schema":
                 try:
-                    json.loads(text)
+                    schema = json.loads(text)
                 except json.JSONDecodeError as e:
                     return ValueError(f"json_schema is not valid JSON: {e}")
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(_closed_objects(schema)),
+                                                                        defaults=_JSON_DEFAULTS)
             elif kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(text)
             else:  # ebnf: SGLang's (xgrammar's) GBNF dialect, root rule `root`
@@ -134,6 +135,29 @@ class GrammarCache:
         if matcher.is_error():
             return ValueError(f"invalid {kind}: {matcher.get_error()}")
         return CompiledGrammar(matcher)
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _closed_objects(schema: Any) -> Any:
+    """As SGLang's default (xgrammar's strict mode) and OpenAI's structured output: an object
+    schema that lists its properties and says nothing of others takes no others."""
+    if isinstance(schema, list):
+        return [_closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema: the names are data
+            out[key] = {name: _closed_objects(sub) for name, sub in value.items()}
+        elif key in ("enum", "const", "default", "examples", "required"):
+            out[key] = value
+        else:
+            out[key] = _closed_objects(value)
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def apply_grammar_masks(logits: torch.Tensor, reqs: list) -> torch.Tensor:

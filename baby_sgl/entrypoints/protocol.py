@@ -30,7 +30,7 @@ _GENERATE_DEFAULT_ONLY = {
         "custom_logit_processor", "session_id", "bootstrap_host", "bootstrap_port", "bootstrap_room",
         "bootstrap_pair_key", "decode_tp_size", "data_parallel_rank", "routed_dp_rank", "disagg_prefill_dp_rank",
         "routing_key", "conversation_id", "max_thinking_tokens", "priority", "extra_key", "cache_salt",
-        "custom_labels", "external_trace_header", "received_time", "mm_hashes", "mm_content_hashes",
+        "external_trace_header", "received_time", "mm_hashes", "mm_content_hashes",
         "video_config", "watermark", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
         "video_max_dynamic_patch", "images_config", "mm_processor_kwargs", "multi_item_delimiter_indices",
         "token_indices_to_pool", "kv_hints", "positional_embed_overrides", "return_sampling_mask",
@@ -40,7 +40,7 @@ _GENERATE_DEFAULT_ONLY = {
         "return_hidden_states", "return_routed_experts", "return_indexer_topk", "background", "require_reasoning",
         "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs", "return_flat_raw_top_logprobs_b64",
         "return_bytes", "return_entropy", "use_audio_in_video")
-} | {"routed_experts_start_len": 0}
+} | {"routed_experts_start_len": 0, "custom_labels": (None, {})}
 
 
 class GenerateRequest(StrictModel):

@@ -24,7 +24,8 @@ MAX_LOGIT_BIAS = 4096
 Grammar = Annotated[Text, Field(min_length=1, max_length=MAX_GRAMMAR_LEN)]
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 # SGLang's fields we do not implement: accepted at these values only.
-_DEFAULT_ONLY = {"structural_tag": None, "custom_params": None, "beam_width": (None, 1), "watermark": None}
+_DEFAULT_ONLY = {"structural_tag": None, "custom_params": None, "beam_width": (None, 1), "watermark": None,
+                 "choice": ([],)}
 
 
 class SamplingParams(StrictModel):
