@@ -1,0 +1,64 @@
+"""Schedule policies (SGLang's fcfs, lpm, dfs-weight, lof, random): outputs never depend on the
+policy, and each orders the waiting queue as it says."""
+
+from __future__ import annotations
+
+import pytest
+
+from baby_sgl import Engine
+from baby_sgl.managers.req import Req
+from baby_sgl.managers.schedule_policy import SCHEDULE_POLICIES, match_prefix, sort_waiting
+from baby_sgl.sampling.sampling_params import SamplingParams
+from helpers import GREEDY, random_prompts, shared_prefix_prompts
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return shared_prefix_prompts(6, 512, 40, seed=5) + random_prompts(6, 512, 5, 60, seed=6)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, workload):
+    with Engine(tiny_llama, dtype="float32") as engine:
+        return [o["output_ids"] for o in engine.generate(input_ids=workload,
+                                                         sampling_params={**GREEDY, "max_new_tokens": 12})]
+
+
+@pytest.mark.parametrize("policy", SCHEDULE_POLICIES)
+def test_outputs_do_not_depend_on_the_policy(tiny_llama, workload, reference, policy):
+    # A small pool and few running slots make the queue's order matter (and retract).
+    with Engine(tiny_llama, dtype="float32", schedule_policy=policy, max_running_requests=3,
+                max_total_tokens=256, page_size=4, debug_memory_check=True) as engine:
+        params = [{**GREEDY, "max_new_tokens": 12 + i % 5} for i in range(len(workload))]
+        outs = engine.generate(input_ids=workload, sampling_params=params)
+        assert [o["output_ids"][:12] for o in outs] == reference
+        engine.check_memory()
+
+
+def _reqs(prompts: list[list[int]], max_new: list[int]) -> list[Req]:
+    return [Req(f"r{i}", p, SamplingParams(max_new_tokens=m)) for i, (p, m) in enumerate(zip(prompts, max_new))]
+
+
+def test_orders(tiny_llama):
+    """The queue orders, on a tree holding two cached prefixes: A (20 tokens, two waiting
+    requests under it) and B (40 tokens, one), plus two requests matching nothing."""
+    a, b = list(range(10, 30)), list(range(100, 140))
+    with Engine(tiny_llama, dtype="float32") as engine:
+        engine.generate(input_ids=[a, b], sampling_params={"max_new_tokens": 1})
+        sched = engine.scheduler
+        waiting = _reqs([[7, 8, 9], b + [1, 2], a + [3], [5, 6], a + [4, 4]], [5, 50, 10, 80, 1])
+
+        def order(policy: str) -> list[str]:
+            queue = list(waiting)
+            for req in queue:
+                match_prefix(req, sched.tree_cache, sched.sessions)
+            sort_waiting(queue, policy, sched.rng, sched.tree_cache.root)
+            return [r.rid for r in queue]
+
+        assert sched.call(lambda: order("fcfs")) == ["r0", "r1", "r2", "r3", "r4"]
+        assert sched.call(lambda: order("lpm")) == ["r1", "r2", "r4", "r0", "r3"]
+        # Heaviest subtree first (A: two requests), then B; the root's own requests last.
+        assert sched.call(lambda: order("dfs-weight")) == ["r2", "r4", "r1", "r0", "r3"]
+        assert sched.call(lambda: order("lof")) == ["r3", "r1", "r2", "r0", "r4"]
+        shuffled = sched.call(lambda: order("random"))
+        assert sorted(shuffled) == ["r0", "r1", "r2", "r3", "r4"]
