@@ -22,17 +22,34 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_engine(engine: Engine, wl: Workload) -> dict:
-    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in wl.output_lens]
-    engine.generate(input_ids=wl.prompts[:1], sampling_params={"max_new_tokens": 2})  # warm-up
+# `--compare json-schema`: every request writes a JSON array of records under this schema. Each
+# array is long enough that the length limit, not the grammar, ends nearly every output, so the
+# two runs produce about as many tokens.
+BENCH_SCHEMA = {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                                     "name": {"type": "string", "maxLength": 12},
+                                     "ok": {"type": "boolean"}}, "required": ["id", "name", "ok"]}}
+
+
+def run_engine(engine: Engine, wl: Workload, constraint: dict | None = None) -> dict:
+    params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **(constraint or {})}
+              for n in wl.output_lens]
+    # Warm-up (and, with a constraint, its one compile, which is then cached).
+    compile_s = time.perf_counter()
+    engine.generate(input_ids=wl.prompts[:1], sampling_params={**params[0], "max_new_tokens": 2})
+    compile_s = time.perf_counter() - compile_s
     engine.flush_cache()
     t0 = time.perf_counter()
     outs = engine.generate(input_ids=wl.prompts, sampling_params=params)
     dt = time.perf_counter() - t0
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
+    extra = {}
+    if constraint:
+        extra = {"engine": "baby-sgl json-schema", "warmup_with_compile_s": compile_s,
+                 "closed_by_grammar": sum(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs)}
     return {
-        "engine": "baby-sgl", "seconds": dt, "requests_per_s": len(outs) / dt,
+        "engine": "baby-sgl", **extra, "seconds": dt, "requests_per_s": len(outs) / dt,
         "input_tok_s": wl.input_tokens / dt, "output_tok_s": out_tokens / dt,
         "total_tok_s": (wl.input_tokens + out_tokens) / dt, "cache_hit_rate": cached / wl.input_tokens,
         # What the model really computed: cached prompt tokens cost nothing.
@@ -109,10 +126,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--compare", choices=["hf", "vllm", "llama.cpp", "float32", "bfloat16"], default=None,
+    p.add_argument("--compare", choices=["hf", "vllm", "llama.cpp", "float32", "bfloat16", "json-schema"],
+                   default=None,
                    help="hf: also run transformers on the same prompts; vllm, llama.cpp: that engine on the same "
                         "prompts (scripts/setup_peers.sh installs them); a dtype: also run baby-sgl in that dtype "
-                        "and report how many greedy outputs match")
+                        "and report how many greedy outputs match; json-schema: run again with every request "
+                        "constrained to a JSON schema (the cost of constrained decoding)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
     ServerArgs.add_cli_args(p)
@@ -125,12 +144,16 @@ def main(argv: list[str]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     kwargs = engine_kwargs(args)
+    if args.compare == "json-schema" and args.workload == "one-batch":
+        p.error("--compare json-schema runs the random or shared-prefix workload")
     run = run_one_batch if args.workload == "one-batch" else run_engine
     with Engine(**kwargs) as engine:
         wl = build_workload(args, engine.model_config.vocab_size)
         result = run(engine, wl)
         # Before the roof measurement and any comparison run, which would raise the high-water mark.
         report_rss = peak_rss_mb()
+        if args.compare == "json-schema":
+            report_constrained = run(engine, wl, {"json_schema": json.dumps(BENCH_SCHEMA)})
         roofs = measure_roofs(engine)
         model_path, dtype = engine.model_path, engine.dtype
         memory = memory_budget(engine)
@@ -149,6 +172,8 @@ def main(argv: list[str]) -> int:
     elif args.compare in PEERS:
         report["results"].append(run_peer(args.compare, model_path, dtype, wl, args.workload == "one-batch",
                                           torch.get_num_threads(), result))
+    elif args.compare == "json-schema":
+        report["results"].append(report_constrained)
     elif args.compare:
         with Engine(**{**kwargs, "dtype": args.compare}) as other:
             report["results"].append(dtype_variant(run(other, wl), str(other.dtype), result))
