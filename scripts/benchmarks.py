@@ -35,6 +35,8 @@ RUNS = [
      f"{SHARED_8X8} --dtype bfloat16 --disable-radix-cache"),
     ("one-batch B=1, in 1000, out 16 (TTFT of a 1000-token prompt), bfloat16",
      "--workload one-batch --batch 1 --input-len 1000 --output-len 16 --dtype bfloat16"),
+    ("random, 32 prompts, in 32-256, out 64-128, bfloat16, then each under a JSON schema",
+     f"{RANDOM} --dtype bfloat16 --compare json-schema"),
 ]
 
 
@@ -89,6 +91,8 @@ def render(rows: list[tuple[str, str, dict]]) -> str:
                 notes.append(f"greedy outputs identical to {base['engine']}: {r['greedy_identical_frac']:.0%} of requests")
             if "greedy_agree_prefix_frac" in r:
                 notes.append(f"{r['greedy_agree_prefix_frac']:.0%} of tokens agree before the first difference")
+            if "closed_by_grammar" in r:
+                notes.append(f"outputs the grammar closed before the length limit: {r['closed_by_grammar']}")
             if r is not base and step and base.get("decode_step_median_s"):
                 notes.append(f"decode step ratio (theirs / ours): {step / base['decode_step_median_s']:.2f}x")
             notes = "; ".join(notes)
