@@ -146,7 +146,7 @@ class Engine:
             raise ValueError(f"prompt is too long: {len(ids)} tokens, the limit is {self.max_input_len} "
                              f"(context length {self.context_len}, KV pool {self.max_total_tokens})")
         return_logprob = opts.return_logprob or opts.top_logprobs_num > 0 or opts.token_ids_logprob is not None
-        start = len(ids)
+        start = None  # SGLang's -1: no prompt logprobs (the same as starting at the prompt's end)
         if return_logprob and opts.logprob_start_len >= 0:
             if opts.logprob_start_len > len(ids):
                 raise ValueError(f"logprob_start_len={opts.logprob_start_len} is beyond the prompt's "
@@ -375,6 +375,7 @@ class Engine:
             if self.scheduler.has_work():
                 return False
             self.scheduler.tree_cache.evict(self.max_total_tokens)
+            self.grammars.clear()  # as SGLang: flushing forgets compiled grammars too
             return True
 
         return self.scheduler.call(flush)

@@ -38,7 +38,7 @@ class Req:
         self.top_logprobs_num = 0
         self.token_ids_logprob: list[int] | None = None
         self.return_text_in_logprobs = False
-        self.logprob_start_len = len(input_ids)
+        self.logprob_start_len: int | None = None  # prompt logprobs from this position (None: none)
         self.input_token_logprobs: list[list] = []
         self.input_top_logprobs: list[list[list] | None] = []
         self.input_token_ids_logprobs: list[list[list] | None] = []
@@ -76,7 +76,8 @@ class Req:
 
     def input_logprobs_pending(self) -> bool:
         """Prompt logprobs were asked for and are not all computed yet."""
-        return self.return_logprob and len(self.input_token_logprobs) < len(self.origin_input_ids) - self.logprob_start_len
+        start = self.logprob_start_len
+        return start is not None and len(self.input_token_logprobs) < len(self.origin_input_ids) - start
 
     @property
     def finished(self) -> bool:

@@ -24,14 +24,6 @@ from baby_sgl.managers.req import Req
 _LOGITS_SLICE_ROWS = 256  # prompt rows turned into vocabulary logits at once (bounds memory)
 
 
-def max_prefix_len(req: Req) -> int | None:
-    """How much of the prompt the prefix cache may serve when prompt logprobs are still to be
-    computed (None: no limit from logprobs)."""
-    if req.input_logprobs_pending():
-        return req.logprob_start_len
-    return None
-
-
 @dataclass
 class InputLogprobSpan:
     req: Req

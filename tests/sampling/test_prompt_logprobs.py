@@ -116,10 +116,19 @@ def test_output_logprobs_follow_temperature_and_mask(engine):
     assert abs(sum(math.exp(v) for v, _, _ in top) - 1) < 1e-5
 
 
-def test_session_turns_refuse_prompt_logprobs(engine):
-    sid = engine.open_session(1000)
+@pytest.mark.parametrize("streaming", [False, True])
+def test_session_turns_give_output_logprobs_only(engine, streaming):
+    sid = engine.open_session(1000, streaming=streaming)
     try:
         with pytest.raises(ValueError, match="not available for session turns"):
             engine.generate(input_ids=[5, 6], session_params={"id": sid}, return_logprob=True, logprob_start_len=0)
+        first = engine.generate(input_ids=list(range(20, 60)), session_params={"id": sid},
+                                sampling_params={**GREEDY, "max_new_tokens": 3}, return_logprob=True)
+        second = engine.generate(input_ids=[7, 8], session_params={"id": sid, "rid": first["meta_info"]["id"]},
+                                 sampling_params={**GREEDY, "max_new_tokens": 3}, return_logprob=True)
+        for out in (first, second):
+            assert out["meta_info"]["input_token_logprobs"] == []
+            assert len(out["meta_info"]["output_token_logprobs"]) == 3
+        assert second["meta_info"]["cached_tokens"] > 0
     finally:
         engine.close_session(sid)
