@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import queue
 import random
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from baby_sgl.model_executor.forward_batch import ForwardMode
 from baby_sgl.model_executor.model_runner import ModelRunner
 from baby_sgl.sampling.logprobs import record_input_logprobs
 from baby_sgl.sampling.sampler import Sampler
+from baby_sgl.sampling.sampling_params import stop_regex_matcher
 from baby_sgl.server_args import ServerArgs
 from baby_sgl.trace import Tracer
 
@@ -466,9 +466,9 @@ class Scheduler:
 
     @staticmethod
     def _check_stop_regex(req: Req) -> None:
-        """As SGLang: `re.search` over the output text; the text is kept whole."""
+        """As SGLang: a search over the output text, which is kept whole (RE2: linear time)."""
         for pattern in req.sampling_params.stop_regex:
-            if re.search(pattern, req.text):
+            if stop_regex_matcher(pattern).search(req.text):
                 req.finished_reason = {"type": "stop", "matched": pattern}
                 return
 

@@ -5,9 +5,11 @@ name (see `accept_defaults_only`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
-import re
 from typing import Annotated, Any
+
+import re2
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -26,6 +28,21 @@ GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 # SGLang's fields we do not implement: accepted at these values only.
 _DEFAULT_ONLY = {"structural_tag": None, "custom_params": None, "beam_width": (None, 1), "watermark": None,
                  "choice": ([],)}
+
+
+@functools.lru_cache(maxsize=4096)
+def stop_regex_matcher(pattern: str):
+    """stop_regex compiled by RE2, which matches in linear time: Python's `re` can backtrack for
+    exponential time on a short hostile pattern, in the scheduler thread. RE2 has no lookaround or
+    backreferences; such a pattern is refused."""
+    options = re2.Options()
+    options.log_errors = False
+    try:
+        return re2.compile(pattern, options)
+    except re2.error as e:
+        reason = e.args[0].decode() if e.args and isinstance(e.args[0], bytes) else str(e)
+        raise ValueError(f"invalid stop_regex {pattern!r}: {reason} (RE2 syntax: no lookaround or "
+                         f"backreferences)") from None
 
 
 class SamplingParams(StrictModel):
@@ -90,10 +107,7 @@ class SamplingParams(StrictModel):
         for pattern in self.stop_regex:
             if len(pattern.encode()) > MAX_STOP_REGEX_BYTES:
                 raise ValueError(f"stop_regex {pattern[:40]!r} is over {MAX_STOP_REGEX_BYTES} bytes")
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"invalid stop_regex {pattern!r}: {e}") from None
+            stop_regex_matcher(pattern)  # raises ValueError naming the problem
         for key in self.logit_bias:
             if not key.isdigit() or int(key) > INT64_MAX:
                 raise ValueError(f"logit_bias keys are token ids, got {key!r}")

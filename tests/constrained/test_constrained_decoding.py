@@ -232,3 +232,12 @@ def test_objects_take_only_their_properties(engine):
         _assert_closed(out)
         value = json.loads(out["text"])
         assert set(value) <= {"properties", "b"} and set(value.get("properties", {})) <= {"x"}
+
+
+def test_stop_regex_cannot_backtrack_for_ever(engine):
+    """A pattern that makes a backtracking matcher take exponential time is matched in linear
+    time (RE2); lookaround, which RE2 lacks, is refused by name."""
+    out = engine.generate("b", {"regex": "a{60}", "stop_regex": r"(a|aa)*c$", "max_new_tokens": 80})
+    assert out["text"] == "a" * 60 and out["meta_info"]["finish_reason"]["matched"] != r"(a|aa)*c$"
+    with pytest.raises(ValueError, match="invalid stop_regex.*no lookaround"):
+        engine.generate("x", {"stop_regex": "(?=a)b"})
