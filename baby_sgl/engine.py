@@ -191,7 +191,7 @@ class Engine:
             raise ValueError(f"input_ids holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         return list(item)
 
-    def _result(self, req: Req) -> dict[str, Any]:
+    def _result(self, req: Req, with_logprobs: bool = True) -> dict[str, Any]:
         ts = req.time_stats
         meta = {
             "id": req.rid,
@@ -202,7 +202,7 @@ class Engine:
             "e2e_latency": (ts.finished or ts.created) - ts.created,
             "ttft": (ts.first_token - ts.created) if ts.first_token else None,
         }
-        if req.return_logprob:
+        if req.return_logprob and with_logprobs:
             meta.update(self._logprobs(req))
         return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
 
@@ -236,17 +236,19 @@ class Engine:
     def submit(self, prompt: str | None = None, sampling_params: dict | None = None,
                input_ids: list[int] | None = None, rid: str | None = None, stream: bool = False,
                on_output: Callable[[dict], None] | None = None, session_params: dict | None = None,
-               **logprob_options: Any) -> list[Req]:
+               partial_logprobs: bool = True, **logprob_options: Any) -> list[Req]:
         """Starts one request (n of them if sampling_params has n > 1) and returns at once.
         on_output(chunk) is called from the scheduler thread with each new piece (stream) or
-        only the final result; chunk["finished"] tells which. logprob_options: as `generate`.
-        Raises ValueError on bad input."""
+        only the final result; chunk["finished"] tells which. partial_logprobs=False leaves the
+        logprob lists out of every piece but the last (for a consumer that only keeps the end).
+        logprob_options: as `generate`. Raises ValueError on bad input."""
         self._check_session_logprobs(session_params, logprob_options)
         reqs, _ = self._make_reqs(prompt, input_ids, sampling_params, rid, **logprob_options)
         if isinstance(reqs[0], ValueError):
             raise reqs[0]
         for req in reqs:
-            req.stream, req.on_output = stream, (lambda out, cb=on_output: cb(self._chunk(out)))
+            req.stream = stream
+            req.on_output = lambda out, cb=on_output: cb(self._chunk(out, partial_logprobs or out["finished"]))
         self._enqueue(reqs, session_params)
         return reqs
 
@@ -266,9 +268,9 @@ class Engine:
             raise ValueError("a session turn is one request: give one prompt and n = 1")
         self.scheduler.call(lambda: self.scheduler.add_session_req(reqs[0], params))
 
-    def _chunk(self, out: dict) -> dict:
+    def _chunk(self, out: dict, with_logprobs: bool = True) -> dict:
         """A scheduler output as the API shows it: the new text and ids, meta_info so far."""
-        chunk = self._result(out["req"])
+        chunk = self._result(out["req"], with_logprobs)
         chunk.update(text=out["text"], output_ids=out["output_ids"], finished=out["finished"],
                      prompt_token_ids=out["req"].origin_input_ids)
         return chunk

@@ -9,9 +9,10 @@ masks of 32 requests fill in ~0.4 ms a step (xgrammar 0.2 ms), and it is one 8 M
 dependencies, where xgrammar needs triton (hundreds of MB); outlines-core has no EBNF. See
 docs/structured_output.md.
 
-Life of a constraint: `GrammarCache.get` compiles it in the thread that submits the request
-(never the scheduler's), remembers it by its text (an invalid one too, with its error), and each
-request gets its own matcher, a copy of the compiled one. In the scheduler thread, the sampler
+Life of a constraint: `GrammarCache` compiles it on its own threads (never the scheduler's; the
+HTTP server awaits the compile without holding a worker thread), remembers it by its text (an
+invalid one too, with its error), and each request gets its own matcher, a copy of the compiled
+one. In the scheduler thread, the sampler
 asks every constrained request's matcher for its allowed tokens (a bitmask) and sets the rest of
 the logits to -inf before penalties' results are sampled (SGLang's order: penalties, the mask,
 logit_bias); the scheduler then feeds the chosen token to the matcher. The matcher lives on the
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -34,10 +37,24 @@ import torch
 logger = logging.getLogger(__name__)
 
 GRAMMAR_BACKENDS = ("llguidance", "none")
-_CACHE_SIZE = 1024  # compiled grammars kept, least recently used dropped first
+_CACHE_SIZE = 1024  # compiled grammars kept, least recently used dropped first...
+_CACHE_TEXT_BUDGET = 4 * 2**20  # ...and at most this many characters of grammar text (a compiled
+# 1 MiB regex held ~35 MB, so the budget bounds the cache's memory to a few hundred MB)
+_COMPILE_THREADS = 2
+# The library recurses over nested rules and $ref chains in native code: a compile thread's stack
+# is large (reserved, not committed, until used), so any grammar within the size limits compiles or
+# fails there, instead of overflowing a default 8 MB stack and killing the process.
+_COMPILE_STACK_BYTES = 512 * 2**20
+_MAX_ERROR_CHARS = 400  # a library message may quote the whole grammar
 # JSON the model writes under a schema: compact separators, no free whitespace. Free whitespace
 # lets a model pad forever (a grammar cannot end while spaces are still allowed).
 _JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+class ConstraintError(ValueError):
+    """The sampled token does not fit the request's grammar (nothing did: the constraint and
+    min_new_tokens, stop_token_ids or logit_bias left no token allowed), or the grammar could not
+    go on."""
 
 
 class GrammarMatcher:
@@ -52,9 +69,11 @@ class GrammarMatcher:
         llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
 
     def accept_token(self, token: int) -> None:
-        """Advances past the sampled token; raises if the grammar does not allow it."""
+        """Advances past the sampled token; raises ConstraintError if the grammar does not allow it."""
         if not self._m.consume_token(token):
-            raise ValueError(f"token {token} breaks the request's constraint: {self._m.get_error() or 'not allowed'}")
+            reason = _short(self._m.get_error() or "no allowed token was left (min_new_tokens, stop_token_ids "
+                                                   "or logit_bias forbade every token the grammar allows)")
+            raise ConstraintError(f"the output cannot continue under its constraint: {reason}")
 
     def is_terminated(self) -> bool:
         """No further token can follow (the grammar is complete and closed)."""
@@ -72,7 +91,8 @@ class CompiledGrammar:
 
 
 class GrammarCache:
-    """Compiled grammars by (kind, text), for one tokenizer and model vocabulary."""
+    """Compiled grammars by (kind, text), for one tokenizer and model vocabulary. Compiles run
+    on the cache's own threads; a grammar being compiled is compiled once, whoever asks."""
 
     def __init__(self, backend: str, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
         if backend not in GRAMMAR_BACKENDS:
@@ -81,23 +101,31 @@ class GrammarCache:
         self.eos_token_ids = eos_token_ids
         self._llg_tokenizer = None  # built on first use (~0.5 s for a 49k vocabulary)
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar | ValueError] = OrderedDict()
+        self._cached_chars = 0
+        self._pending: dict[tuple[str, str], Future] = {}
         self._lock = threading.Lock()
+        self._jobs: queue.Queue = queue.Queue()
+        self._threads: list[threading.Thread] = []
 
-    def get(self, key: tuple[str, str]) -> CompiledGrammar:
-        """The compiled grammar of (kind, text); raises ValueError naming the problem if the
-        grammar is invalid or constraints are off."""
-        if self.backend == "none":
-            raise ValueError(f"{key[0]} needs constrained decoding, which is off (--grammar-backend none)")
+    def submit(self, key: tuple[str, str]) -> Future:
+        """A future of the compiled grammar of (kind, text), or of the ValueError naming what is
+        wrong with it (an invalid grammar, or constraints off)."""
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-        if hit is None:
-            hit = self._compile(*key)  # outside the lock: other requests' lookups go on
-            with self._lock:
-                self._cache[key] = hit
-                while len(self._cache) > _CACHE_SIZE:
-                    self._cache.popitem(last=False)
+                return _done(hit)
+            if key in self._pending:
+                return self._pending[key]
+            if self.backend == "none":
+                return _done(ValueError(f"{key[0]} needs constrained decoding, which is off (--grammar-backend none)"))
+            future = self._pending[key] = Future()
+            self._start_threads()
+        self._jobs.put((key, future))
+        return future
+
+    def get(self, key: tuple[str, str]) -> CompiledGrammar:
+        hit = self.submit(key).result()
         if isinstance(hit, ValueError):
             raise hit
         return hit
@@ -105,6 +133,41 @@ class GrammarCache:
     def clear(self) -> None:
         with self._lock:
             self._cache.clear()
+            self._cached_chars = 0
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def _start_threads(self) -> None:
+        if self._threads:
+            return
+        previous = threading.stack_size(_COMPILE_STACK_BYTES)
+        try:
+            for i in range(_COMPILE_THREADS):
+                thread = threading.Thread(target=self._work, name=f"baby-sgl-grammar-{i}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        finally:
+            threading.stack_size(previous)
+
+    def _work(self) -> None:
+        while True:
+            key, future = self._jobs.get()
+            try:
+                result = self._compile(*key)
+            except BaseException as e:  # noqa: BLE001 - the thread must live on
+                result = ValueError(f"invalid {key[0]}: {_short(repr(e))}")
+            with self._lock:
+                self._pending.pop(key, None)
+                self._remember(key, result)
+            future.set_result(result)
+
+    def _remember(self, key: tuple[str, str], result) -> None:
+        self._cache[key] = result
+        self._cached_chars += len(key[1])
+        while self._cache and (len(self._cache) > _CACHE_SIZE or self._cached_chars > _CACHE_TEXT_BUDGET):
+            old, _ = self._cache.popitem(last=False)
+            self._cached_chars -= len(old[1])
 
     def _tokenizer(self):
         with self._lock:
@@ -117,6 +180,7 @@ class GrammarCache:
 
     def _compile(self, kind: str, text: str) -> CompiledGrammar | ValueError:
         import llguidance
+        import llguidance.torch
 
         try:
             if kind == "json_schema":
@@ -124,18 +188,38 @@ class GrammarCache:
                     schema = json.loads(text)
                 except json.JSONDecodeError as e:
                     return ValueError(f"json_schema is not valid JSON: {e}")
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(_closed_objects(schema)),
-                                                                        defaults=_JSON_DEFAULTS)
+                if schema is False:
+                    return ValueError("invalid json_schema: false allows no value")
+                schema = {} if schema is True else _closed_objects(schema)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_DEFAULTS)
             elif kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(text)
             else:  # ebnf: SGLang's (xgrammar's) GBNF dialect, root rule `root`
                 grammar = llguidance.grammar_from("ebnf", text)
             matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+            if not matcher.is_error():
+                # The first mask is where a grammar too complex for the library shows; computing
+                # it here also warms the tables the scheduler's first mask would build.
+                probe = matcher.deep_copy()
+                llguidance.torch.fill_next_token_bitmask(probe, torch.zeros(1, (self.vocab_size + 31) // 32,
+                                                                            dtype=torch.int32))
+                if probe.is_error():
+                    return ValueError(f"invalid {kind}: {_short(probe.get_error())}")
         except Exception as e:  # the library's own words for what is wrong with the grammar
-            return ValueError(f"invalid {kind}: {e}")
+            return ValueError(f"invalid {kind}: {_short(str(e))}")
         if matcher.is_error():
-            return ValueError(f"invalid {kind}: {matcher.get_error()}")
+            return ValueError(f"invalid {kind}: {_short(matcher.get_error())}")
         return CompiledGrammar(matcher)
+
+
+def _done(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def _short(message: str) -> str:
+    return message if len(message) <= _MAX_ERROR_CHARS else message[:_MAX_ERROR_CHARS] + "..."
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

@@ -63,9 +63,12 @@ class AsyncEngine:
             except RuntimeError:  # the server stopped; nobody is waiting for this any more
                 pass
 
+        # Grammars compile on the engine's compile threads; awaiting them here holds no worker
+        # thread, so a slow compile never queues other clients' submissions behind it.
+        await self._compile_grammars(items)
         # Tokenizing (and a session turn's checks in the scheduler thread) run off the event
         # loop, so a long prompt never stalls other clients or /health.
-        submitting = asyncio.ensure_future(asyncio.to_thread(self._submit, items, deliver))
+        submitting = asyncio.ensure_future(asyncio.to_thread(self._submit, items, deliver, stream))
         try:
             submitted, keys = await asyncio.shield(submitting)
         except asyncio.CancelledError:
@@ -107,7 +110,19 @@ class AsyncEngine:
             self.engine.abort_request(req.rid)
         self._forget(keys)
 
-    def _submit(self, items: list[dict[str, Any]], deliver: Callable[[dict], None]) -> tuple[list[Req], list[str]]:
+    async def _compile_grammars(self, items: list[dict[str, Any]]) -> None:
+        keys = set()
+        for item in items:
+            try:
+                key = SamplingParams.from_dict(item.get("sampling_params"), self.engine.sampling_defaults).grammar
+            except ValueError:
+                continue  # submission reports it
+            if key is not None:
+                keys.add(key)
+        await asyncio.gather(*(asyncio.wrap_future(self.engine.grammars.submit(k)) for k in keys))
+
+    def _submit(self, items: list[dict[str, Any]], deliver: Callable[[dict], None],
+                stream: bool) -> tuple[list[Req], list[str]]:
         if self.max_queued is not None and len(items) > self.max_queued:
             raise ValueError(f"this call holds {len(items)} requests; at most {self.max_queued} can wait at once "
                              f"(--max-queued-requests)")
@@ -129,7 +144,7 @@ class AsyncEngine:
         keys: list[str] = list(given)
         try:
             for item in items:
-                reqs = self.engine.submit(**item, stream=True, on_output=deliver)
+                reqs = self.engine.submit(**item, stream=True, on_output=deliver, partial_logprobs=stream)
                 submitted += reqs
                 key = item.get("rid") or reqs[0].rid
                 if key not in given:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import os
 import sys
@@ -207,7 +208,10 @@ def _add_native_routes(app: FastAPI) -> None:
         if await request.is_disconnected():
             return Response(status_code=499)  # nobody to answer; the requests were aborted
         out = [_public(results[i], with_prompt) for i in sorted(results)]
-        return out[0] if single and len(out) == 1 else out
+        body = out[0] if single and len(out) == 1 else out
+        # Off the event loop: prompt logprobs can make a body of many megabytes.
+        return Response(await asyncio.to_thread(json.dumps, body, ensure_ascii=False, allow_nan=False),
+                        media_type="application/json")
 
     @app.post("/concate_and_append_request")
     async def concate_and_append(body: ConcateAndAppendRequest) -> Response:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from baby_sgl.managers.io_struct import MAX_TOKEN_IDS_LOGPROB, CloseSessionReqInput, OpenSessionReqInput, SessionParams
-from baby_sgl.sampling.sampling_params import GRAMMAR_KINDS, Grammar, SamplingParams, StopString
+from baby_sgl.sampling.sampling_params import GRAMMAR_KINDS, Grammar, LogitBias, SamplingParams, StopString
 from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_BATCH, MAX_ID_LEN, MAX_N, MAX_STOP, Id, Int32,
                                  NonNegInt32, StrictModel, Text, TokenId, TopLogprobsNum, accept_defaults_only)
 
@@ -126,7 +126,7 @@ class _OpenAISampling(StrictModel):
     stream_options: StreamOptions | None = None
     user: Annotated[Text, Field(max_length=MAX_ID_LEN)] | None = None
     response_format: ResponseFormat | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: dict[str, LogitBias] | None = None
     # SGLang's extensions of OpenAI's requests.
     regex: Grammar | None = None
     ebnf: Grammar | None = None

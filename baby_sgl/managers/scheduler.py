@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from baby_sgl.detokenizer import detokenize_step
+from baby_sgl.constrained.grammar import ConstraintError
 from baby_sgl.errors import EngineDeadError
 from baby_sgl.managers.io_struct import SessionParams
 from baby_sgl.managers.memory_checker import check_memory
@@ -378,6 +379,9 @@ class Scheduler:
                     raise token
                 if self._advance(req, i < num_extend, token):
                     still_running.append(req)
+            except ConstraintError as e:  # the request's own constraint, not our error
+                logger.warning("request %s: %s", req.rid, e)
+                self._finish(req, {"type": "abort", "message": str(e)})
             except Exception as e:
                 logger.exception("request %s failed", req.rid)
                 self._fail_req(req, f"internal error while handling this request: {e!r}")
@@ -435,13 +439,13 @@ class Scheduler:
         return not req.finished
 
     def _append_token(self, req: Req, token: int) -> None:
+        if req.grammar is not None:  # raises ConstraintError if the token breaks the constraint
+            req.grammar.accept_token(token)
         req.output_ids.append(token)
         self.stats["generation_tokens"] += 1
         if req.time_stats.first_token is None:
             req.time_stats.first_token = time.perf_counter()
         p = req.sampling_params
-        if req.grammar is not None:  # raises if the token breaks the constraint: the request fails
-            req.grammar.accept_token(token)
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             req.finished_reason = {"type": "stop", "matched": token}
         elif len(req.output_ids) >= p.max_new_tokens or req.seqlen >= self.context_len:

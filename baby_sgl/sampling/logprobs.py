@@ -22,6 +22,13 @@ import torch
 from baby_sgl.managers.req import Req
 
 _LOGITS_SLICE_ROWS = 256  # prompt rows turned into vocabulary logits at once (bounds memory)
+# A token the grammar (or min_new_tokens) forbids has probability 0: its logprob is reported as
+# this floor, as OpenAI does, because -inf is not valid JSON.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprobs: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(logprobs, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR, posinf=0.0).clamp_(min=LOGPROB_FLOOR)
 
 
 @dataclass
@@ -67,7 +74,7 @@ def record_input_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor]
         req, ids = span.req, span.req.origin_input_ids
         for lo in range(0, span.count, _LOGITS_SLICE_ROWS):
             n = min(_LOGITS_SLICE_ROWS, span.count - lo)
-            logprobs = torch.log_softmax(compute_logits(hidden[row + lo : row + lo + n]), dim=-1)
+            logprobs = _finite(torch.log_softmax(compute_logits(hidden[row + lo : row + lo + n]), dim=-1))
             targets = ids[span.first_pos + lo + 1 : span.first_pos + lo + 1 + n]
             picked = logprobs.gather(1, torch.tensor(targets)[:, None]).squeeze(1).tolist()
             req.input_token_logprobs.extend([lp, t, None] for lp, t in zip(picked, targets))
@@ -80,6 +87,7 @@ def record_output_logprobs(logprobs: torch.Tensor, reqs: list[Req], ids: list[in
     rows = [i for i, r in enumerate(reqs) if r.return_logprob]
     if not rows:
         return
+    logprobs = _finite(logprobs)
     picked = logprobs[rows].gather(1, torch.tensor([ids[i] for i in rows])[:, None]).squeeze(1).tolist()
     for j, i in enumerate(rows):
         req = reqs[i]

@@ -21,9 +21,13 @@ logger = logging.getLogger(__name__)
 _EPS = 1e-6
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_LEN)]
 MAX_STOP_REGEX, MAX_STOP_REGEX_BYTES = 32, 256  # as SGLang
-MAX_GRAMMAR_LEN = 2**20  # characters of a regex, JSON schema or EBNF grammar
+# Characters of a constraint. Compile time grows with size (an EBNF grammar's conversion is
+# quadratic in its rule chains: 87 KB took 12 s), so these are generous for real grammars
+# (OpenAI's own schema limits are of this order) and keep one compile short.
+MAX_GRAMMAR_CHARS = {"json_schema": 128 * 1024, "regex": 128 * 1024, "ebnf": 32 * 1024}
 MAX_LOGIT_BIAS = 4096
-Grammar = Annotated[Text, Field(min_length=1, max_length=MAX_GRAMMAR_LEN)]
+Grammar = Annotated[Text, Field(min_length=1)]
+LogitBias = Annotated[float, Field(ge=-100, le=100)]  # OpenAI's range
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 # SGLang's fields we do not implement: accepted at these values only.
 _DEFAULT_ONLY = {"structural_tag": None, "custom_params": None, "beam_width": (None, 1), "watermark": None,
@@ -70,7 +74,7 @@ class SamplingParams(StrictModel):
     # Generation stops where the output text matches one of these (Python `re.search`).
     stop_regex: list[Annotated[Text, Field(min_length=1)]] = Field(default_factory=list, max_length=MAX_STOP_REGEX)
     # token id (as a string, SGLang's JSON form) -> added to its logit before sampling
-    logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
+    logit_bias: dict[str, LogitBias] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
     spaces_between_special_tokens: bool = True
     stream_interval: int | None = Field(None, ge=1, le=2**20)  # stream every k tokens (None: every one)
 
@@ -104,12 +108,16 @@ class SamplingParams(StrictModel):
         kinds = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
         if len(kinds) > 1:
             raise ValueError(f"give at most one of json_schema, regex, ebnf; got {' and '.join(kinds)}")
+        for kind in kinds:
+            if len(getattr(self, kind)) > MAX_GRAMMAR_CHARS[kind]:
+                raise ValueError(f"{kind} is {len(getattr(self, kind))} characters, more than the "
+                                 f"{MAX_GRAMMAR_CHARS[kind]} allowed")
         for pattern in self.stop_regex:
             if len(pattern.encode()) > MAX_STOP_REGEX_BYTES:
                 raise ValueError(f"stop_regex {pattern[:40]!r} is over {MAX_STOP_REGEX_BYTES} bytes")
             stop_regex_matcher(pattern)  # raises ValueError naming the problem
         for key in self.logit_bias:
-            if not key.isdigit() or int(key) > INT64_MAX:
+            if not (key.isascii() and key.isdigit()) or int(key) > INT64_MAX:
                 raise ValueError(f"logit_bias keys are token ids, got {key!r}")
         return self
 

@@ -174,3 +174,14 @@ def test_openai_echo_streamed(client):
                                        extra_body={"ignore_eos": True})
     text = "".join(p.choices[0].text for p in pieces if p.choices)
     assert text.startswith("abc") and len(text) > 3
+
+
+def test_http_logprobs_of_a_constrained_request_are_valid_json(server):
+    body = {"text": "Answer:", "top_logprobs_num": 20, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "regex": "[0-9]{3}"}}
+    r = httpx.post(server + "/generate", json=body)
+    assert r.status_code == 200 and json.loads(r.text)["meta_info"]["output_top_logprobs"]
+    with httpx.stream("POST", server + "/generate", json=body | {"stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data:") and line != "data: [DONE]":
+                json.loads(line[5:], parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))

@@ -1,0 +1,84 @@
+"""Constraints a hostile client might send: each ends its own request with a clear message, or
+works; the engine keeps serving and loses nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from baby_sgl.constrained import grammar as grammar_module
+
+
+def test_a_long_ref_chain_compiles_on_a_deep_stack(engine):
+    """A chain of 1000 $refs made the grammar library overflow an ordinary 8 MB thread stack
+    (a segfault that took the server down); compile threads have room for any grammar the size
+    limits admit."""
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["x"]}
+            for i in range(1000)}
+    schema = {"$defs": defs | {"d1000": {"type": "integer", "minimum": 0, "maximum": 9}}, "$ref": "#/$defs/d0"}
+    try:
+        engine.generate("deep", {"json_schema": json.dumps(schema), "max_new_tokens": 4})
+    except ValueError as e:
+        assert "invalid json_schema" in str(e)
+    assert engine.generate("ok", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("params", [{"regex": "a{1000000}"}, {"regex": "(x{1000}){1000}"},
+                                    {"regex": "|".join(f"w{i:05d}" for i in range(15000)) + "("}])
+def test_a_grammar_too_complex_fails_its_request_clearly(engine, params):
+    """Too complex for the library shows at compile time or at the first masks (the compile
+    computes one to find out); either way the request ends with the library's reason, cut short,
+    never as an internal error."""
+    try:
+        out = engine.generate("x", {**params, "max_new_tokens": 4})
+    except ValueError as e:
+        assert str(e).startswith("invalid regex") and len(str(e)) < 600
+        return
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] != "abort" or "cannot continue under its constraint" in reason["message"]
+    assert engine.scheduler.stats["num_failed_reqs"] == 0
+
+
+def test_size_limits_name_the_kind(engine):
+    with pytest.raises(ValueError, match="ebnf is 40000 characters, more than the 32768 allowed"):
+        engine.generate("x", {"ebnf": 'root ::= "a"' + " " * (40000 - 12)})
+
+
+def test_no_token_left_ends_the_request_with_a_clear_reason(engine):
+    """The grammar allows only "1", which is also a stop token that min_new_tokens holds back."""
+    one = engine.tokenizer.convert_tokens_to_ids("1")
+    out = engine.generate("c", {"regex": "1", "stop_token_ids": [one], "min_new_tokens": 3, "max_new_tokens": 5})
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "cannot continue under its constraint" in reason["message"]
+    assert "internal error" not in reason["message"] and engine.scheduler.stats["num_failed_reqs"] == 0
+
+
+def test_forbidden_tokens_have_a_finite_logprob(engine, tiny_llama):
+    out = engine.generate("n", {"regex": "[0-9]", "temperature": 0}, return_logprob=True, top_logprobs_num=20,
+                          token_ids_logprob=[5, 100])
+    values = [v for row in out["meta_info"]["output_top_logprobs"] for v, _, _ in row]
+    values += [v for row in out["meta_info"]["output_token_ids_logprobs"] for v, _, _ in row]
+    assert all(math.isfinite(v) for v in values) and min(values) == -9999.0  # OpenAI's floor
+
+
+def test_logit_bias_is_bounded(engine):
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.generate("x", {"logit_bias": {"5": 1e39}})
+    with pytest.raises(ValueError, match="logit_bias keys are token ids"):
+        engine.generate("x", {"logit_bias": {"٣": 1.0}})
+
+
+def test_cache_is_bounded_by_text(engine, monkeypatch):
+    monkeypatch.setattr(grammar_module, "_CACHE_TEXT_BUDGET", 30)
+    engine.grammars.clear()
+    for i in range(5):
+        engine.grammars.get(("regex", f"cache-bound-{i}-[0-9]{{3}}"))  # 21 characters each
+    assert len(engine.grammars) == 1
+
+
+def test_json_schema_true_and_false(engine):
+    assert engine.generate("t", {"json_schema": "true", "max_new_tokens": 8})["meta_info"]["completion_tokens"] >= 1
+    with pytest.raises(ValueError, match="false allows no value"):
+        engine.generate("t", {"json_schema": "false"})
