@@ -44,6 +44,9 @@ class ServerArgs:
     max_request_bytes: int = 16 * 2**20
     request_body_timeout: float = 30.0
     max_queued_requests: int | None = 1024
+    # --dp-size N: N engine processes behind SGLang's router (sglang-router) on the one port.
+    dp_size: int = 1
+    router_policy: str = "cache_aware"
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -62,6 +65,12 @@ class ServerArgs:
                 raise ValueError(f"{name} must be >= 1")
         if not self.request_body_timeout > 0:
             raise ValueError("request_body_timeout must be > 0 seconds")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        from baby_sgl.entrypoints.data_parallel import ROUTER_POLICIES
+
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.router_policy!r}")
         if self.max_queued_requests is not None and self.max_queued_requests <= 0:
             self.max_queued_requests = None  # as SGLang: no limit
 
@@ -89,4 +98,5 @@ def engine_kwargs(args: ServerArgs | argparse.Namespace) -> dict:
 
 
 # Settings of the HTTP server alone; api_key is never reported back.
-SERVER_ONLY = ("host", "port", "log_level", "api_key", "max_request_bytes", "request_body_timeout")
+SERVER_ONLY = ("host", "port", "log_level", "api_key", "max_request_bytes", "request_body_timeout", "dp_size",
+               "router_policy")

@@ -13,6 +13,10 @@ def main(argv: list[str] | None = None) -> int:
     ServerArgs.add_cli_args(parser)
     args = ServerArgs.from_cli_args(parser.parse_args(argv))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.dp_size > 1:
+        from baby_sgl.entrypoints.data_parallel import launch_data_parallel
+
+        return launch_data_parallel(args)
     from baby_sgl.entrypoints.http_server import launch_server
 
     return launch_server(args)

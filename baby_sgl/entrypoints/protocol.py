@@ -107,7 +107,21 @@ class ResponseFormat(StrictModel):
         return {}
 
 
+# SGLang's extensions of OpenAI's requests that we do not implement (SGLang's router sends some of
+# them on every request): accepted at their defaults only.
+_OPENAI_DEFAULT_ONLY = {"return_hidden_states": False, "continue_final_message": False, "chat_template_kwargs": None,
+                        "best_of": (None, 1), "lora_path": None, "custom_logit_processor": None, "custom_params": None,
+                        "priority": None, "rid": None, "session_params": None, "structural_tag": None}
+
+
 class _OpenAISampling(StrictModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return accept_defaults_only({k: v for k, v in data.items() if v is not None}, _OPENAI_DEFAULT_ONLY)
+
     model: Annotated[Text, Field(max_length=MAX_ID_LEN)] | None = None
     max_tokens: NonNegInt32 | None = None
     temperature: float | None = Field(None, ge=0)
@@ -136,6 +150,10 @@ class _OpenAISampling(StrictModel):
     no_stop_trim: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    # Separating a model's reasoning from its answer needs a reasoning parser; there is none, so
+    # these change nothing (SGLang's router sends both as true).
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
         params = {

@@ -1,0 +1,166 @@
+"""`baby-sgl serve --dp-size N`: data parallelism on proven machinery. N engine workers, each a
+`baby-sgl serve` process on a loopback port with its own share of the machine's cores, behind
+SGLang's own router (the `sglang-router` package, a Rust binary) on the public port. The
+router's cache_aware policy keeps an approximate prefix tree per worker and sends a request to
+the worker that has most of its prefix cached, or to the least loaded one when the load is
+uneven; it health-checks the workers and stops sending to one that dies.
+
+This process only supervises: it starts the workers, waits until each answers /health, starts
+the router, and on SIGTERM/SIGINT stops the router and then every worker. If the router exits,
+everything stops (exit code 1); a worker that dies is left to the router to route around.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+from baby_sgl.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+_WORKER_START_TIMEOUT_S = 600.0  # a first start may build the decode kernel (~40 s on 2 cores)
+_STOP_TIMEOUT_S = 10.0
+# Settings the front process keeps: each worker gets its own port on loopback and dp_size 1.
+_FRONT_ONLY = ("host", "port", "dp_size", "router_policy")
+
+
+def split_cores(n: int) -> list[list[int]]:
+    """The cores this process may use, split into n contiguous, disjoint groups (a worker per
+    group: its torch threads stay on its own cores). With fewer cores than workers, groups share."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) < n:
+        return [[cores[i % len(cores)]] for i in range(n)]
+    size, extra = divmod(len(cores), n)
+    groups, start = [], 0
+    for i in range(n):
+        end = start + size + (i < extra)
+        groups.append(cores[start:end])
+        start = end
+    return groups
+
+
+def worker_argv(args: ServerArgs, port: int) -> list[str]:
+    """The `baby-sgl serve` flags of one worker: every setting that differs from the default,
+    except the front's own, plus its loopback port."""
+    argv = [sys.executable, "-m", "baby_sgl.launch_server", "--host", "127.0.0.1", "--port", str(port)]
+    for f in dataclasses.fields(ServerArgs):
+        value = getattr(args, f.name)
+        if f.name in _FRONT_ONLY or value == f.default or value is None:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def router_executable() -> str:
+    exe = shutil.which("sglang-router") or os.path.join(os.path.dirname(sys.executable), "sglang-router")
+    if not os.path.exists(exe):
+        raise SystemExit("--dp-size needs SGLang's router: pip install sglang-router")
+    return exe
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+class DataParallelServer:
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.workers: list[subprocess.Popen] = []
+        self.urls: list[str] = []
+        self.router: subprocess.Popen | None = None
+        self._stopping = threading.Event()
+
+    def start_workers(self) -> None:
+        for i, cores in enumerate(split_cores(self.args.dp_size)):
+            port = _free_port()
+            env = dict(os.environ, OMP_NUM_THREADS=str(len(cores)))
+            pin = (lambda c=cores: os.sched_setaffinity(0, c)) if hasattr(os, "sched_setaffinity") else None
+            proc = subprocess.Popen(worker_argv(self.args, port), env=env, preexec_fn=pin)
+            self.workers.append(proc)
+            self.urls.append(f"http://127.0.0.1:{port}")
+            logger.info("worker %d: pid %d, %s, cores %s", i, proc.pid, self.urls[-1], cores)
+        deadline = time.monotonic() + _WORKER_START_TIMEOUT_S
+        for proc, url in zip(self.workers, self.urls):
+            while not _healthy(url):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"worker {url} exited with code {proc.returncode} while starting")
+                if time.monotonic() > deadline or self._stopping.is_set():
+                    raise RuntimeError(f"worker {url} did not become healthy")
+                time.sleep(0.2)
+
+    def start_router(self) -> None:
+        a = self.args
+        argv = [router_executable(), "launch", "--worker-urls", *self.urls, "--policy", a.router_policy,
+                "--host", a.host, "--port", str(a.port), "--log-level", _router_log_level(a.log_level)]
+        if a.api_key:  # the workers require it too; the router presents it to them
+            argv += ["--api-key", a.api_key]
+        self.router = subprocess.Popen(argv)
+        logger.info("router: pid %d, policy %s, on %s:%d", self.router.pid, a.router_policy, a.host, a.port)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        procs = ([self.router] if self.router else []) + self.workers
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def run(self) -> int:
+        """Serves until SIGTERM/SIGINT (0) or until the router exits (1)."""
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        try:
+            self.start_workers()
+            self.start_router()
+            print(f"baby-sgl: {self.args.dp_size} workers behind SGLang's router ({self.args.router_policy}) at "
+                  f"http://{self.args.host}:{self.args.port}", file=sys.stderr, flush=True)
+            while not stop.wait(0.5):
+                if self.router.poll() is not None:
+                    logger.critical("the router exited with code %s; stopping the workers", self.router.returncode)
+                    return 1
+            return 0
+        except RuntimeError as e:
+            logger.critical("%s", e)
+            return 1
+        finally:
+            self.stop()
+
+
+def _router_log_level(level: str) -> str:
+    return {"warning": "warn", "critical": "error"}.get(level, level if level in ("debug", "info", "error") else "warn")
+
+
+def launch_data_parallel(args: ServerArgs) -> int:
+    return DataParallelServer(args).run()
