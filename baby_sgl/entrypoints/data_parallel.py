@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 _WORKER_START_TIMEOUT_S = 600.0  # a first start may build the decode kernel (~40 s on 2 cores)
 _STOP_TIMEOUT_S = 10.0
+_ROUTER_HEALTH_FLAGS = ("--health-check-interval-secs", "2", "--health-failure-threshold", "2",
+                        "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
+                        "--disable-circuit-breaker")
 # Settings the front process keeps: each worker gets its own port on loopback and dp_size 1.
 _FRONT_ONLY = ("host", "port", "dp_size", "router_policy")
 
@@ -116,7 +119,13 @@ class DataParallelServer:
     def start_router(self) -> None:
         a = self.args
         argv = [router_executable(), "launch", "--worker-urls", *self.urls, "--policy", a.router_policy,
-                "--host", a.host, "--port", str(a.port), "--log-level", _router_log_level(a.log_level)]
+                "--host", a.host, "--port", str(a.port), "--log-level", _router_log_level(a.log_level),
+                # Its metrics server would bind 0.0.0.0:29000 (and clash with a second router).
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+                # A dead worker leaves routing within seconds; the circuit breaker is off because it
+                # counts clients' 400s as worker failures (twenty bad requests shut every worker out
+                # for a minute).
+                *_ROUTER_HEALTH_FLAGS]
         if a.api_key:  # the workers require it too; the router presents it to them
             argv += ["--api-key", a.api_key]
         self.router = subprocess.Popen(argv)
