@@ -208,17 +208,10 @@ class Engine:
 
     def _logprobs(self, req: Req) -> dict[str, list]:
         """SGLang's logprob fields of meta_info; prompt ones once they are all computed."""
-        fields = {"output_token_logprobs": req.output_token_logprobs}
-        if not req.input_logprobs_pending():
-            fields["input_token_logprobs"] = req.input_token_logprobs
-        if req.top_logprobs_num:
-            fields["output_top_logprobs"] = req.output_top_logprobs
-            if not req.input_logprobs_pending():
-                fields["input_top_logprobs"] = req.input_top_logprobs
-        if req.token_ids_logprob is not None:
-            fields["output_token_ids_logprobs"] = req.output_token_ids_logprobs
-            if not req.input_logprobs_pending():
-                fields["input_token_ids_logprobs"] = req.input_token_ids_logprobs
+        sides = ("output",) if req.input_logprobs_pending() else ("output", "input")
+        kinds = ["token_logprobs"] + ["top_logprobs"] * bool(req.top_logprobs_num) + \
+            ["token_ids_logprobs"] * (req.token_ids_logprob is not None)
+        fields = {f"{side}_{kind}": getattr(req, f"{side}_{kind}") for kind in kinds for side in sides}
         if req.return_text_in_logprobs:
             return {k: with_texts(v, self.token_text) for k, v in fields.items()}
         return {k: list(v) for k, v in fields.items()}

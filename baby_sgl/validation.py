@@ -8,9 +8,9 @@ surrogate cannot be tokenized, logged or sent back as JSON).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -96,9 +96,10 @@ def validate_text(s: str, name: str) -> str:
 
 
 def accept_defaults_only(data: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """Removes the fields named in `defaults` when they hold their default (a value, or a tuple
-    of accepted values); any other value is refused by name, as something not implemented."""
-    out = dict(data)
+    """SGLang's clients send every field, null when unused: nulls are dropped ("not given"), and
+    the fields named in `defaults` (ones we do not implement) are dropped when they hold their
+    default (a value, or a tuple of accepted values); any other value is refused by name."""
+    out = {k: v for k, v in data.items() if v is not None}
     for name, default in defaults.items():
         if name not in out:
             continue
@@ -108,3 +109,15 @@ def accept_defaults_only(data: dict[str, Any], defaults: dict[str, Any]) -> dict
             shown = " or ".join(map(repr, accepted))
             raise ValueError(f"{name} is not supported by baby-sgl (accepted only as {shown}), got {_short(value)}")
     return out
+
+
+class SGLangInput(StrictModel):
+    """A body shaped like SGLang's: null means "not given", and the fields of `default_only`
+    are accepted at their defaults only (see accept_defaults_only)."""
+
+    default_only: ClassVar[dict[str, Any]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sglang_input(cls, data: Any) -> Any:
+        return accept_defaults_only(data, cls.default_only) if isinstance(data, dict) else data

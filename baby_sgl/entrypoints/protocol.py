@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from baby_sgl.managers.io_struct import MAX_TOKEN_IDS_LOGPROB, CloseSessionReqInput, OpenSessionReqInput, SessionParams
 from baby_sgl.sampling.sampling_params import GRAMMAR_KINDS, Grammar, LogitBias, SamplingParams, StopString
 from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_BATCH, MAX_ID_LEN, MAX_N, MAX_STOP, Id, Int32,
-                                 NonNegInt32, StrictModel, Text, TokenId, TopLogprobsNum, accept_defaults_only)
+                                 NonNegInt32, StrictModel, Text, TokenId, TopLogprobsNum, SGLangInput)
 
 MAX_MESSAGES = 4096
 
@@ -43,7 +43,9 @@ _GENERATE_DEFAULT_ONLY = {
 } | {"routed_experts_start_len": 0, "custom_labels": (None, {})}
 
 
-class GenerateRequest(StrictModel):
+class GenerateRequest(SGLangInput):
+    default_only = _GENERATE_DEFAULT_ONLY
+
     text: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_BATCH)] | None = None
     input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_BATCH)] | None = None
     sampling_params: SamplingParams | Annotated[list[SamplingParams], Field(max_length=MAX_BATCH)] | None = None
@@ -59,14 +61,6 @@ class GenerateRequest(StrictModel):
     log_metrics: bool = True  # false: the request is left out of /metrics (health probes)
     no_logs: bool = False  # nothing of a request is logged anyway
     model: Annotated[Text, Field(max_length=MAX_ID_LEN)] | None = None  # sent by routers; one model is served
-
-    @model_validator(mode="before")
-    @classmethod
-    def _normalise(cls, data: Any) -> Any:
-        """null means "not given", as SGLang's clients send it."""
-        if not isinstance(data, dict):
-            return data
-        return accept_defaults_only({k: v for k, v in data.items() if v is not None}, _GENERATE_DEFAULT_ONLY)
 
 
 class AbortRequest(StrictModel):
@@ -114,13 +108,8 @@ _OPENAI_DEFAULT_ONLY = {"return_hidden_states": False, "continue_final_message":
                         "priority": None, "rid": None, "session_params": None, "structural_tag": None}
 
 
-class _OpenAISampling(StrictModel):
-    @model_validator(mode="before")
-    @classmethod
-    def _sglang_defaults(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        return accept_defaults_only({k: v for k, v in data.items() if v is not None}, _OPENAI_DEFAULT_ONLY)
+class _OpenAISampling(SGLangInput):
+    default_only = _OPENAI_DEFAULT_ONLY
 
     model: Annotated[Text, Field(max_length=MAX_ID_LEN)] | None = None
     max_tokens: NonNegInt32 | None = None

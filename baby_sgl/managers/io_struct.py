@@ -3,22 +3,14 @@ routes alike."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from baby_sgl.validation import INT32_MAX, Id, Int32, NonNegInt32, StrictModel, TokenId, TopLogprobsNum
+from baby_sgl.validation import INT32_MAX, Id, Int32, NonNegInt32, SGLangInput, StrictModel, TokenId, TopLogprobsNum
 
 MAX_SESSION_TIMEOUT_S = 30 * 24 * 3600.0
 MAX_TOKEN_IDS_LOGPROB = 256
-
-
-class _DropNulls(StrictModel):
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_nulls(cls, data: Any) -> Any:
-        """null means "not given", as SGLang's clients send it."""
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class ReqOptions(StrictModel):
@@ -33,7 +25,7 @@ class ReqOptions(StrictModel):
     return_text_in_logprobs: bool = False
 
 
-class SessionParams(_DropNulls):
+class SessionParams(SGLangInput):
     """`session_params` of a request: which open session it is a turn of, and how it continues."""
 
     id: Id
@@ -43,7 +35,7 @@ class SessionParams(_DropNulls):
     drop_previous_output: bool = False
 
 
-class OpenSessionReqInput(_DropNulls):
+class OpenSessionReqInput(SGLangInput):
     capacity_of_str_len: int = Field(ge=1, le=INT32_MAX)
     session_id: Id | None = None
     streaming: bool = False

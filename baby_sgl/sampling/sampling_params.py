@@ -85,7 +85,7 @@ class SamplingParams(StrictModel):
         sampling_seed; a single stop string stands for a list of one."""
         if not isinstance(data, dict):
             return data
-        data = accept_defaults_only({k: v for k, v in data.items() if v is not None}, _DEFAULT_ONLY)
+        data = accept_defaults_only(data, _DEFAULT_ONLY)
         for kind in GRAMMAR_KINDS:
             if data.get(kind) == "":  # SGLang: an empty grammar means none
                 data.pop(kind)

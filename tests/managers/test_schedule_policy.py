@@ -62,3 +62,6 @@ def test_orders(tiny_llama):
         assert sched.call(lambda: order("lof")) == ["r3", "r1", "r2", "r0", "r4"]
         shuffled = sched.call(lambda: order("random"))
         assert sorted(shuffled) == ["r0", "r1", "r2", "r3", "r4"]
+        for req in waiting:  # matching locked nothing; the tree holds only the two prompts
+            req.prefix_indices = None
+        engine.check_memory()
