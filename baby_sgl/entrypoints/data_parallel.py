@@ -128,7 +128,7 @@ class DataParallelServer:
                 *_ROUTER_HEALTH_FLAGS]
         if a.api_key:  # the workers require it too; the router presents it to them
             argv += ["--api-key", a.api_key]
-        self.router = subprocess.Popen(argv)
+        self.router = subprocess.Popen(argv, env=_router_env(a.log_level))
         logger.info("router: pid %d, policy %s, on %s:%d", self.router.pid, a.router_policy, a.host, a.port)
 
     def stop(self) -> None:
@@ -165,6 +165,19 @@ class DataParallelServer:
             return 1
         finally:
             self.stop()
+
+
+def _router_env(log_level: str) -> dict[str, str]:
+    """The router registers a tokenizer for each worker's model from the model path the worker
+    reports. It uses none in HTTP routing (only in its gRPC mode and for its own /v1/tokenize),
+    but for a .gguf path it logs a warning that it cannot, and for a hub id it would try to
+    download one: its tokenizer-registration step logs only errors here, and the hub address
+    points nowhere. A RUST_LOG or HF_ENDPOINT set by the user wins."""
+    env = dict(os.environ)
+    env.setdefault("RUST_LOG", f"smg={_router_log_level(log_level)},"
+                               "smg::core::steps::worker::local::register_tokenizer=error")
+    env.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
+    return env
 
 
 def _router_log_level(level: str) -> str:

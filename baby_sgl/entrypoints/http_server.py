@@ -161,6 +161,14 @@ def _add_native_routes(app: FastAPI) -> None:
         info = await asyncio.to_thread(engine.get_server_info)
         return info | getattr(app.state, "listen", {})  # where this server really listens
 
+    @app.get("/get_load")
+    async def get_load() -> list[dict]:
+        """SGLang's load report, one entry per data-parallel rank (this process is one): what
+        the router's power_of_two policy and /get_loads read."""
+        load = await asyncio.to_thread(engine.get_server_info)
+        return [{"dp_rank": 0, "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                 "num_waiting_reqs": load["num_waiting_reqs"], "num_tokens": load["kv_used_tokens"]}]
+
     @app.get("/flush_cache")
     @app.post("/flush_cache")
     async def flush_cache() -> Response:

@@ -55,6 +55,9 @@ def test_info_routes(server):
     assert httpx.get(server + "/health_generate").status_code == 200
     assert httpx.post(server + "/flush_cache").status_code == 200
     assert httpx.get(server + "/server_info").json()["kv_cached_tokens"] == 0
+    # the load report SGLang's router reads (power_of_two, /get_loads): one entry per dp rank
+    assert httpx.get(server + "/get_load").json() == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0,
+                                                      "num_tokens": 0}]
 
 
 async def _abort_after_start(server: str, body: dict, rid: str) -> list[dict]:
