@@ -20,6 +20,8 @@ from baby_sgl.mem_cache.memory_pool import KVPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.model_runner import ModelRunner
 from baby_sgl.model_loader.loader import load_model
+from baby_sgl.distributed import tp_plan
+from baby_sgl.distributed.tp_group import TensorParallel
 from baby_sgl.errors import EngineDeadError
 from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, ReqOptions, SessionParams
 from baby_sgl.constrained.grammar import GrammarCache
@@ -59,8 +61,26 @@ class Engine:
         self.sampling_defaults = SamplingParams.usable_defaults(
             {k: v for k, v in loaded.generation_config.items() if k in _SAMPLING_DEFAULT_KEYS})
         self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.tp: TensorParallel | None = None
+        if args.tp_size > 1:
+            tp_plan.plan(cfg, args.tp_size)  # refuses a split the model does not allow, before any process starts
+            self.tp = TensorParallel(args.tp_size, loaded.source, self.dtype, self.device)
+        try:
+            self._start(cfg, loaded)
+        except BaseException:
+            if self.tp is not None:  # no rank may outlive a failed start
+                self.tp.stop()
+            raise
+        self.model_path = loaded.source
+        logger.info("engine ready: %s, %s, %d KV slots", loaded.source, self.dtype, self.max_total_tokens)
+
+    # ---- set-up helpers ------------------------------------------------------------------
+    def _start(self, cfg: ModelConfig, loaded) -> None:
+        """The model (this rank's shard of it), the KV pools and the scheduler."""
+        args = self.server_args
         runner = ModelRunner(cfg, loaded.weights, self.dtype, self.device,
-                             compile_max_bs=args.torch_compile_max_bs if args.enable_torch_compile else None)
+                             compile_max_bs=args.torch_compile_max_bs if args.enable_torch_compile else None,
+                             tp=self.tp.group if self.tp else None)
         # The model holds its own copies now: free the checkpoint's tensors before the KV pool
         # is allocated, or both count towards the peak memory.
         loaded.weights = None
@@ -73,10 +93,7 @@ class Engine:
         self.grammars = GrammarCache(args.grammar_backend, self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(args, runner, self.tokenizer, self.eos_token_ids, self.max_total_tokens,
                                    self.context_len, self.max_input_len)
-        self.model_path = loaded.source
-        logger.info("engine ready: %s, %s, %d KV slots", loaded.source, self.dtype, self.max_total_tokens)
 
-    # ---- set-up helpers ------------------------------------------------------------------
     def _pick_dtype(self, hf_config: dict) -> torch.dtype:
         if self.server_args.dtype != "auto":
             return _DTYPES[self.server_args.dtype]
@@ -105,7 +122,9 @@ class Engine:
         if args.max_total_tokens:
             size = args.max_total_tokens
         else:
-            per_token = KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            # Over all tensor-parallel ranks (each holds its KV heads; on CPU they share the memory).
+            kv_heads = tp_plan.kv_heads_per_token(cfg, args.tp_size)
+            per_token = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype)
             if self.device.type == "cuda":
                 size = int(torch.cuda.mem_get_info(self.device)[0] * 0.8) // per_token
             else:
@@ -388,6 +407,8 @@ class Engine:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+        if self.tp is not None:
+            self.tp.stop()
 
     def __enter__(self) -> Engine:
         return self

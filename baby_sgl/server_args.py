@@ -44,6 +44,8 @@ class ServerArgs:
     max_request_bytes: int = 16 * 2**20
     request_body_timeout: float = 30.0
     max_queued_requests: int | None = 1024
+    # --tp-size N: the model split over N processes (torch.distributed; see distributed/).
+    tp_size: int = 1
     # --dp-size N: N engine processes behind SGLang's router (sglang-router) on the one port.
     dp_size: int = 1
     router_policy: str = "cache_aware"
@@ -65,6 +67,11 @@ class ServerArgs:
                 raise ValueError(f"{name} must be >= 1")
         if not self.request_body_timeout > 0:
             raise ValueError("request_body_timeout must be > 0 seconds")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.tp_size > 1 and self.enable_torch_compile:
+            raise ValueError("--enable-torch-compile does not work with --tp-size > 1 yet (the compiled layer "
+                             "parts have no all-reduce inside); leave one of them out")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         from baby_sgl.entrypoints.data_parallel import ROUTER_POLICIES

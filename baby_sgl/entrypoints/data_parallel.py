@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.request
 
+from baby_sgl.distributed.cores import pin_to, split_cores
 from baby_sgl.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -36,21 +37,6 @@ _ROUTER_HEALTH_FLAGS = ("--health-check-interval-secs", "2", "--health-failure-t
                         "--disable-circuit-breaker")
 # Settings the front process keeps: each worker gets its own port on loopback and dp_size 1.
 _FRONT_ONLY = ("host", "port", "dp_size", "router_policy")
-
-
-def split_cores(n: int) -> list[list[int]]:
-    """The cores this process may use, split into n contiguous, disjoint groups (a worker per
-    group: its torch threads stay on its own cores). With fewer cores than workers, groups share."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if len(cores) < n:
-        return [[cores[i % len(cores)]] for i in range(n)]
-    size, extra = divmod(len(cores), n)
-    groups, start = [], 0
-    for i in range(n):
-        end = start + size + (i < extra)
-        groups.append(cores[start:end])
-        start = end
-    return groups
 
 
 def worker_argv(args: ServerArgs, port: int) -> list[str]:
@@ -102,8 +88,7 @@ class DataParallelServer:
         for i, cores in enumerate(split_cores(self.args.dp_size)):
             port = _free_port()
             env = dict(os.environ, OMP_NUM_THREADS=str(len(cores)))
-            pin = (lambda c=cores: os.sched_setaffinity(0, c)) if hasattr(os, "sched_setaffinity") else None
-            proc = subprocess.Popen(worker_argv(self.args, port), env=env, preexec_fn=pin)
+            proc = subprocess.Popen(worker_argv(self.args, port), env=env, preexec_fn=pin_to(cores))
             self.workers.append(proc)
             self.urls.append(f"http://127.0.0.1:{port}")
             logger.info("worker %d: pid %d, %s, cores %s", i, proc.pid, self.urls[-1], cores)

@@ -10,6 +10,7 @@ import ipaddress
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -275,6 +276,11 @@ def launch_server(server_args: ServerArgs) -> int:
                                            log_level=server_args.log_level, timeout_keep_alive=5,
                                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     engine.scheduler.on_death.append(lambda _: setattr(server, "should_exit", True))
+    # uvicorn handles SIGTERM/SIGINT itself, then raises the signal again once it has stopped,
+    # under the handlers found before it started: these let the engine shut down (and stop its
+    # tensor-parallel ranks) instead of the process dying there.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     print(f"baby-sgl: serving {app.state.model_name} at http://{server_args.host}:{server_args.port}",
           file=sys.stderr, flush=True)
     try:

@@ -69,4 +69,5 @@ def check_memory(sched: Scheduler) -> dict[str, int]:
         used = sched.req_to_token_pool.size - len(sched.req_to_token_pool.free_slots)
         if used != len(held):
             raise MemoryLeakError(f"idle but {used} request slots are held, sessions hold {len(held)}")
+    sched.runner.check_ranks()  # tensor parallelism: every rank's slot table and pool agree with these
     return counts

@@ -8,10 +8,12 @@ import torch
 class ReqToTokenPool:
     """Maps a request slot to the row of KV slot indices holding its tokens, in position order."""
 
-    def __init__(self, size: int, max_context_len: int, device: torch.device) -> None:
+    def __init__(self, size: int, max_context_len: int, device: torch.device, journal: bool = False) -> None:
         self.size = size
         self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int64, device=device)
         self.free_slots = list(range(size))
+        # Tensor parallelism, rank 0: the writes since the last pass, for the other ranks' copies.
+        self.journal: list[tuple[int, int, torch.Tensor]] | None = [] if journal else None
 
     def alloc(self) -> int | None:
         return self.free_slots.pop() if self.free_slots else None
@@ -22,6 +24,16 @@ class ReqToTokenPool:
 
     def write(self, slot: int, start: int, indices: torch.Tensor) -> None:
         self.req_to_token[slot, start : start + len(indices)] = indices
+        if self.journal is not None:
+            self.journal.append((slot, start, indices.cpu().clone()))
+
+    def take_journal(self) -> list[tuple[int, int, torch.Tensor]]:
+        writes, self.journal = self.journal, []
+        return writes
+
+    def apply_writes(self, writes: list[tuple[int, int, torch.Tensor]]) -> None:
+        for slot, start, indices in writes:
+            self.write(slot, start, indices.to(self.req_to_token.device))
 
 
 class KVPool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 from dataclasses import dataclass
 
@@ -9,12 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from baby_sgl.attention.registry import create_attention_backend
+from baby_sgl.distributed import tp_plan
+from baby_sgl.distributed.tp_group import CheckMemory, Forward, GroupBroken, InitPool, TPGroup
 from baby_sgl.mem_cache.memory_pool import KVPool, ReqToTokenPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
 from baby_sgl.layers.linear import Linear, can_prepack
 from baby_sgl.model_executor.compile import CompiledDense, device_needs_cxx
-from baby_sgl.models.llama import EAGER
+from baby_sgl.models.llama import EAGER, DenseFns, attention_in, attention_out_mlp
 from baby_sgl.models.registry import get_model_class
 from baby_sgl.toolchain import cxx_compiler
 
@@ -38,8 +42,19 @@ class ModelWorkerBatch:
 
 
 class ModelRunner:
+    """With tp (tensor parallelism), this rank's shard of the model and of the KV pool; rank 0
+    sends each batch to the other ranks before running its part (distributed/tp_group.py)."""
+
     def __init__(self, cfg: ModelConfig, weights, dtype: torch.dtype, device: torch.device,
-                 attention_backend: str = "torch_native", compile_max_bs: int | None = None) -> None:
+                 attention_backend: str = "torch_native", compile_max_bs: int | None = None,
+                 tp: TPGroup | None = None) -> None:
+        self.tp = tp
+        self.dense = EAGER
+        if tp is not None:
+            shard = tp_plan.plan(cfg, tp.size)[tp.rank]
+            weights = tp_plan.shard_weights(weights, cfg, shard)
+            cfg = tp_plan.local_config(cfg, shard)
+            self.dense = DenseFns(attention_in, functools.partial(attention_out_mlp, reduce=tp.all_reduce))
         self.cfg, self.dtype, self.device = cfg, dtype, device
         with torch.device("meta"):
             model = get_model_class(cfg)(cfg)
@@ -70,16 +85,34 @@ class ModelRunner:
         logger.info("torch.compile warm-up: %.1f s for decode batch sizes %s", self.compiled.warmup_s,
                     self.compiled.buckets)
 
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0 (or no tensor parallelism): the rank that schedules, samples and computes logits."""
+        return self.tp is None or self.tp.rank == 0
+
     def init_memory_pool(self, max_total_tokens: int, max_running_requests: int, context_len: int) -> None:
         cfg = self.cfg
-        self.req_to_token_pool = ReqToTokenPool(max_running_requests, context_len, self.device)
+        if self.tp is not None and self.is_leader:
+            self.tp.send(InitPool(max_total_tokens, max_running_requests, context_len))
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests, context_len, self.device,
+                                                journal=self.tp is not None and self.is_leader)
         self.kv_pool = KVPool(max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
 
     def forward(self, b: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next-token logits, one row per request, and the hidden states of input_logprob_rows
-        (turned into logits by compute_logits, a slice at a time)."""
+        (turned into logits by compute_logits, a slice at a time); (None, None) on ranks but 0."""
+        if self.tp is None:
+            return self._forward(b)
+        try:
+            if self.is_leader:
+                self.tp.send(Forward(b, self.req_to_token_pool.take_journal()))
+            return self._forward(b)
+        except Exception as e:
+            raise GroupBroken(f"tensor-parallel rank {self.tp.rank}: a pass failed: {e!r}") from e
+
+    def _forward(self, b: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         dev = self.device
-        input_ids, positions, dense = b.input_ids, b.positions, EAGER
+        input_ids, positions, dense = b.input_ids, b.positions, self.dense
         bucket = self.compiled.bucket(len(input_ids)) if self.compiled and b.mode == ForwardMode.DECODE else None
         if bucket is not None:  # padded to the bucket's static shape; the padding never leaves the model
             pad = bucket - len(input_ids)
@@ -103,8 +136,26 @@ class ModelRunner:
             torch.tensor(b.input_logprob_rows, dtype=torch.long, device=dev),
         )
         self.attn_backend.init_forward_metadata(fb)
-        return self.model(fb, dense)
+        return self.model(fb, dense, logits=self.is_leader)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
+
+    def check_ranks(self) -> None:
+        """Tensor parallelism: asserts that every rank's request-to-slot table equals rank 0's
+        and that their KV pools have its size (run in the scheduler thread, between passes)."""
+        if self.tp is None:
+            return
+        self.tp.send(CheckMemory(self.req_to_token_pool.take_journal()))
+        digests = self.tp.gather(self.memory_digest())
+        for rank, d in enumerate(digests[1:], start=1):
+            if d["table"] != digests[0]["table"] or d["kv_slots"] != digests[0]["kv_slots"]:
+                raise AssertionError(f"tensor-parallel rank {rank} is out of step with rank 0: {d} vs {digests[0]}")
+
+    def memory_digest(self) -> dict:
+        """What must agree across ranks: the request-to-slot table (byte for byte) and the KV
+        pool's size; plus this rank's own KV heads."""
+        table = self.req_to_token_pool.req_to_token.cpu().numpy().tobytes()
+        return {"table": hashlib.sha1(table).hexdigest(), "kv_slots": self.kv_pool.size,
+                "kv_heads": self.cfg.num_kv_heads}

@@ -35,11 +35,14 @@ def attention_in(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch
 
 def attention_out_mlp(attn: torch.Tensor, x: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
                       gate_up_w: torch.Tensor, down_w: torch.Tensor, inter: int,
-                      lin: Callable = linear) -> torch.Tensor:
-    """A layer's work after attention: output projection, residual, norm, MLP, residual."""
-    x = x + lin(attn.reshape(attn.shape[0], -1), o_w)
+                      lin: Callable = linear, reduce: Callable | None = None) -> torch.Tensor:
+    """A layer's work after attention: output projection, residual, norm, MLP, residual. With
+    tensor parallelism o_proj and down_proj give partial sums, which reduce completes."""
+    o = lin(attn.reshape(attn.shape[0], -1), o_w)
+    x = x + (o if reduce is None else reduce(o))
     gate, up = lin(rms_norm(x, norm_w, eps), gate_up_w).split(inter, dim=-1)
-    return x + lin(F.silu(gate) * up, down_w)
+    down = lin(F.silu(gate) * up, down_w)
+    return x + (down if reduce is None else reduce(down))
 
 
 class Attention(nn.Module):
@@ -121,14 +124,18 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, dense: DenseFns = EAGER) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, fb: ForwardBatch, dense: DenseFns = EAGER,
+                logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Returns next-token logits (float32), one row per request, and the final hidden states
-        of the rows fb.input_logprob_rows names (prompt logprobs; None if none). input_ids may be
-        padded past the batch's tokens (a compiled bucket); padded rows never reach the KV pool."""
+        of the rows fb.input_logprob_rows names (prompt logprobs; None if none); (None, None)
+        without logits (tensor-parallel ranks but 0). input_ids may be padded past the batch's
+        tokens (a compiled bucket); padded rows never reach the KV pool."""
         x = self.embed_tokens(fb.input_ids)
         cos_sin = self.rotary.cos_sin(fb.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, fb, cos_sin, dense)
+        if not logits:
+            return None, None
         # Only each request's last token needs logits: skip the vocab matmul for the rest.
         hidden = None if fb.input_logprob_rows is None else self.norm(x[fb.input_logprob_rows])
         return self.compute_logits(self.norm(x[fb.last_token_indices()])), hidden

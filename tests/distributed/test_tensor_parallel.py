@@ -1,0 +1,180 @@
+"""--tp-size 2 over gloo: greedy outputs equal transformers' for the tiny Llama and Qwen2 in every
+cache setting, the default model runs split, every rank's memory is checked, splits the model
+does not allow are refused by name, and no rank outlives its engine or server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from baby_sgl import Engine
+from baby_sgl.distributed import tp_plan
+from baby_sgl.model_config import ModelConfig
+from entrypoints.conftest import free_port
+from helpers import CONFIGS, GREEDY, TINY_KW, hf_greedy, random_prompts, shared_prefix_prompts
+
+MAX_NEW = 24
+# The cache settings of invariant 6 (compile is refused with tensor parallelism, tested below).
+TP_CONFIGS = ["radix", "no-radix", "page16", "chunked", "retract", "mixed-chunk-retract"]
+
+
+def _followers() -> list[int]:
+    """Tensor-parallel rank processes started by this test process."""
+    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if "baby_sgl.distributed.tp_worker" in line]
+
+
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2"])
+def case(request):
+    path = request.getfixturevalue(request.param)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = random_prompts(10, 512, 3, 90) + shared_prefix_prompts(6, 512, 40)
+    return path, prompts, hf_greedy(hf, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("config", TP_CONFIGS)
+def test_tp2_greedy_matches_transformers(case, config):
+    path, prompts, expected = case
+    with Engine(path, dtype="float32", tp_size=2, **CONFIGS[config]) as engine:
+        assert len(_followers()) == 1
+        params = {**GREEDY, "max_new_tokens": MAX_NEW}
+        first = engine.generate(input_ids=prompts, sampling_params=params)
+        second = engine.generate(input_ids=prompts, sampling_params=params)  # largely from the cache
+        for i, (a, b) in enumerate(zip(first, second)):
+            assert a["output_ids"] == expected[i], f"prompt {i} differs under tp=2, {config}"
+            assert b["output_ids"] == expected[i], f"prompt {i} differs under tp=2, {config} (cached round)"
+        if "retract" in config:
+            assert engine.get_server_info()["num_retractions"] > 0
+        engine.check_memory()  # rank 0's ownership identity, and every rank's slot table and pool
+    assert _followers() == []
+
+
+def test_default_model_runs_split():
+    prompts = ["The capital of France is", "List three colours:", "1, 2, 3, 4,"]
+    params = {"temperature": 0, "max_new_tokens": 16}
+    with Engine(dtype="float32") as engine:
+        expected = [o["output_ids"] for o in engine.generate(prompts, params)]
+    with Engine(dtype="float32", tp_size=2) as engine:
+        assert engine.generate(prompts, params)[0]["text"].lstrip().startswith("Paris")
+        assert [o["output_ids"] for o in engine.generate(prompts, params)] == expected
+        engine.check_memory()
+    assert _followers() == []
+
+
+def test_a_rank_out_of_step_is_caught(tiny_llama):
+    """The memory check compares every rank's request-to-slot table with rank 0's: a write that
+    does not reach the other ranks is found."""
+    with Engine(tiny_llama, dtype="float32", tp_size=2) as engine:
+        engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={**GREEDY, "max_new_tokens": 2})
+        engine.check_memory()
+        table = engine.scheduler.req_to_token_pool.req_to_token
+        table[0, 0] += 1  # behind the journal's back
+        with pytest.raises(AssertionError, match="rank 1 is out of step"):
+            engine.check_memory()
+
+
+@pytest.mark.parametrize(("tp_size", "message"), [
+    (8, "tp_size 8 is larger than the model's 4 attention heads"),
+    (3, "with more ranks than its 2 KV heads"),
+])
+def test_splits_the_model_does_not_allow_are_refused(tiny_llama, tp_size, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(tiny_llama, dtype="float32", tp_size=tp_size)
+    assert _followers() == []
+
+
+def test_compile_with_tp_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="--enable-torch-compile does not work with --tp-size"):
+        Engine(tiny_llama, dtype="float32", tp_size=2, enable_torch_compile=True)
+
+
+def test_plan_deals_kv_groups_unevenly_when_they_do_not_divide():
+    """SmolLM2-135M: 9 query heads in 3 KV groups over 2 ranks go 6+3, the MLP 768+768; with 6
+    ranks each KV head is copied to 2 ranks (but its 3 query heads do not split in 2)."""
+    cfg = ModelConfig.from_hf({"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+                               "intermediate_size": 1536, "num_hidden_layers": 30, "vocab_size": 49152})
+    shards = tp_plan.plan(cfg, 2)
+    assert [s.heads for s in shards] == [(0, 6), (6, 9)] and [s.kv_heads for s in shards] == [(0, 2), (2, 3)]
+    assert [s.inter for s in shards] == [(0, 768), (768, 1536)]
+    assert tp_plan.kv_heads_per_token(cfg, 3) == 3
+    with pytest.raises(ValueError, match="must split its 3 query heads evenly"):
+        tp_plan.plan(cfg, 6)
+    tiny = ModelConfig.from_hf({**TINY_KW, "num_hidden_layers": 2})
+    assert [s.kv_heads for s in tp_plan.plan(tiny, 4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # copies
+    assert tp_plan.kv_heads_per_token(tiny, 4) == 4
+
+
+def _wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, "the server exited while starting"
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.3)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _gone(pids: list[int]) -> bool:
+    return not [p for p in pids if os.path.exists(f"/proc/{p}") and
+                "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
+
+
+def _serve(tiny_llama) -> tuple[str, subprocess.Popen]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "baby_sgl.launch_server", "--model-path", tiny_llama, "--dtype",
+                             "float32", "--tp-size", "2", "--port", str(port), "--max-total-tokens", "2048"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    _wait_healthy(base, proc)
+    return base, proc
+
+
+def test_server_with_tp_stops_every_rank(tiny_llama):
+    base, proc = _serve(tiny_llama)
+    try:
+        body = {"text": "hello there", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        r = httpx.post(base + "/generate", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 8
+        assert httpx.get(base + "/debug/check_memory").status_code == 200
+        ranks = _children(proc.pid)
+        assert len(ranks) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        time.sleep(0.5)
+        assert _gone(ranks), "a rank outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_dead_rank_stops_the_server_with_a_clear_error(tiny_llama):
+    """kill -9 of rank 1: the next pass fails on rank 0, the requests end with the reason, the
+    server exits with code 1 (for a supervisor to restart it) instead of hanging."""
+    base, proc = _serve(tiny_llama)
+    try:
+        (rank,) = _children(proc.pid)
+        os.kill(rank, signal.SIGKILL)
+        body = {"text": "hello there", "sampling_params": {"max_new_tokens": 8}}
+        r = httpx.post(base + "/generate", json=body, timeout=120)
+        assert r.status_code >= 500 or r.json()["meta_info"]["finish_reason"]["type"] == "abort", r.text
+        assert "tensor-parallel" in r.text, r.text
+        assert proc.wait(timeout=60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
