@@ -29,6 +29,7 @@ class Result:
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server read from its prefix cache
     error: str = ""
 
 
@@ -110,6 +111,7 @@ async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, promp
                         res.itls += [(now - last) / (produced - res.output_tokens)] * (produced - res.output_tokens)
                     last, res.output_tokens = now, produced
                 res.prompt_tokens = _prompt_tokens(args.backend, data) or res.prompt_tokens
+                res.cached_tokens = _cached_tokens(args.backend, data) or res.cached_tokens
         res.latency, res.ok = time.perf_counter() - t0, True
     except Exception as e:  # a broken stream or body counts as a failed request, not a crash
         res.error = repr(e)[:300]
@@ -128,6 +130,12 @@ def _prompt_tokens(backend: str, data: dict) -> int:
     if backend == "sglang":
         return data["meta_info"]["prompt_tokens"]
     return (data.get("usage") or {}).get("prompt_tokens", 0)
+
+
+def _cached_tokens(backend: str, data: dict) -> int:
+    if backend == "sglang":
+        return data["meta_info"].get("cached_tokens", 0)
+    return ((data.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
 
 def _served_model(args: argparse.Namespace) -> str:
@@ -184,10 +192,12 @@ def summarize(results: list[Result], duration: float) -> dict:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens, "cached_input_tokens": cached,
+        "cache_hit_rate": cached / in_tokens if in_tokens else 0.0,
         "request_throughput": len(ok) / duration, "input_token_throughput": in_tokens / duration,
         "output_token_throughput": out_tokens / duration, "total_token_throughput": (in_tokens + out_tokens) / duration,
         "ttft_s": _stats([r.ttft for r in ok if r.output_tokens]), "itl_s": _stats([x for r in ok for x in r.itls]),
@@ -203,6 +213,7 @@ def print_summary(s: dict, args: argparse.Namespace) -> None:
             ("Successful requests", s["completed"]), ("Failed requests", s["failed"]),
             ("Benchmark duration (s)", f"{s['duration_s']:.2f}"), ("Total input tokens", s["total_input_tokens"]),
             ("Total generated tokens", s["total_output_tokens"]),
+            ("Prompt tokens from the prefix cache", f"{s['cached_input_tokens']} ({s['cache_hit_rate']:.1%})"),
             ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
             ("Input token throughput (tok/s)", f"{s['input_token_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{s['output_token_throughput']:.2f}"),

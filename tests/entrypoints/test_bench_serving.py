@@ -19,6 +19,9 @@ def test_bench_serving_against_our_server(server, tmp_path, capsys):
     assert all(r["completed"] == 6 and r["failed"] == 0 and r["output_token_throughput"] > 0 for r in runs)
     assert all(r["ttft_s"]["p50"] > 0 and r["tpot_s"]["mean"] > 0 and r["itl_s"]["p99"] > 0 for r in runs)
     assert 4 * 6 <= runs[0]["total_output_tokens"] <= 8 * 6 and runs[1]["total_output_tokens"] == 4 * 6
+    # Groups share a system prompt: later prompts of a group read it from the radix cache.
+    assert 0 < runs[1]["cached_input_tokens"] < runs[1]["total_input_tokens"]
+    assert runs[1]["cache_hit_rate"] == runs[1]["cached_input_tokens"] / runs[1]["total_input_tokens"]
     assert "Serving Benchmark Result" in capsys.readouterr().out
 
 
