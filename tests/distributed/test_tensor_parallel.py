@@ -57,6 +57,17 @@ def test_tp2_greedy_matches_transformers(case, config):
     assert _followers() == []
 
 
+def test_tp4_copies_kv_heads(case):
+    """4 ranks, 2 KV heads: each KV head on two ranks, which split its query heads."""
+    path, prompts, expected = case
+    with Engine(path, dtype="float32", tp_size=4, page_size=4) as engine:
+        assert len(_followers()) == 3
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW})
+        assert [o["output_ids"] for o in outs] == expected
+        engine.check_memory()
+    assert _followers() == []
+
+
 def test_default_model_runs_split():
     prompts = ["The capital of France is", "List three colours:", "1, 2, 3, 4,"]
     params = {"temperature": 0, "max_new_tokens": 16}
