@@ -1,4 +1,4 @@
-"""The `baby-sgl` command: generate, demo, serve, chat, bench."""
+"""The `baby-sgl` command: generate, demo, serve, chat, bench, tree."""
 
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ _DELEGATED = {
     "serve": ("baby_sgl.entrypoints.launch_server", "start the HTTP server (SGLang and OpenAI APIs)"),
     "chat": ("baby_sgl.entrypoints.chat_cli", "interactive chat in the terminal"),
     "bench": ("baby_sgl.bench.cli", "benchmarks: bench offline | bench serving"),
+    "tree": ("baby_sgl.entrypoints.tree_cli", "print a running server's radix tree"),
 }
 
 

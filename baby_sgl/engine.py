@@ -14,6 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from baby_sgl.managers.memory_checker import check_memory
+from baby_sgl.managers.scheduler_view import scheduler_view
 from baby_sgl.managers.req import Req
 from baby_sgl.managers.scheduler import Scheduler
 from baby_sgl.mem_cache.memory_pool import KVPool
@@ -400,6 +401,21 @@ class Engine:
                     model_path=self.model_path)
         info.update(self.scheduler.call(self.scheduler.load_info))
         return info
+
+    def scheduler_view(self, max_nodes: int = 200) -> dict[str, Any]:
+        """The radix tree (at most max_nodes nodes: the hottest paths), the KV pool by owner, the
+        running and waiting requests and recent activity, read in the scheduler thread between
+        steps; each node's and eviction's first tokens decoded as text here, outside it."""
+        view = self.scheduler.call(lambda: scheduler_view(self.scheduler, max_nodes))
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+        stack = [view["tree"]["root"]] if view["tree"] else []
+        while stack:
+            node = stack.pop()
+            node["text"] = decode(node.pop("head"))
+            stack.extend(node["children"])
+        for eviction in view["activity"]["evictions"]:
+            eviction["texts"] = [decode(h) for h in eviction.pop("heads")]
+        return view
 
     def is_alive(self) -> bool:
         """False once the scheduler has stopped (shut down, or failed beyond recovery)."""

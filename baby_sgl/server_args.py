@@ -44,6 +44,8 @@ class ServerArgs:
     max_request_bytes: int = 16 * 2**20
     request_body_timeout: float = 30.0
     max_queued_requests: int | None = 1024
+    # GET /dashboard: the radix tree, KV pool and batches, live (see entrypoints/dashboard.py).
+    disable_dashboard: bool = False
     # --tp-size N: the model split over N processes (torch.distributed; see distributed/).
     tp_size: int = 1
     # --dp-size N: N engine processes behind SGLang's router (sglang-router) on the one port.
@@ -106,4 +108,4 @@ def engine_kwargs(args: ServerArgs | argparse.Namespace) -> dict:
 
 # Settings of the HTTP server alone; api_key is never reported back.
 SERVER_ONLY = ("host", "port", "log_level", "api_key", "max_request_bytes", "request_body_timeout", "dp_size",
-               "router_policy")
+               "router_policy", "disable_dashboard")

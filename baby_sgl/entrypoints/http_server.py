@@ -25,6 +25,7 @@ from baby_sgl.entrypoints.async_bridge import AsyncEngine
 from baby_sgl.entrypoints.request_guard import RequestGuard
 from baby_sgl.errors import EngineDeadError, ServerBusyError
 from baby_sgl.entrypoints.metrics import Metrics
+from baby_sgl.entrypoints.dashboard import add_dashboard_routes
 from baby_sgl.entrypoints.openai_api import add_openai_routes
 from baby_sgl.entrypoints.protocol import (AbortRequest, CloseSessionRequest, ConcateAndAppendRequest, GenerateRequest,
                                           OpenSessionRequest)
@@ -53,6 +54,8 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
     _install_error_handlers(app)
     _add_native_routes(app)
     add_openai_routes(app)
+    if not args.disable_dashboard:
+        add_dashboard_routes(app)
     return app
 
 

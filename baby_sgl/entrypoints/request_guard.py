@@ -2,7 +2,9 @@
 
 - requests a browser sends from another site's page (an `Origin` that is not this server)
   are refused, so no web page can drive a server on localhost;
-- with `--api-key`, every route but /health needs `Authorization: Bearer <key>`;
+- with `--api-key`, every route but /health needs `Authorization: Bearer <key>`; the dashboard's
+  routes also take the key as HTTP Basic auth's password, which a browser asks for and then
+  sends with the page's own requests;
 - a body larger than `--max-request-bytes` is refused (413) before any of it is parsed, by its
   Content-Length or, for chunked bodies, as soon as it grows past the limit;
 - a body that takes longer than `--request-body-timeout` seconds to arrive is refused (408);
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import time
 from urllib.parse import urlsplit
@@ -21,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from baby_sgl.entrypoints.responses import error_response
 
 OPEN_PATHS = frozenset({"/health"})  # a supervisor's liveness probe needs no key
+BROWSER_PREFIX = "/dashboard"  # pages a person opens in a browser: Basic auth is offered too
 
 
 class RequestGuard:
@@ -54,11 +58,10 @@ class RequestGuard:
         if origin is not None and _origin_host(origin) != headers.get("host"):
             return error_response(f"cross-origin requests are refused (Origin: {origin!r})", 403)
         if self.api_key is not None and scope["path"] not in OPEN_PATHS:
-            given = headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), self.api_key):
+            browser = scope["path"].startswith(BROWSER_PREFIX)
+            if not self._authorized(headers.get("authorization", ""), basic=browser):
                 response = error_response("a valid API key is needed: send Authorization: Bearer <key>", 401)
-                response.headers["WWW-Authenticate"] = "Bearer"
+                response.headers["WWW-Authenticate"] = 'Basic realm="baby-sgl"' if browser else "Bearer"
                 return response
         length = headers.get("content-length")
         if length is not None:
@@ -67,6 +70,17 @@ class RequestGuard:
             if int(length) > self.max_bytes:
                 return error_response(f"the request body is {int(length)} bytes; the limit is {self.max_bytes}", 413)
         return None
+
+    def _authorized(self, given: str, basic: bool) -> bool:
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() == "basic" and basic:  # user:password, the key being the password
+            try:
+                token = base64.b64decode(token.strip(), validate=True).decode("latin-1").partition(":")[2]
+            except (ValueError, UnicodeDecodeError):
+                return False
+        elif scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(token.strip().encode("latin-1"), self.api_key)
 
     async def _read_body(self, headers: dict[str, str], receive: Receive):
         """(body, None), or (None, a refusal), or (None, None) if the client disconnected."""

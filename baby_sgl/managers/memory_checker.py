@@ -38,6 +38,27 @@ def _session_locked(sched: Scheduler, held: list) -> int:
     return sum(nodes.values())
 
 
+def _ownership(sched: Scheduler) -> tuple[dict[str, int], list[torch.Tensor], list[torch.Tensor]]:
+    """The slot counts of each owner, and the slots requests and sessions own."""
+    alloc, cache = sched.allocator, sched.tree_cache
+    by_reqs = _owned(sched, sched.running + ([sched.chunked_req] if sched.chunked_req else []))
+    by_sessions = _owned(sched, sched.sessions.held_reqs())
+    counts = {
+        "total": alloc.size,
+        "free": alloc.available_size(),
+        "evictable": cache.evictable_size(),
+        "protected": cache.protected_size(),
+        "request_owned": sum(len(p) for p in by_reqs),
+        "session_held": sum(len(p) for p in by_sessions),
+    }
+    return counts, by_reqs, by_sessions
+
+
+def pool_counts(sched: Scheduler) -> dict[str, int]:
+    """KV slots by owner (the identity check_memory asserts, without the per-slot checks)."""
+    return _ownership(sched)[0]
+
+
 def check_memory(sched: Scheduler) -> dict[str, int]:
     """Raises MemoryLeakError unless free + evictable + protected + request-owned + session-held
     == total, with no slot owned twice; when idle, the only request slots in use and the only
@@ -47,17 +68,8 @@ def check_memory(sched: Scheduler) -> dict[str, int]:
     free = torch.tensor(alloc.free_pages, dtype=torch.long)
     free_slots = (free[:, None] * page + torch.arange(page)).flatten()
     held = sched.sessions.held_reqs()
-    by_reqs = _owned(sched, sched.running + ([sched.chunked_req] if sched.chunked_req else []))
-    by_sessions = _owned(sched, held)
+    counts, by_reqs, by_sessions = _ownership(sched)
     every = torch.cat([free_slots, cache.all_slots()] + by_reqs + by_sessions)
-    counts = {
-        "total": alloc.size,
-        "free": alloc.available_size(),
-        "evictable": cache.evictable_size(),
-        "protected": cache.protected_size(),
-        "request_owned": sum(len(p) for p in by_reqs),
-        "session_held": sum(len(p) for p in by_sessions),
-    }
     if len(every) != alloc.size or len(torch.unique(every)) != alloc.size:
         raise MemoryLeakError(f"KV slot ownership broken: {counts}, owned {len(every)}, distinct {len(torch.unique(every))}")
     if sum(v for k, v in counts.items() if k != "total") != alloc.size:

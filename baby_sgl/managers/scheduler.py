@@ -34,6 +34,7 @@ from baby_sgl.sampling.logprobs import record_input_logprobs
 from baby_sgl.sampling.sampler import Sampler
 from baby_sgl.sampling.sampling_params import stop_regex_matcher
 from baby_sgl.server_args import ServerArgs
+from baby_sgl.managers.activity import Activity
 from baby_sgl.trace import Tracer
 
 logger = logging.getLogger(__name__)
@@ -55,12 +56,14 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.context_len = context_len
         self.tracer = Tracer(args.trace_file) if args.trace_file else None
+        self.activity = Activity()  # recent batches, evictions and counters, for the dashboard
         runner.init_memory_pool(max_total_tokens, args.max_running_requests, context_len)
         self.req_to_token_pool = runner.req_to_token_pool
         self.allocator = PagedTokenAllocator(max_total_tokens, args.page_size, runner.device)
         self.tree_cache: BasePrefixCache = (ChunkCache(self.req_to_token_pool, self.allocator)
                                             if args.disable_radix_cache else
-                                            RadixCache(self.req_to_token_pool, self.allocator, self.tracer))
+                                            RadixCache(self.req_to_token_pool, self.allocator, self.tracer,
+                                                       on_evict=self.activity.record_eviction))
         self.sessions = SessionController(self.tree_cache, max_input_len, tokenizer.bos_token_id, args.max_sessions)
         self.sampler = Sampler(runner.cfg.vocab_size, sorted(self.eos_token_ids), args.random_seed)
         self.waiting: list[Req] = []
@@ -243,6 +246,7 @@ class Scheduler:
         if batch is None:
             return False
         mwb = batch.get_model_worker_batch()
+        self.activity.record_batch(batch)
         if self.tracer:
             self._trace_batch(batch, mwb)
         try:
@@ -258,6 +262,7 @@ class Scheduler:
         if batch.input_logprob_spans:
             self._record_input_logprobs(batch, logprob_hidden)
         self._process_result(batch, logits)
+        self.activity.record_step(self.stats["generation_tokens"])
         return True
 
     def _record_input_logprobs(self, batch: ScheduleBatch, hidden: torch.Tensor) -> None:
@@ -426,6 +431,7 @@ class Scheduler:
         if req.time_stats.first_token is None:  # its prefill is complete: count its prompt once
             self.stats["prompt_tokens"] += len(req.origin_input_ids)
             self.stats["cached_tokens"] += req.cached_tokens
+            self.activity.record_first_token(req, time.perf_counter() - req.time_stats.created)
         if token is None:  # max_new_tokens == 0: prefill only, the prompt stays in the cache
             req.time_stats.first_token = time.perf_counter()
             self._finish(req, {"type": "length", "length": 0})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,9 +51,9 @@ def _match_len(a: list[int], b: list[int], page: int) -> int:
 
 class RadixCache(BasePrefixCache):
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: PagedTokenAllocator,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, on_evict: Callable[[list[TreeNode]], None] | None = None) -> None:
         super().__init__(req_to_token_pool, allocator)
-        self.tracer = tracer
+        self.tracer, self.on_evict = tracer, on_evict
         self.reset()
 
     def reset(self) -> None:
@@ -130,9 +131,10 @@ class RadixCache(BasePrefixCache):
         """Frees at least num_tokens slots from unlocked leaves, least recently used first."""
         heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
-        freed = 0
+        freed, evicted = 0, []
         while freed < num_tokens and heap:
             leaf = heapq.heappop(heap)
+            evicted.append(leaf)
             self.allocator.free(leaf.value)
             freed += len(leaf.key)
             self.evictable_size_ -= len(leaf.key)
@@ -142,6 +144,8 @@ class RadixCache(BasePrefixCache):
                 heapq.heappush(heap, parent)
         if freed and self.tracer:
             self.tracer.event("cache_evict", tokens=freed)
+        if evicted and self.on_evict:
+            self.on_evict(evicted)
         return freed
 
     def evictable_size(self) -> int:
