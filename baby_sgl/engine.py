@@ -22,7 +22,7 @@ from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.model_runner import ModelRunner
 from baby_sgl.model_loader.loader import load_model
 from baby_sgl.distributed import tp_plan
-from baby_sgl.distributed.tp_group import TensorParallel
+from baby_sgl.distributed.tp_group import GroupBroken, TensorParallel
 from baby_sgl.errors import EngineDeadError
 from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, ReqOptions, SessionParams
 from baby_sgl.constrained.grammar import GrammarCache
@@ -123,8 +123,10 @@ class Engine:
         if args.max_total_tokens:
             size = args.max_total_tokens
         else:
-            # Over all tensor-parallel ranks (each holds its KV heads; on CPU they share the memory).
-            kv_heads = tp_plan.kv_heads_per_token(cfg, args.tp_size)
+            # Tensor parallelism: on CPU the ranks share the memory, so count every rank's KV heads;
+            # on CUDA each rank has its own device, so count the largest share.
+            kv_heads = tp_plan.kv_heads_per_token(cfg, args.tp_size) if self.device.type == "cpu" else \
+                max(s.kv_heads[1] - s.kv_heads[0] for s in tp_plan.plan(cfg, args.tp_size))
             per_token = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype)
             if self.device.type == "cuda":
                 size = int(torch.cuda.mem_get_info(self.device)[0] * 0.8) // per_token
@@ -424,7 +426,8 @@ class Engine:
     def shutdown(self) -> None:
         self.scheduler.shutdown()
         if self.tp is not None:
-            self.tp.stop()
+            sched = self.scheduler
+            self.tp.stop(in_step=not sched.thread.is_alive() and not isinstance(sched.dead, GroupBroken))
 
     def __enter__(self) -> Engine:
         return self

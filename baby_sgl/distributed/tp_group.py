@@ -31,9 +31,10 @@ from baby_sgl.distributed.cores import pin_to, split_cores
 logger = logging.getLogger(__name__)
 
 _STOP_TIMEOUT_S = 30.0
-# A rank waits this long for the others in a collective: long enough for the slowest prefill
-# pass, short enough that a rank stuck for good does not hang the others for ever.
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+# gloo's timeout covers every wait, including a rank's wait for rank 0's next batch, which lasts
+# as long as the server is idle: so no practical limit. A rank that dies closes its connections
+# and the others fail at once; a rank 0 that dies takes the others with it (tp_worker).
+COLLECTIVE_TIMEOUT = datetime.timedelta(days=3650)
 
 
 class GroupBroken(BaseException):
@@ -115,30 +116,35 @@ class TensorParallel:
         self._threads = torch.get_num_threads()
         cores = split_cores(tp_size)
         address = f"tcp://127.0.0.1:{_free_port()}"
-        for rank in range(1, tp_size):
-            argv = [sys.executable, "-m", "baby_sgl.distributed.tp_worker", "--rank", str(rank), "--tp-size",
-                    str(tp_size), "--init-address", address, "--model-path", model_path,
-                    "--dtype", str(dtype).removeprefix("torch."), "--device", str(device),
-                    "--threads", str(len(cores[rank])), "--parent-pid", str(os.getpid())]
-            env = dict(os.environ, OMP_NUM_THREADS=str(len(cores[rank])))
-            self.procs.append(subprocess.Popen(argv, env=env, preexec_fn=pin_to(cores[rank])))
-        # Rank 0 keeps running in the caller's process (not pinned: its server and scheduler
-        # threads may use any core), with its share of threads for the model.
-        torch.set_num_threads(len(cores[0]))
         try:
+            for rank in range(1, tp_size):
+                argv = [sys.executable, "-m", "baby_sgl.distributed.tp_worker", "--rank", str(rank), "--tp-size",
+                        str(tp_size), "--init-address", address, "--model-path", model_path,
+                        "--dtype", str(dtype).removeprefix("torch."), "--device", str(device),
+                        "--threads", str(len(cores[rank])), "--parent-pid", str(os.getpid())]
+                env = dict(os.environ, OMP_NUM_THREADS=str(len(cores[rank])))
+                self.procs.append(subprocess.Popen(argv, env=env, preexec_fn=pin_to(cores[rank])))
+            # Rank 0 keeps running in the caller's process (not pinned: its server and scheduler
+            # threads may use any core), with its share of threads for the model.
+            torch.set_num_threads(len(cores[0]))
             dist.init_process_group(backend_for(device), init_method=address, rank=0, world_size=tp_size,
                                     timeout=COLLECTIVE_TIMEOUT)
         except BaseException:
             self._kill()
+            torch.set_num_threads(self._threads)
             raise
         logger.info("tensor parallel: %d ranks over %s, followers %s", tp_size, backend_for(device),
                     [p.pid for p in self.procs])
 
-    def stop(self) -> None:
-        """Tells the other ranks to stop and waits for them; kills any that do not exit."""
+    def stop(self, in_step: bool = True) -> None:
+        """Tells the other ranks to stop and waits for them; kills any that do not exit. in_step:
+        the ranks are between passes (rank 0's scheduler has stopped cleanly); otherwise a Stop
+        could meet a rank inside a collective, so they are killed."""
         if not dist.is_initialized():
             return
-        if all(p.poll() is None for p in self.procs):
+        if not in_step:
+            self._kill()
+        elif all(p.poll() is None for p in self.procs):
             try:
                 self.group.send(Stop())
             except Exception as e:  # noqa: BLE001 - a rank already gone: kill the rest below

@@ -17,6 +17,14 @@ import httpx
 OWNERS = ("free", "evictable", "protected", "request_owned", "session_held")
 
 
+def _line(child: dict, width: int) -> str:
+    text = json.dumps(child["text"], ensure_ascii=False)
+    text = text if len(text) <= width else text[: width - 2] + '…"'
+    lock = f" (lock {child['lock_ref']})" if child["lock_ref"] else ""
+    hit = "  <- latest hit" if child["hit"] and not any(c["hit"] for c in child["children"]) else ""
+    return f"{text} {child['tokens']} tok, {child['state']}{lock}{hit}"
+
+
 def render(body: dict, width: int = 48) -> str:
     pool = body["pool"]
     lines = ["KV pool: " + ", ".join(f"{k} {pool[k]}" for k in OWNERS) + f" (total {pool['total']})"]
@@ -25,23 +33,23 @@ def render(body: dict, width: int = 48) -> str:
         return "\n".join(lines + ["the radix cache is disabled"])
     lines.append(f"(root) {tree['tokens']} tokens in {tree['nodes']} nodes"
                  + (f", the {tree['shown']} most recently used shown" if tree["shown"] < tree["nodes"] else ""))
-
-    def walk(node: dict, prefix: str) -> None:
-        items = node["children"] + ([node["more"]] if node.get("more") else [])
-        for i, child in enumerate(items):
-            last = i == len(items) - 1
-            branch, below = ("└─ ", "   ") if last else ("├─ ", "│  ")
-            if child is node.get("more"):
-                lines.append(f"{prefix}{branch}+ {child['nodes']} more nodes ({child['tokens']} tokens)")
-                continue
-            text = json.dumps(child["text"], ensure_ascii=False)
-            text = text if len(text) <= width else text[: width - 2] + '…"'
-            lock = f" (lock {child['lock_ref']})" if child["lock_ref"] else ""
-            hit = "  <- latest hit" if child["hit"] and not any(c["hit"] for c in child["children"]) else ""
-            lines.append(f"{prefix}{branch}{text} {child['tokens']} tok, {child['state']}{lock}{hit}")
-            walk(child, prefix + below)
-
-    walk(tree["root"], "")
+    # Depth first without recursion (trees can be deep): a node's line, then its subtree.
+    stack: list = [(tree["root"], "")]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            lines.append(item)
+            continue
+        node, prefix = item
+        children, more = node["children"], node.get("more")
+        pending = []
+        for i, child in enumerate(children):
+            last = i == len(children) - 1 and not more
+            branch, indent = ("└─ ", "   ") if last else ("├─ ", "│  ")
+            pending += [prefix + branch + _line(child, width), (child, prefix + indent)]
+        if more:
+            pending.append(f"{prefix}└─ + {more['nodes']} more nodes ({more['tokens']} tokens)")
+        stack.extend(reversed(pending))
     return "\n".join(lines)
 
 

@@ -143,15 +143,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def check_ranks(self) -> None:
-        """Tensor parallelism: asserts that every rank's request-to-slot table equals rank 0's
-        and that their KV pools have its size (run in the scheduler thread, between passes)."""
+        """Tensor parallelism: every rank's request-to-slot table must equal rank 0's and their
+        KV pools have its size (run in the scheduler thread, between passes); GroupBroken if not."""
         if self.tp is None:
             return
         self.tp.send(CheckMemory(self.req_to_token_pool.take_journal()))
         digests = self.tp.gather(self.memory_digest())
         for rank, d in enumerate(digests[1:], start=1):
             if d["table"] != digests[0]["table"] or d["kv_slots"] != digests[0]["kv_slots"]:
-                raise AssertionError(f"tensor-parallel rank {rank} is out of step with rank 0: {d} vs {digests[0]}")
+                # Not a leak to report and serve on: every pass from now on would be wrong.
+                raise GroupBroken(f"tensor-parallel rank {rank} is out of step with rank 0: {d} vs {digests[0]}")
 
     def memory_digest(self) -> dict:
         """What must agree across ranks: the request-to-slot table (byte for byte) and the KV

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from baby_sgl import Engine
 from baby_sgl.distributed import tp_plan
+from baby_sgl.errors import EngineDeadError
 from baby_sgl.model_config import ModelConfig
 from entrypoints.conftest import free_port
 from helpers import CONFIGS, GREEDY, TINY_KW, hf_greedy, random_prompts, shared_prefix_prompts
@@ -82,14 +83,16 @@ def test_default_model_runs_split():
 
 def test_a_rank_out_of_step_is_caught(tiny_llama):
     """The memory check compares every rank's request-to-slot table with rank 0's: a write that
-    does not reach the other ranks is found."""
+    does not reach the other ranks is found, and the engine stops (its passes would be wrong)."""
     with Engine(tiny_llama, dtype="float32", tp_size=2) as engine:
         engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={**GREEDY, "max_new_tokens": 2})
         engine.check_memory()
         table = engine.scheduler.req_to_token_pool.req_to_token
         table[0, 0] += 1  # behind the journal's back
-        with pytest.raises(AssertionError, match="rank 1 is out of step"):
+        with pytest.raises(EngineDeadError, match="rank 1 is out of step"):
             engine.check_memory()
+        assert not engine.is_alive()
+    assert _followers() == []  # killed: a rank may not be between passes
 
 
 @pytest.mark.parametrize(("tp_size", "message"), [

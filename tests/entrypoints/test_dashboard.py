@@ -141,3 +141,25 @@ def test_page_renders_in_headless_chromium(dash, tmp_path):
     total = int(re.search(r'id="pool" data-total="(\d+)"', dom).group(1))
     counts = [int(c) for c in re.findall(r'class="seg" data-owner="\w+" data-count="(\d+)"', dom)]
     assert len(counts) == 5 and sum(counts) == total == 1024
+
+
+def test_deep_trees_are_cut_at_a_depth(dash, capsys):
+    """Each prompt extends the one before: a chain of 220 nodes. The view stops at MAX_DEPTH levels and
+    counts the rest (JSON encoders recurse once per level), and the tree command prints it."""
+    from baby_sgl.managers.scheduler_view import MAX_DEPTH
+
+    httpx.post(dash + "/flush_cache").raise_for_status()
+    text = ""
+    for i in range(220):
+        text += "abcdefghijklmnopqrstuvwxyz"[i % 26] * 2 + "."
+        body = {"text": text, "sampling_params": {"max_new_tokens": 1}}
+        httpx.post(dash + "/generate", json=body, timeout=60).raise_for_status()
+    r = httpx.get(dash + "/dashboard/tree", params={"max_nodes": 2000})
+    assert r.status_code == 200, r.text[:500]
+    tree = r.json()["tree"]
+    node, depth = tree["root"], 0
+    while node["children"]:
+        node, depth = node["children"][-1], depth + 1
+    assert depth == MAX_DEPTH and tree["nodes"] > MAX_DEPTH and node["more"]["nodes"] > 0
+    assert tree_main(["--base-url", dash, "--max-nodes", "2000"]) == 0
+    assert "more nodes" in capsys.readouterr().out
