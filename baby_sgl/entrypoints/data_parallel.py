@@ -12,6 +12,7 @@ everything stops (exit code 1); a worker that dies is left to the router to rout
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -37,6 +38,7 @@ _ROUTER_HEALTH_FLAGS = ("--health-check-interval-secs", "2", "--health-failure-t
                         "--disable-circuit-breaker")
 # Settings the front process keeps: each worker gets its own port on loopback and dp_size 1.
 _FRONT_ONLY = ("host", "port", "dp_size", "router_policy")
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def worker_argv(args: ServerArgs, port: int) -> list[str]:
@@ -88,7 +90,7 @@ class DataParallelServer:
         for i, cores in enumerate(split_cores(self.args.dp_size)):
             port = _free_port()
             env = dict(os.environ, OMP_NUM_THREADS=str(len(cores)))
-            proc = subprocess.Popen(worker_argv(self.args, port), env=env, preexec_fn=pin_to(cores))
+            proc = subprocess.Popen(worker_argv(self.args, port), env=env, preexec_fn=_child_setup(cores))
             self.workers.append(proc)
             self.urls.append(f"http://127.0.0.1:{port}")
             logger.info("worker %d: pid %d, %s, cores %s", i, proc.pid, self.urls[-1], cores)
@@ -113,7 +115,7 @@ class DataParallelServer:
                 *_ROUTER_HEALTH_FLAGS]
         if a.api_key:  # the workers require it too; the router presents it to them
             argv += ["--api-key", a.api_key]
-        self.router = subprocess.Popen(argv, env=_router_env(a.log_level))
+        self.router = subprocess.Popen(argv, env=_router_env(a.log_level), preexec_fn=_child_setup(None))
         logger.info("router: pid %d, policy %s, on %s:%d", self.router.pid, a.router_policy, a.host, a.port)
 
     def stop(self) -> None:
@@ -150,6 +152,21 @@ class DataParallelServer:
             return 1
         finally:
             self.stop()
+
+
+def _child_setup(cores: list[int] | None):
+    """A child's preexec_fn: on its cores (if given), and told to stop (SIGTERM) when this front
+    process dies, even by SIGKILL, so that no worker or router outlives it (Linux; elsewhere
+    only the pinning)."""
+    pin = pin_to(cores) if cores else None
+
+    def setup() -> None:
+        if pin:
+            pin()
+        if sys.platform == "linux":
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return setup
 
 
 def _router_env(log_level: str) -> dict[str, str]:

@@ -44,8 +44,9 @@ def dp_server(tiny_llama):
         assert time.monotonic() < deadline, "the router did not come up"
         time.sleep(0.5)
     yield base, proc
-    if proc.poll() is None:
-        proc.kill()
+    if proc.poll() is None:  # a test stopped early: stop it as a supervisor would
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def _workers(base: str) -> list[str]:
@@ -220,6 +221,30 @@ def test_killed_worker_is_routed_around(dp_server):
     wait_idle(survivor, timeout=30)
 
 
+def test_no_child_outlives_a_killed_front(tiny_llama):
+    """kill -9 of the front process (it cannot stop anything itself): the workers and the router
+    are told by the kernel and stop."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "baby_sgl.launch_server", "--model-path", tiny_llama, "--dtype",
+                             "float32", "--dp-size", "2", "--port", str(port), "--max-total-tokens", "1024"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}", 2, timeout=180)
+        children = _children(proc.pid)
+        assert len(children) == 3
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while not _gone(children):
+        assert time.monotonic() < deadline, "a worker or the router outlived the front process"
+        time.sleep(0.5)
+
+
+def _gone(pids: list[int]) -> bool:
+    return not [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
+
+
 def test_sigterm_stops_router_and_workers(dp_server):
     _, proc = dp_server
     children = _children(proc.pid)
@@ -227,6 +252,4 @@ def test_sigterm_stops_router_and_workers(dp_server):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     time.sleep(0.5)
-    alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and
-             "Z" not in open(f"/proc/{pid}/stat").read().split()[2]]
-    assert not alive, f"left behind: {alive}"
+    assert _gone(children), "left behind"
