@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from baby_sgl.distributed.cores import pin_to, split_cores
+from baby_sgl.distributed.processes import child_setup, free_port, split_cores
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +96,6 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TensorParallel:
     """Rank 0's handle on the group: starts the other ranks, joins the process group with them,
     and stops them. One per process at a time (torch.distributed has one default group)."""
@@ -115,7 +108,7 @@ class TensorParallel:
         self.procs: list[subprocess.Popen] = []
         self._threads = torch.get_num_threads()
         cores = split_cores(tp_size)
-        address = f"tcp://127.0.0.1:{_free_port()}"
+        address = f"tcp://127.0.0.1:{free_port()}"
         try:
             for rank in range(1, tp_size):
                 argv = [sys.executable, "-m", "baby_sgl.distributed.tp_worker", "--rank", str(rank), "--tp-size",
@@ -123,7 +116,7 @@ class TensorParallel:
                         "--dtype", str(dtype).removeprefix("torch."), "--device", str(device),
                         "--threads", str(len(cores[rank])), "--parent-pid", str(os.getpid())]
                 env = dict(os.environ, OMP_NUM_THREADS=str(len(cores[rank])))
-                self.procs.append(subprocess.Popen(argv, env=env, preexec_fn=pin_to(cores[rank])))
+                self.procs.append(subprocess.Popen(argv, env=env, preexec_fn=child_setup(cores[rank])))
             # Rank 0 keeps running in the caller's process (not pinned: its server and scheduler
             # threads may use any core), with its share of threads for the model.
             torch.set_num_threads(len(cores[0]))

@@ -12,20 +12,18 @@ everything stops (exit code 1); a worker that dies is left to the router to rout
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
 
-from baby_sgl.distributed.cores import pin_to, split_cores
+from baby_sgl.distributed.processes import child_setup, free_port, split_cores
 from baby_sgl.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -38,7 +36,6 @@ _ROUTER_HEALTH_FLAGS = ("--health-check-interval-secs", "2", "--health-failure-t
                         "--disable-circuit-breaker")
 # Settings the front process keeps: each worker gets its own port on loopback and dp_size 1.
 _FRONT_ONLY = ("host", "port", "dp_size", "router_policy")
-_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def worker_argv(args: ServerArgs, port: int) -> list[str]:
@@ -64,12 +61,6 @@ def router_executable() -> str:
     return exe
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
@@ -88,9 +79,9 @@ class DataParallelServer:
 
     def start_workers(self) -> None:
         for i, cores in enumerate(split_cores(self.args.dp_size)):
-            port = _free_port()
+            port = free_port()
             env = dict(os.environ, OMP_NUM_THREADS=str(len(cores)))
-            proc = subprocess.Popen(worker_argv(self.args, port), env=env, preexec_fn=_child_setup(cores))
+            proc = subprocess.Popen(worker_argv(self.args, port), env=env, preexec_fn=child_setup(cores, die_with_parent=True))
             self.workers.append(proc)
             self.urls.append(f"http://127.0.0.1:{port}")
             logger.info("worker %d: pid %d, %s, cores %s", i, proc.pid, self.urls[-1], cores)
@@ -108,14 +99,14 @@ class DataParallelServer:
         argv = [router_executable(), "launch", "--worker-urls", *self.urls, "--policy", a.router_policy,
                 "--host", a.host, "--port", str(a.port), "--log-level", _router_log_level(a.log_level),
                 # Its metrics server would bind 0.0.0.0:29000 (and clash with a second router).
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                 # A dead worker leaves routing within seconds; the circuit breaker is off because it
                 # counts clients' 400s as worker failures (twenty bad requests shut every worker out
                 # for a minute).
                 *_ROUTER_HEALTH_FLAGS]
         if a.api_key:  # the workers require it too; the router presents it to them
             argv += ["--api-key", a.api_key]
-        self.router = subprocess.Popen(argv, env=_router_env(a.log_level), preexec_fn=_child_setup(None))
+        self.router = subprocess.Popen(argv, env=_router_env(a.log_level), preexec_fn=child_setup(None, die_with_parent=True))
         logger.info("router: pid %d, policy %s, on %s:%d", self.router.pid, a.router_policy, a.host, a.port)
 
     def stop(self) -> None:
@@ -152,21 +143,6 @@ class DataParallelServer:
             return 1
         finally:
             self.stop()
-
-
-def _child_setup(cores: list[int] | None):
-    """A child's preexec_fn: on its cores (if given), and told to stop (SIGTERM) when this front
-    process dies, even by SIGKILL, so that no worker or router outlives it (Linux; elsewhere
-    only the pinning)."""
-    pin = pin_to(cores) if cores else None
-
-    def setup() -> None:
-        if pin:
-            pin()
-        if sys.platform == "linux":
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    return setup
 
 
 def _router_env(log_level: str) -> dict[str, str]:

@@ -10,13 +10,14 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from baby_sgl.managers.req import Req
     from baby_sgl.managers.schedule_batch import ScheduleBatch
     from baby_sgl.mem_cache.radix_cache import TreeNode
 
 HISTORY_S = 300  # seconds of per-second counters
 RECENT = 40  # batches and evictions kept
 HEAD_TOKENS = 24  # tokens kept of an evicted node, to show its text
+# Per-second history: its name -> the scheduler's cumulative counter (Scheduler.stats).
+_COUNTERS = {"generated": "generation_tokens", "prompt": "prompt_tokens", "cached": "cached_tokens"}
 
 
 class Activity:
@@ -28,7 +29,7 @@ class Activity:
         self.last_hit: dict[str, Any] | None = None
         self.last_hit_node: TreeNode | None = None
         self.history: deque[dict[str, float]] = deque(maxlen=HISTORY_S)
-        self._generated = 0
+        self._last: dict[str, int] = {}  # the scheduler's counters at the last step
 
     def _now(self) -> float:
         return round(time.monotonic() - self.t0, 3)
@@ -60,17 +61,18 @@ class Activity:
         self.evictions.append({"t": self._now(), "nodes": len(leaves), "tokens": tokens,
                                "heads": [n.key[:HEAD_TOKENS] for n in leaves[:3]]})
 
-    def record_first_token(self, req: Req, ttft: float) -> None:
+    def record_ttft(self, seconds: float) -> None:
         bucket = self._bucket()
-        bucket["prompt"] += len(req.origin_input_ids)
-        bucket["cached"] += req.cached_tokens
-        bucket["ttft_sum"] += ttft
+        bucket["ttft_sum"] += seconds
         bucket["ttft_n"] += 1
 
-    def record_step(self, generated_total: int) -> None:
-        """After each step: the tokens generated since the last one go to this second's count."""
-        self._bucket()["generated"] += generated_total - self._generated
-        self._generated = generated_total
+    def record_step(self, stats: dict[str, int]) -> None:
+        """After each step: what the scheduler's counters gained since the last one goes to this
+        second's bucket."""
+        bucket = self._bucket()
+        for name, key in _COUNTERS.items():
+            bucket[name] += stats[key] - self._last.get(key, 0)
+            self._last[key] = stats[key]
 
     def hit_path(self) -> set[int]:
         """Node ids from the latest hit's node up to the root (a later split only adds nodes on

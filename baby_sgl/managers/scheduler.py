@@ -262,7 +262,7 @@ class Scheduler:
         if batch.input_logprob_spans:
             self._record_input_logprobs(batch, logprob_hidden)
         self._process_result(batch, logits)
-        self.activity.record_step(self.stats["generation_tokens"])
+        self.activity.record_step(self.stats)
         return True
 
     def _record_input_logprobs(self, batch: ScheduleBatch, hidden: torch.Tensor) -> None:
@@ -428,12 +428,13 @@ class Scheduler:
         if req.to_abort:
             self._finish(req, {"type": "abort", "message": req.to_abort})
             return False
-        if req.time_stats.first_token is None:  # its prefill is complete: count its prompt once
+        ts = req.time_stats
+        if ts.first_token is None:  # prefill complete: its first token; its prompt counted once
+            ts.first_token = time.perf_counter()
             self.stats["prompt_tokens"] += len(req.origin_input_ids)
             self.stats["cached_tokens"] += req.cached_tokens
-            self.activity.record_first_token(req, time.perf_counter() - req.time_stats.created)
+            self.activity.record_ttft(ts.first_token - ts.created)
         if token is None:  # max_new_tokens == 0: prefill only, the prompt stays in the cache
-            req.time_stats.first_token = time.perf_counter()
             self._finish(req, {"type": "length", "length": 0})
             return False
         self._append_token(req, token)
@@ -449,8 +450,6 @@ class Scheduler:
             req.grammar.accept_token(token)
         req.output_ids.append(token)
         self.stats["generation_tokens"] += 1
-        if req.time_stats.first_token is None:
-            req.time_stats.first_token = time.perf_counter()
         p = req.sampling_params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             req.finished_reason = {"type": "stop", "matched": token}

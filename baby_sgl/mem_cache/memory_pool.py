@@ -13,7 +13,8 @@ class ReqToTokenPool:
         self.req_to_token = torch.zeros(size, max_context_len, dtype=torch.int64, device=device)
         self.free_slots = list(range(size))
         # Tensor parallelism, rank 0: the writes since the last pass, for the other ranks' copies.
-        self.journal: list[tuple[int, int, torch.Tensor]] | None = [] if journal else None
+        # (Lists of ints: they pickle several times faster than small tensors.)
+        self.journal: list[tuple[int, int, list[int]]] | None = [] if journal else None
 
     def alloc(self) -> int | None:
         return self.free_slots.pop() if self.free_slots else None
@@ -25,15 +26,15 @@ class ReqToTokenPool:
     def write(self, slot: int, start: int, indices: torch.Tensor) -> None:
         self.req_to_token[slot, start : start + len(indices)] = indices
         if self.journal is not None:
-            self.journal.append((slot, start, indices.cpu().clone()))
+            self.journal.append((slot, start, indices.tolist()))
 
-    def take_journal(self) -> list[tuple[int, int, torch.Tensor]]:
+    def take_journal(self) -> list[tuple[int, int, list[int]]]:
         writes, self.journal = self.journal, []
         return writes
 
-    def apply_writes(self, writes: list[tuple[int, int, torch.Tensor]]) -> None:
+    def apply_writes(self, writes: list[tuple[int, int, list[int]]]) -> None:
         for slot, start, indices in writes:
-            self.write(slot, start, indices.to(self.req_to_token.device))
+            self.write(slot, start, torch.tensor(indices, dtype=torch.int64, device=self.req_to_token.device))
 
 
 class KVPool:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
@@ -19,7 +18,7 @@ from baby_sgl import Engine
 from baby_sgl.distributed import tp_plan
 from baby_sgl.errors import EngineDeadError
 from baby_sgl.model_config import ModelConfig
-from entrypoints.conftest import free_port
+from entrypoints.conftest import all_gone, child_pids, start_server
 from helpers import CONFIGS, GREEDY, TINY_KW, hf_greedy, random_prompts, shared_prefix_prompts
 
 MAX_NEW = 24
@@ -126,36 +125,8 @@ def test_plan_deals_kv_groups_unevenly_when_they_do_not_divide():
     assert tp_plan.kv_heads_per_token(tiny, 4) == 4
 
 
-def _wait_healthy(base: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, "the server exited while starting"
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.3)
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def _gone(pids: list[int]) -> bool:
-    return not [p for p in pids if os.path.exists(f"/proc/{p}") and
-                "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
-
-
 def _serve(tiny_llama) -> tuple[str, subprocess.Popen]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "baby_sgl.launch_server", "--model-path", tiny_llama, "--dtype",
-                             "float32", "--tp-size", "2", "--port", str(port), "--max-total-tokens", "2048"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    _wait_healthy(base, proc)
+    proc, base = start_server(tiny_llama, "--dtype", "float32", "--tp-size", "2", "--max-total-tokens", "2048")
     return base, proc
 
 
@@ -166,12 +137,12 @@ def test_server_with_tp_stops_every_rank(tiny_llama):
         r = httpx.post(base + "/generate", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 8
         assert httpx.get(base + "/debug/check_memory").status_code == 200
-        ranks = _children(proc.pid)
+        ranks = child_pids(proc.pid)
         assert len(ranks) == 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         time.sleep(0.5)
-        assert _gone(ranks), "a rank outlived the server"
+        assert all_gone(ranks), "a rank outlived the server"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -182,7 +153,7 @@ def test_a_dead_rank_stops_the_server_with_a_clear_error(tiny_llama):
     server exits with code 1 (for a supervisor to restart it) instead of hanging."""
     base, proc = _serve(tiny_llama)
     try:
-        (rank,) = _children(proc.pid)
+        (rank,) = child_pids(proc.pid)
         os.kill(rank, signal.SIGKILL)
         body = {"text": "hello there", "sampling_params": {"max_new_tokens": 8}}
         r = httpx.post(base + "/generate", json=body, timeout=120)

@@ -4,7 +4,10 @@ test the server must come back to idle with the KV memory invariant intact."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +25,38 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_server(model: str, *flags: str, script: list[str] | None = None, ready: str = "/health",
+                 timeout: float = 120, stderr=subprocess.PIPE) -> tuple[subprocess.Popen, str]:
+    """`baby-sgl serve` (or script) on model with these flags on a free loopback port; returns
+    (process, base URL) once GET ready answers 200. Fails if it exits or is not up in time."""
+    port = free_port()
+    cmd = (script or [sys.executable, "-m", "baby_sgl.launch_server"]) + ["--model-path", model, "--port", str(port),
+                                                                           *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else "the server exited while starting"
+        try:
+            if httpx.get(base + ready, timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    pytest.fail(f"the server did not answer {ready} in {timeout:.0f} s")
+
+
+def child_pids(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def all_gone(pids: list[int]) -> bool:
+    """None of these processes runs any more (exited zombies count as gone)."""
+    return not [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
 
 
 def wait_idle(base: str, timeout: float = 10.0) -> dict:

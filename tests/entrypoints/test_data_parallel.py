@@ -10,39 +10,20 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from entrypoints.conftest import free_port, wait_idle
+from entrypoints.conftest import all_gone, child_pids, free_port, start_server, wait_idle
 from baby_sgl.entrypoints.data_parallel import router_executable
-
-
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
 
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_llama):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "baby_sgl.launch_server", "--model-path", tiny_llama, "--dtype",
-                             "float32", "--dp-size", "2", "--port", str(port), "--max-total-tokens", "2048"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, "the front process exited while starting"
-        try:
-            if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the router did not come up"
-        time.sleep(0.5)
+    proc, base = start_server(tiny_llama, "--dtype", "float32", "--dp-size", "2", "--max-total-tokens", "2048",
+                              ready="/v1/models", timeout=180, stderr=subprocess.DEVNULL)
     yield base, proc
     if proc.poll() is None:  # a test stopped early: stop it as a supervisor would
         proc.terminate()
@@ -152,7 +133,7 @@ def test_cache_aware_routing_keeps_prefix_hits(dp_server, tmp_path):
 
 def _worker_pid(front_pid: int, url: str) -> int:
     port = url.rsplit(":", 1)[1]
-    for pid in _children(front_pid):
+    for pid in child_pids(front_pid):
         argv = open(f"/proc/{pid}/cmdline").read().split("\0")
         if "--port" in argv and argv[argv.index("--port") + 1] == port:
             return pid
@@ -224,32 +205,26 @@ def test_killed_worker_is_routed_around(dp_server):
 def test_no_child_outlives_a_killed_front(tiny_llama):
     """kill -9 of the front process (it cannot stop anything itself): the workers and the router
     are told by the kernel and stop."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "baby_sgl.launch_server", "--model-path", tiny_llama, "--dtype",
-                             "float32", "--dp-size", "2", "--port", str(port), "--max-total-tokens", "1024"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, base = start_server(tiny_llama, "--dtype", "float32", "--dp-size", "2", "--max-total-tokens", "1024",
+                              ready="/v1/models", timeout=180, stderr=subprocess.DEVNULL)
     try:
-        _wait_ready(f"http://127.0.0.1:{port}", 2, timeout=180)
-        children = _children(proc.pid)
+        _wait_ready(base, 2, timeout=180)
+        children = child_pids(proc.pid)
         assert len(children) == 3
     finally:
         proc.kill()
         proc.wait()
     deadline = time.monotonic() + 30
-    while not _gone(children):
+    while not all_gone(children):
         assert time.monotonic() < deadline, "a worker or the router outlived the front process"
         time.sleep(0.5)
 
 
-def _gone(pids: list[int]) -> bool:
-    return not [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
-
-
 def test_sigterm_stops_router_and_workers(dp_server):
     _, proc = dp_server
-    children = _children(proc.pid)
+    children = child_pids(proc.pid)
     assert len(children) == 3, children  # two workers and the router
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     time.sleep(0.5)
-    assert _gone(children), "left behind"
+    assert all_gone(children), "left behind"

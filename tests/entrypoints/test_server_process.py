@@ -12,29 +12,14 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
-from conftest import free_port
+from conftest import start_server
 
 LONG = {"max_new_tokens": 1000, "ignore_eos": True}
 
 
 def start(model: str, script: list[str] | None = None) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = (script or [sys.executable, "-m", "baby_sgl.launch_server"]) + [
-        "--model-path", model, "--port", str(port), "--max-total-tokens", "4096", "--request-body-timeout", "60"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read()
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    pytest.fail("the server did not start")
+    return start_server(model, "--max-total-tokens", "4096", "--request-body-timeout", "60", script=script)
 
 
 def _stream_forever(base: str, outcome: list) -> None:

@@ -1,0 +1,51 @@
+"""The processes this one starts on this machine (data-parallel workers and their router,
+tensor-parallel ranks): each on its own share of the cores, so their torch threads do not compete,
+talking over free loopback ports, and stopping when this process dies."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def split_cores(n: int) -> list[list[int]]:
+    """The cores this process may use, split into n contiguous, disjoint groups. With fewer
+    cores than groups, groups share."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) < n:
+        return [[cores[i % len(cores)]] for i in range(n)]
+    size, extra = divmod(len(cores), n)
+    groups, start = [], 0
+    for i in range(n):
+        end = start + size + (i < extra)
+        groups.append(cores[start:end])
+        start = end
+    return groups
+
+
+def child_setup(cores: list[int] | None, die_with_parent: bool = False) -> Callable[[], None]:
+    """A child's preexec_fn: kept on these cores (if given and the OS has affinity); with
+    die_with_parent, sent SIGTERM by the kernel when this process dies, even by SIGKILL (Linux).
+    The kernel means the thread that starts the child: use it only from one that lives as long
+    as the process (the main thread)."""
+
+    def setup() -> None:
+        if cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cores)
+        if die_with_parent and sys.platform == "linux":
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return setup
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
