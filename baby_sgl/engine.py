@@ -20,7 +20,8 @@ from baby_sgl.managers.scheduler import Scheduler
 from baby_sgl.mem_cache.memory_pool import KVPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.model_runner import ModelRunner
-from baby_sgl.model_loader.loader import load_model
+from baby_sgl.cpu_ops import cpu_ops
+from baby_sgl.model_loader.loader import is_gguf, load_model, resolve_model_path
 from baby_sgl.distributed import tp_plan
 from baby_sgl.distributed.tp_group import GroupBroken, TensorParallel
 from baby_sgl.errors import EngineDeadError
@@ -53,7 +54,7 @@ class Engine:
         self.server_args = args = ServerArgs(model_path=model_path, **kwargs)
         self.device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
         args.chunked_prefill_size = self._chunk_size()
-        loaded = load_model(args.model_path)
+        loaded = load_model(args.model_path, quantized=self._serve_quantized())
         self.model_config = cfg = ModelConfig.from_hf(loaded.hf_config)
         self.dtype = self._pick_dtype(loaded.hf_config)
         self.tokenizer_path = loaded.tokenizer_path  # a directory AutoTokenizer loads (also for a .gguf)
@@ -94,6 +95,21 @@ class Engine:
         self.grammars = GrammarCache(args.grammar_backend, self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.scheduler = Scheduler(args, runner, self.tokenizer, self.eos_token_ids, self.max_total_tokens,
                                    self.context_len, self.max_input_len)
+
+    def _serve_quantized(self) -> bool:
+        """Whether a GGUF's quantized matrices stay as they are (see layers/quantization.py)."""
+        args = self.server_args
+        if args.quantization == "none" or args.tp_size > 1 or args.enable_torch_compile:
+            return False
+        if not is_gguf(resolve_model_path(args.model_path)):
+            if args.quantization == "gguf":
+                raise ValueError("--quantization gguf needs a .gguf model file")
+            return False
+        if self.device.type != "cpu" or cpu_ops() is None:
+            logger.warning("quantized GGUF weights are dequantized at load: their kernel runs on a CPU with a C++ "
+                           "compiler only")
+            return False
+        return True
 
     def _pick_dtype(self, hf_config: dict) -> torch.dtype:
         if self.server_args.dtype != "auto":

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 class ServerArgs:
     model_path: str | None = None
     dtype: str = "auto"
+    # A GGUF's quantized matrices: None (default) or gguf serves them as they are stored on a CPU
+    # with the kernel; none dequantizes them to the dtype at load (layers/quantization.py).
+    quantization: str | None = None
     device: str = "auto"
     page_size: int = 1
     disable_radix_cache: bool = False
@@ -62,6 +65,13 @@ class ServerArgs:
                              f"got {self.schedule_policy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        from baby_sgl.layers.quantization import QUANTIZATION_CHOICES
+
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
+        if self.quantization == "gguf" and (self.tp_size > 1 or self.enable_torch_compile):
+            raise ValueError("--quantization gguf runs on the CPU kernel, which --tp-size > 1 and "
+                             "--enable-torch-compile do not use; pass --quantization none with them")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         for name in ("max_sessions", "max_request_bytes", "torch_compile_max_bs"):

@@ -1,11 +1,21 @@
-"""The machine's C++ toolchain, which torch.compile's CPU backend and our CPU kernel need."""
+"""The machine's C++ toolchain, which torch.compile's CPU backend and our CPU kernels need, and the
+one way our kernels are built: once per CPU with the machine's compiler through torch's extension
+loader (-O3 -march=native, OpenMP from torch's own runtime), kept in ~/.cache/baby-sgl/kernels.
+Without a compiler, or if a build fails, the caller keeps its portable path and says so once."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
 
 
 def cxx_compiler() -> str | None:
@@ -22,3 +32,29 @@ def cpu_fingerprint() -> str:
     except OSError:
         info = [platform.processor()]
     return hashlib.sha256("".join(info).encode()).hexdigest()[:12]
+
+
+def kernel_cache_dir() -> Path:
+    root = Path(os.environ.get("BABY_SGL_CACHE", Path.home() / ".cache" / "baby-sgl"))
+    return root / "kernels" / f"torch-{torch.__version__}-{cpu_fingerprint()}"
+
+
+def build_extension(name: str, sources: tuple[Path, ...], purpose: str) -> ModuleType | None:
+    """The extension built from `sources`, or None (the reason logged): then `purpose` takes its
+    portable path. Callers keep the result, so each build is tried once per process."""
+    if cxx_compiler() is None:
+        logger.warning("no C++ compiler found (g++, c++ or clang++): %s takes the portable path", purpose)
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        build = kernel_cache_dir() / name
+        build.mkdir(parents=True, exist_ok=True)
+        logger.info("loading the CPU kernels for %s (built once into %s)", purpose, build)
+        return load(name, [str(s) for s in sources], build_directory=str(build),
+                    extra_include_paths=sorted({str(s.parent) for s in sources}),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as e:  # a missing ninja, an old compiler: run, slower, rather than fail
+        logger.warning("could not build the CPU kernels for %s (%s); it takes the portable path", purpose,
+                       str(e).splitlines()[0] if str(e) else repr(e))
+        return None

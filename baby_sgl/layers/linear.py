@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baby_sgl.layers.quantization import QuantizedWeight
+
 SKINNY_ROWS = (2, 128)
 
 
@@ -26,7 +28,9 @@ def skinny_transposed() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, QuantizedWeight):
+        return weight.matmul(x, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if (x.dim() == 2 and SKINNY_ROWS[0] <= x.shape[0] <= SKINNY_ROWS[1] and x.device.type == "cpu"
@@ -36,9 +40,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def can_prepack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+def can_prepack(weight: torch.Tensor | QuantizedWeight) -> bool:
+    return (isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
             and weight.dtype in (torch.float32, torch.bfloat16) and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def set_quantized(module: nn.Module, weight: QuantizedWeight) -> None:
+    """Replaces a module's dense `weight` parameter by stored blocks: `weight` becomes the
+    QuantizedWeight, whose bytes are a buffer (so they move with the module)."""
+    del module._parameters["weight"]
+    module.register_buffer("qweight", weight.data, persistent=False)
+    module.weight = weight
 
 
 class Linear(nn.Linear):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from baby_sgl.attention.registry import create_attention_backend
+from baby_sgl.cpu_ops import cpu_ops
 from baby_sgl.distributed import tp_plan
 from baby_sgl.distributed.tp_group import CheckMemory, Forward, GroupBroken, InitPool, TPGroup
 from baby_sgl.mem_cache.memory_pool import KVPool, ReqToTokenPool
@@ -18,6 +19,7 @@ from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
 from baby_sgl.layers.linear import Linear, can_prepack
 from baby_sgl.model_executor.compile import CompiledDense, device_needs_cxx
+from baby_sgl.model_executor import cpu_step
 from baby_sgl.models.llama import EAGER, DenseFns, attention_in, attention_out_mlp
 from baby_sgl.models.registry import get_model_class
 from baby_sgl.toolchain import cxx_compiler
@@ -67,9 +69,14 @@ class ModelRunner:
         self.req_to_token_pool: ReqToTokenPool | None = None
         self.kv_pool: KVPool | None = None
         self.compiled: CompiledDense | None = None
+        self.step: cpu_step.CpuDecodeStep | None = None
         if compile_max_bs:
             self._enable_compile(compile_max_bs)
-        if self.compiled is None:  # compiled graphs take plain weights and choose their own kernels
+        # The one-call decode step reads plain or quantized weights; without it (or with compiled
+        # graphs) the dense layers run op by op, where oneDNN's prepacked weights are faster.
+        self.step_ops = cpu_ops() if (device.type == "cpu" and tp is None and self.compiled is None and
+                                      cpu_step.can_run(self.model, dtype)) else None
+        if self.compiled is None and self.step_ops is None:
             self._prepack_linear_weights()
 
     def _prepack_linear_weights(self) -> None:
@@ -97,6 +104,8 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, context_len, self.device,
                                                 journal=self.tp is not None and self.is_leader)
         self.kv_pool = KVPool(max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        if self.step_ops is not None:
+            self.step = cpu_step.CpuDecodeStep(self.step_ops, self.model, self.kv_pool, self.req_to_token_pool)
 
     def forward(self, b: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next-token logits, one row per request, and the hidden states of input_logprob_rows
@@ -111,6 +120,9 @@ class ModelRunner:
             raise GroupBroken(f"tensor-parallel rank {self.tp.rank}: a pass failed: {e!r}") from e
 
     def _forward(self, b: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.step is not None and b.mode == ForwardMode.DECODE and self.step.takes(len(b.input_ids)):
+            logits = self.step.run(b.input_ids, b.positions, b.out_cache_loc, b.req_pool_indices, b.seq_lens)
+            return logits, None
         dev = self.device
         input_ids, positions, dense = b.input_ids, b.positions, self.dense
         bucket = self.compiled.bucket(len(input_ids)) if self.compiled and b.mode == ForwardMode.DECODE else None

@@ -1,9 +1,11 @@
 """Reads a GGUF file (llama.cpp's format) as a Hugging Face checkpoint: a config.json-like dict built
-from its metadata, float32 weights with Hugging Face names (dequantized with the `gguf` package), and a
-Hugging Face tokenizer converted from its vocabulary.
+from its metadata, weights with Hugging Face names, and a Hugging Face tokenizer converted from its
+vocabulary. The weights come either as they are stored (Q8_0, Q4_0 and Q4_1 tensors as their blocks,
+layers/quantization.py; other types dequantized) or all dequantized to float32 with the `gguf` package.
 
-Converting is slow next to loading (the tokenizer alone takes ~10 s), so both results are cached under
-$BABY_SGL_CACHE_DIR (default ~/.cache/baby_sgl), keyed by the file's path, size and mtime.
+Converting is slow next to loading (the tokenizer alone takes ~10 s), so the tokenizer and the float32
+weights are cached under $BABY_SGL_CACHE_DIR (default ~/.cache/baby_sgl), keyed by the file's path, size
+and mtime. Blocks are read straight from the file.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
+
+from baby_sgl.layers.quantization import QuantizedWeight, WeightType
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +50,14 @@ _LAYER_NAMES = {
 _ROPE_FREQS = "rope_freqs.weight"
 
 
-def load_gguf(path: str) -> tuple[dict, dict[str, torch.Tensor], str]:
-    """Returns (hf_config, float32 state_dict with Hugging Face names, tokenizer_dir)."""
+# GGUF block formats the CPU kernel multiplies as they are.
+_KEPT_QUANTIZED = {GGMLQuantizationType.Q8_0: WeightType.Q8_0, GGMLQuantizationType.Q4_0: WeightType.Q4_0,
+                   GGMLQuantizationType.Q4_1: WeightType.Q4_1}
+
+
+def load_gguf(path: str, quantized: bool = False) -> tuple[dict, dict[str, torch.Tensor | QuantizedWeight], str]:
+    """Returns (hf_config, state_dict with Hugging Face names, tokenizer_dir): float32 tensors, or
+    with `quantized` the Q8_0/Q4_0/Q4_1 matrices as QuantizedWeight."""
     path = os.path.abspath(path)
     root = os.environ.get("BABY_SGL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "baby_sgl")
     key = _cache_key(path)
@@ -60,6 +70,9 @@ def load_gguf(path: str) -> tuple[dict, dict[str, torch.Tensor], str]:
         logger.info("converting %s to a Hugging Face checkpoint (once; cached under %s)", path, root)
     if not os.path.isdir(tokenizer_dir):
         _write_atomically(tokenizer_dir, lambda tmp: _convert_tokenizer(path, tmp))
+    if quantized:
+        config, state_dict = _convert_weights(path, keep_quantized=True)
+        return config, state_dict, tokenizer_dir
     if have_weights:
         with open(config_file) as f:
             return json.load(f), load_file(weights_file), tokenizer_dir
@@ -107,7 +120,7 @@ def _convert_tokenizer(path: str, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
 
 
-def _convert_weights(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+def _convert_weights(path: str, keep_quantized: bool = False) -> tuple[dict, dict]:
     reader = GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
     config = _hf_config(reader, tensors)
@@ -116,10 +129,16 @@ def _convert_weights(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
         if name == _ROPE_FREQS:  # already folded into config["rope_scaling"]
             continue
         hf_name = _hf_name(name)
-        # Copies only what is still a read-only view of the file (F32 tensors); dequantized ones are fresh.
-        weight = torch.from_numpy(np.require(dequantize(tensor.data, tensor.tensor_type), np.float32, "W"))
         # GGUF lists dimensions innermost first; Hugging Face (and numpy) outermost first: [out, in].
-        weight = weight.reshape([int(d) for d in reversed(tensor.shape)])
+        shape = [int(d) for d in reversed(tensor.shape)]
+        if keep_quantized and tensor.tensor_type in _KEPT_QUANTIZED and len(shape) == 2:
+            # One row of blocks per output row; np.array copies it out of the read-only file map.
+            weight = QuantizedWeight(torch.from_numpy(np.array(tensor.data)).reshape(shape[0], -1),
+                                     _KEPT_QUANTIZED[tensor.tensor_type], (shape[0], shape[1]))
+        else:
+            # Copies only what is still a read-only view of the file (F32 tensors); dequantized ones are fresh.
+            weight = torch.from_numpy(np.require(dequantize(tensor.data, tensor.tensor_type), np.float32, "W"))
+            weight = weight.reshape(shape)
         if config["model_type"] == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
             weight = _unpermute_rows(weight, heads)
@@ -137,10 +156,13 @@ def _hf_name(name: str) -> str:
     raise ValueError(f"GGUF tensor {name!r} has no Hugging Face Llama/Qwen2 counterpart")
 
 
-def _unpermute_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+def _unpermute_rows(weight: torch.Tensor | QuantizedWeight, heads: int) -> torch.Tensor | QuantizedWeight:
     """llama.cpp's converter reorders each Llama head's Q/K rows (and biases) from the rotate-half layout
     of Hugging Face checkpoints, [x0..x(d/2-1), y0..y(d/2-1)], to the interleaved one of its rotary kernel,
-    [x0, y0, x1, y1, ...]. Undo it so the weights equal the original checkpoint's."""
+    [x0, y0, x1, y1, ...]. Undo it so the weights equal the original checkpoint's. Only whole rows move,
+    so quantized rows move as their blocks."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.select_rows(_unpermute_rows(torch.arange(weight.shape[0]), heads))
     head_dim = weight.shape[0] // heads
     per_head = weight.reshape(heads, head_dim // 2, 2, *weight.shape[1:])
     return per_head.transpose(1, 2).reshape(weight.shape)

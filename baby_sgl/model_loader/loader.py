@@ -51,12 +51,17 @@ def resolve_model_path(model_path: str | None) -> str:
         raise FileNotFoundError(f"model {model_path!r} is neither a local path nor in the local HF cache") from e
 
 
-def load_model(model_path: str | None) -> LoadedModel:
+def is_gguf(path: str) -> bool:
+    return path.endswith(".gguf")
+
+
+def load_model(model_path: str | None, quantized: bool = False) -> LoadedModel:
+    """`quantized`: a GGUF's quantized matrices come as they are stored (QuantizedWeight)."""
     path = resolve_model_path(model_path)
-    if path.endswith(".gguf"):
+    if is_gguf(path):
         from baby_sgl.model_loader.gguf_loader import load_gguf
 
-        cfg, state_dict, tok_dir = load_gguf(path)
+        cfg, state_dict, tok_dir = load_gguf(path, quantized)
         return LoadedModel(cfg, iter(state_dict.items()), tok_dir, {}, path)
     return _load_hf_dir(path)
 

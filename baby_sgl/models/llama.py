@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from baby_sgl.layers.layernorm import RMSNorm, rms_norm
-from baby_sgl.layers.linear import Linear, linear
+from baby_sgl.layers.linear import Linear, linear, set_quantized
+from baby_sgl.layers.quantization import QuantizedWeight
 from baby_sgl.layers.rotary_embedding import RotaryEmbedding
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.forward_batch import ForwardBatch
@@ -120,8 +121,18 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if not self.config.tie_word_embeddings:
+            return
+        if isinstance(self.embed_tokens.weight, QuantizedWeight):
+            set_quantized(self.lm_head, self.embed_tokens.weight)
+        else:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight
+        if isinstance(weight, QuantizedWeight):
+            return weight.dequantize(self.norm.weight.dtype, input_ids)
+        return self.embed_tokens(input_ids)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, dense: DenseFns = EAGER,
@@ -130,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
         of the rows fb.input_logprob_rows names (prompt logprobs; None if none); (None, None)
         without logits (tensor-parallel ranks but 0). input_ids may be padded past the batch's
         tokens (a compiled bucket); padded rows never reach the KV pool."""
-        x = self.embed_tokens(fb.input_ids)
+        x = self.embed(fb.input_ids)
         cos_sin = self.rotary.cos_sin(fb.positions, x.dtype)
         for layer in self.layers:
             x = layer(x, fb, cos_sin, dense)
@@ -148,9 +159,10 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        quantized: dict[str, dict[int | None, QuantizedWeight]] = {}
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
@@ -161,16 +173,31 @@ class LlamaForCausalLM(nn.Module):
                     target, shard = name.replace(piece, fused), idx
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} for {self.config.architecture}")
+            loaded.add(target)
+            if isinstance(tensor, QuantizedWeight):
+                quantized.setdefault(target, {})[shard] = tensor
+                continue
             param = params[target]
             with torch.no_grad():
                 if shard is None:
                     param.copy_(tensor)
                 else:
                     param[self._shard_rows(target, shard)].copy_(tensor)
-            loaded.add(target)
+        for target, shards in quantized.items():
+            self._load_quantized(target, [shards[i] for i in sorted(shards, key=lambda i: i or 0)], params[target])
+        self.tie_weights()
         missing = set(params) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+    def _load_quantized(self, target: str, parts: list[QuantizedWeight], param: nn.Parameter) -> None:
+        """Keeps a matrix as its blocks (a fused one as its parts' rows), unless its parts differ
+        in format: then they are dequantized into the dense parameter."""
+        if len({p.qtype for p in parts}) == 1:
+            set_quantized(self.get_submodule(target.rsplit(".", 1)[0]), QuantizedWeight.cat(parts))
+            return
+        with torch.no_grad():
+            param.copy_(torch.cat([p.dequantize() for p in parts]))
 
     def _shard_rows(self, target: str, shard: int) -> slice:
         cfg = self.config

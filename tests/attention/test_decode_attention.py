@@ -150,7 +150,7 @@ def test_length_split_pads_little_and_calls_few_times():
 def test_without_a_compiler_the_kernel_is_not_built_and_the_portable_path_is_taken(monkeypatch, caplog):
     from baby_sgl.attention import cpu_kernel
 
-    monkeypatch.setattr(cpu_kernel, "cxx_compiler", lambda: None)
+    monkeypatch.setattr("baby_sgl.toolchain.cxx_compiler", lambda: None)
     monkeypatch.setattr(cpu_kernel, "_loaded", {})
     backend = TorchNativeAttnBackend(torch.device("cpu"), HEADS // KV_HEADS)
     assert backend.decode_kernel is None and not backend.kernel_rows

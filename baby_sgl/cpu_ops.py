@@ -1,0 +1,22 @@
+"""Our compiled CPU ops (csrc/): the linear layer over stored weights (float32, bfloat16 or GGUF's
+quantized blocks) and the one-call decode step. Built once per CPU by toolchain.build_extension;
+None without a compiler, and then quantized weights are dequantized at load and the step runs
+op by op in Python."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+from baby_sgl import toolchain
+
+_DIR = Path(__file__).parent / "csrc"
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def cpu_ops() -> ModuleType | None:
+    if "ops" not in _loaded:
+        _loaded["ops"] = toolchain.build_extension(
+            "baby_sgl_cpu_ops", (_DIR / "cpu_step.cpp",),
+            "quantized weights and the decode step")
+    return _loaded["ops"]

@@ -1,0 +1,389 @@
+// The CPU's decode step in one call, and the quantized linear layer the Python path uses.
+//
+// DecodeStep::run computes a whole decode pass of a Llama-family model (Llama, Qwen2) for a few
+// requests: embedding, every layer (RMSNorm, q/k/v, rope, KV write, attention over the request's
+// slots in the paged pool, o_proj, residual, RMSNorm, gate/up, SiLU, down, residual), the final
+// norm and the logits. Activations stay float32 throughout (the KV pool keeps its dtype). All
+// of it runs inside one OpenMP parallel region: each op splits its outputs among the threads
+// and a barrier separates it from the next, so the threads spin between ops instead of being
+// put to sleep and woken ~450 times a step, and no Python runs between them. Every output
+// element is computed by one thread in a fixed order: the result does not depend on the
+// thread count or on the other requests of the batch.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+
+#include <limits>
+#include <vector>
+
+#include "weights.h"
+
+namespace bsgl {
+namespace {
+
+Weight make_weight(const at::Tensor& data, int64_t type, int64_t n, int64_t k, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(data.device().is_cpu() && data.dim() == 2 && data.size(0) == n && data.stride(1) == 1,
+              "weight data must be a CPU [n, row] tensor with unit inner stride");
+  TORCH_CHECK(type >= kF32 && type <= kQ4_1, "unknown weight type ", type);
+  TORCH_CHECK(type <= kBF16 || k % 32 == 0, "quantized rows must hold whole 32-value blocks");
+  const int64_t bytes = data.size(1) * data.element_size();
+  TORCH_CHECK(bytes == row_bytes(static_cast<int>(type), k), "weight rows hold ", bytes, " bytes, expected ",
+              row_bytes(static_cast<int>(type), k));
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
+              "bias must be a contiguous float32 [n] tensor");
+  Weight w;
+  w.type = static_cast<int>(type);
+  w.n = n;
+  w.k = k;
+  w.stride = data.stride(0) * data.element_size();
+  w.data = static_cast<const uint8_t*>(data.data_ptr());
+  w.bias = bias ? bias->data_ptr<float>() : nullptr;
+  return w;
+}
+
+// x [M, K] (float32 or bfloat16) times the weight's rows: [M, N] in x's dtype.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& data, int64_t type, int64_t n, int64_t k,
+                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, ", k, "]");
+  const Weight w = make_weight(data, type, n, k, bias);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t rows = x.size(0);
+  at::parallel_for(0, (n + 1) / 2, 8, [&](int64_t begin, int64_t end) {
+    matmul(w, xp, k, rows, op, n, 2 * begin, std::min(n, 2 * end));
+  });
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// Rows `ids` of the weight (or all rows) as float32: embedding lookups, and whole matrices for
+// the large-batch path.
+at::Tensor dequantize(const at::Tensor& data, int64_t type, int64_t n, int64_t k, const c10::optional<at::Tensor>& ids) {
+  const Weight w = make_weight(data, type, n, k, c10::nullopt);
+  at::Tensor idx = ids ? ids->to(at::kLong).contiguous() : at::Tensor();
+  const int64_t rows = ids ? idx.numel() : n;
+  const int64_t* ip = ids ? idx.data_ptr<int64_t>() : nullptr;
+  for (int64_t r = 0; ip && r < rows; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "row id ", ip[r], " out of range");
+  at::Tensor out = at::empty({rows, k}, data.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) dequantize_row(w, ip ? ip[r] : r, op + r * k);
+  });
+  return out;
+}
+
+struct Layer {
+  Weight qkv, o, gate_up, down;
+  const float* norm_in;
+  const float* norm_post;
+};
+
+template <typename T>
+inline float to_float(T v) { return static_cast<float>(v); }
+template <>
+inline float to_float<c10::BFloat16>(c10::BFloat16 v) { return bf16_to_float(v.x); }
+template <typename T>
+inline T from_float(float v) { return static_cast<T>(v); }
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
+  c10::BFloat16 b;
+  b.x = float_to_bf16(v);
+  return b;
+}
+
+class DecodeStep {
+ public:
+  DecodeStep(py::dict cfg, py::list layers, py::tuple embed, py::tuple lm_head, const at::Tensor& final_norm,
+             const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> k_buffers,
+             std::vector<at::Tensor> v_buffers)
+      : hidden_(cfg["hidden_size"].cast<int64_t>()),
+        heads_(cfg["num_heads"].cast<int64_t>()),
+        kv_heads_(cfg["num_kv_heads"].cast<int64_t>()),
+        head_dim_(cfg["head_dim"].cast<int64_t>()),
+        inter_(cfg["intermediate_size"].cast<int64_t>()),
+        vocab_(cfg["vocab_size"].cast<int64_t>()),
+        eps_(cfg["rms_norm_eps"].cast<float>()),
+        cos_(cos.contiguous()),
+        sin_(sin.contiguous()),
+        k_buffers_(std::move(k_buffers)),
+        v_buffers_(std::move(v_buffers)) {
+    TORCH_CHECK(cos_.scalar_type() == at::kFloat && sin_.sizes() == cos_.sizes() && cos_.size(1) == head_dim_,
+                "rope tables must be float32 [positions, head_dim]");
+    TORCH_CHECK(head_dim_ % 2 == 0 && head_dim_ <= 1024, "head_dim must be even and at most 1024");
+    embed_ = weight(embed);
+    lm_head_ = weight(lm_head);
+    final_norm_ = keep_float(final_norm);
+    for (auto item : layers) {
+      auto l = item.cast<py::dict>();
+      Layer layer;
+      layer.qkv = weight(l["qkv"].cast<py::tuple>());
+      layer.o = weight(l["o"].cast<py::tuple>());
+      layer.gate_up = weight(l["gate_up"].cast<py::tuple>());
+      layer.down = weight(l["down"].cast<py::tuple>());
+      layer.norm_in = keep_float(l["norm_in"].cast<at::Tensor>());
+      layer.norm_post = keep_float(l["norm_post"].cast<at::Tensor>());
+      layers_.push_back(layer);
+    }
+    TORCH_CHECK(k_buffers_.size() == layers_.size() && v_buffers_.size() == layers_.size(), "one K and V buffer per layer");
+    const auto kv_dtype = k_buffers_[0].scalar_type();
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      for (const auto* b : {&k_buffers_[i], &v_buffers_[i]}) {
+        TORCH_CHECK(b->is_contiguous() && b->dim() == 3 && b->size(1) == kv_heads_ && b->size(2) == head_dim_ &&
+                        b->scalar_type() == kv_dtype, "KV buffers must be contiguous [slots, kv_heads, head_dim]");
+      }
+    }
+    TORCH_CHECK(kv_dtype == at::kFloat || kv_dtype == at::kBFloat16, "the KV pool must be float32 or bfloat16");
+    const int64_t qkv = (heads_ + 2 * kv_heads_) * head_dim_;
+    TORCH_CHECK(embed_.k == hidden_ && lm_head_.k == hidden_ && lm_head_.n == vocab_, "embedding/lm_head shapes");
+    for (const auto& l : layers_) {
+      TORCH_CHECK(l.qkv.n == qkv && l.qkv.k == hidden_ && l.o.n == hidden_ && l.o.k == heads_ * head_dim_ &&
+                      l.gate_up.n == 2 * inter_ && l.gate_up.k == hidden_ && l.down.n == hidden_ && l.down.k == inter_,
+                  "layer weight shapes do not match the config");
+    }
+  }
+
+  // input_ids, positions, out_cache_loc, seq_lens: int64 [M]; table: int64 [M, W], row m's first
+  // seq_lens[m] entries are its KV slots (the new token's last). Returns float32 logits [M, vocab].
+  at::Tensor run(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& out_cache_loc,
+                 const at::Tensor& table, const at::Tensor& seq_lens, int64_t num_threads) {
+    const int64_t rows = input_ids.size(0);
+    for (const auto* t : {&input_ids, &positions, &out_cache_loc, &seq_lens, &table})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->size(0) == rows, "int64 inputs, one row each");
+    const int64_t* ids = input_ids.data_ptr<int64_t>();
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    for (int64_t m = 0; m < rows; ++m) {
+      TORCH_CHECK(ids[m] >= 0 && ids[m] < embed_.n, "token id ", ids[m], " out of range");
+      TORCH_CHECK(lens[m] >= 1 && lens[m] <= table.size(1), "sequence length out of range");
+      TORCH_CHECK(positions.data_ptr<int64_t>()[m] < cos_.size(0), "position beyond the rope table");
+    }
+    at::Tensor logits = at::empty({rows, vocab_}, input_ids.options().dtype(at::kFloat));
+    Scratch s(rows, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_, inter_);
+    Batch b{rows, ids, positions.data_ptr<int64_t>(), out_cache_loc.data_ptr<int64_t>(), table.data_ptr<int64_t>(),
+            table.size(1), lens, logits.data_ptr<float>()};
+    {
+      py::gil_scoped_release no_gil;
+      if (k_buffers_[0].scalar_type() == at::kBFloat16) {
+        forward<c10::BFloat16>(b, s, static_cast<int>(std::max<int64_t>(1, num_threads)));
+      } else {
+        forward<float>(b, s, static_cast<int>(std::max<int64_t>(1, num_threads)));
+      }
+    }
+    return logits;
+  }
+
+ private:
+  struct Batch {
+    int64_t rows;
+    const int64_t *ids, *pos, *loc, *table;
+    int64_t width;
+    const int64_t* lens;
+    float* logits;
+  };
+  struct Scratch {
+    std::vector<float> x, h, tmp, qkv, att, gate_up, act;
+    Scratch(int64_t m, int64_t hidden, int64_t qkv_n, int64_t q_n, int64_t inter)
+        : x(m * hidden), h(m * hidden), tmp(m * hidden), qkv(m * qkv_n), att(m * q_n), gate_up(m * 2 * inter),
+          act(m * inter) {}
+  };
+
+  Weight weight(py::tuple t) {
+    auto data = t[0].cast<at::Tensor>();
+    keep_.push_back(data);
+    c10::optional<at::Tensor> bias;
+    if (!t[4].is_none()) {
+      bias = t[4].cast<at::Tensor>().to(at::kFloat).contiguous();
+      keep_.push_back(*bias);
+    }
+    return make_weight(data, t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(), bias);
+  }
+
+  const float* keep_float(const at::Tensor& t) {
+    keep_.push_back(t.to(at::kFloat).contiguous());
+    TORCH_CHECK(keep_.back().numel() == hidden_, "norm weights must have hidden_size values");
+    return keep_.back().data_ptr<float>();
+  }
+
+  // out = x * rsqrt(mean(x^2) + eps) * w, one row.
+  void rms_norm(const float* x, const float* w, float* out) const {
+    float ss = 0.f;
+    for (int64_t i = 0; i < hidden_; ++i) ss += x[i] * x[i];
+    const float r = 1.f / std::sqrt(ss / hidden_ + eps_);
+    for (int64_t i = 0; i < hidden_; ++i) out[i] = w[i] * (x[i] * r);
+  }
+
+  template <typename T>
+  void forward(const Batch& b, Scratch& s, int nthreads) {
+    const int64_t H = hidden_, M = b.rows;
+#pragma omp parallel num_threads(nthreads)
+    {
+      const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      auto my_rows = [&](int64_t n, int64_t& begin, int64_t& end) {
+        begin = n * tid / nt;
+        end = n * (tid + 1) / nt;
+      };
+      auto linear = [&](const Weight& w, const float* x, float* out) {
+        int64_t n0, n1;
+        split_range(w.n, tid, nt, n0, n1);
+        matmul(w, x, w.k, M, out, w.n, n0, n1);
+      };
+      int64_t r0, r1;
+      my_rows(M, r0, r1);
+      for (int64_t m = r0; m < r1; ++m) {
+        dequantize_row(embed_, b.ids[m], s.x.data() + m * H);
+        rms_norm(s.x.data() + m * H, layers_[0].norm_in, s.h.data() + m * H);
+      }
+#pragma omp barrier
+      for (size_t li = 0; li < layers_.size(); ++li) {
+        const Layer& l = layers_[li];
+        linear(l.qkv, s.h.data(), s.qkv.data());
+#pragma omp barrier
+        rope_and_store<T>(b, s, li, tid, nt);
+#pragma omp barrier
+        attend<T>(b, s, li, tid, nt);
+#pragma omp barrier
+        linear(l.o, s.att.data(), s.tmp.data());
+#pragma omp barrier
+        for (int64_t m = r0; m < r1; ++m) {
+          float* x = s.x.data() + m * H;
+          for (int64_t i = 0; i < H; ++i) x[i] += s.tmp[m * H + i];
+          rms_norm(x, l.norm_post, s.h.data() + m * H);
+        }
+#pragma omp barrier
+        linear(l.gate_up, s.h.data(), s.gate_up.data());
+#pragma omp barrier
+        int64_t e0, e1;
+        my_rows(M * inter_, e0, e1);
+        for (int64_t e = e0; e < e1; ++e) {
+          const int64_t m = e / inter_, i = e % inter_;
+          const float g = s.gate_up[m * 2 * inter_ + i], u = s.gate_up[m * 2 * inter_ + inter_ + i];
+          s.act[e] = g / (1.f + std::exp(-g)) * u;
+        }
+#pragma omp barrier
+        linear(l.down, s.act.data(), s.tmp.data());
+#pragma omp barrier
+        const float* next_norm = li + 1 < layers_.size() ? layers_[li + 1].norm_in : final_norm_;
+        for (int64_t m = r0; m < r1; ++m) {
+          float* x = s.x.data() + m * H;
+          for (int64_t i = 0; i < H; ++i) x[i] += s.tmp[m * H + i];
+          rms_norm(x, next_norm, s.h.data() + m * H);
+        }
+#pragma omp barrier
+      }
+      linear(lm_head_, s.h.data(), b.logits);
+    }
+  }
+
+  // Rotates each row's queries and keys to its position (rotate-half layout; the sine table
+  // carries the sign) and writes its key and value to its KV slot.
+  template <typename T>
+  void rope_and_store(const Batch& b, Scratch& s, size_t layer, int tid, int nt) {
+    const int64_t D = head_dim_, half = D / 2, qk_heads = heads_ + kv_heads_;
+    const int64_t qkv_n = (heads_ + 2 * kv_heads_) * D, tasks = b.rows * (qk_heads + kv_heads_);
+    T* kp = k_buffers_[layer].data_ptr<T>();
+    T* vp = v_buffers_[layer].data_ptr<T>();
+    float tmp[1024];
+    for (int64_t t = tasks * tid / nt; t < tasks * (tid + 1) / nt; ++t) {
+      const int64_t m = t / (qk_heads + kv_heads_), h = t % (qk_heads + kv_heads_);
+      float* v = s.qkv.data() + m * qkv_n + h * D;
+      const int64_t slot = b.loc[m] * kv_heads_ * D;
+      if (h < qk_heads) {
+        const float* c = cos_.data_ptr<float>() + b.pos[m] * D;
+        const float* sn = sin_.data_ptr<float>() + b.pos[m] * D;
+        for (int64_t i = 0; i < D; ++i) tmp[i] = v[i] * c[i] + v[(i + half) % D] * sn[i];
+        std::memcpy(v, tmp, D * sizeof(float));
+        if (h >= heads_) {
+          T* dst = kp + slot + (h - heads_) * D;
+          for (int64_t i = 0; i < D; ++i) dst[i] = from_float<T>(v[i]);
+        }
+      } else {
+        T* dst = vp + slot + (h - qk_heads) * D;
+        for (int64_t i = 0; i < D; ++i) dst[i] = from_float<T>(v[i]);
+      }
+    }
+  }
+
+  // Each (row, KV head): its query heads over the row's slots, online softmax in float32.
+  template <typename T>
+  void attend(const Batch& b, Scratch& s, size_t layer, int tid, int nt) {
+    constexpr int64_t kBlock = 32;
+    const int64_t D = head_dim_, G = heads_ / kv_heads_, qkv_n = (heads_ + 2 * kv_heads_) * D;
+    const int64_t tasks = b.rows * kv_heads_, slot_stride = kv_heads_ * D;
+    const float scale = 1.f / std::sqrt(static_cast<float>(D));
+    const T* kp = k_buffers_[layer].data_ptr<T>();
+    const T* vp = v_buffers_[layer].data_ptr<T>();
+    std::vector<float> q(G * D), acc(G * D), scores(G * kBlock), mx(G), sum(G), row(D);
+    for (int64_t t = tasks * tid / nt; t < tasks * (tid + 1) / nt; ++t) {
+      const int64_t m = t / kv_heads_, kvh = t % kv_heads_, len = b.lens[m];
+      for (int64_t i = 0; i < G * D; ++i) q[i] = s.qkv[m * qkv_n + kvh * G * D + i] * scale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
+      std::fill(sum.begin(), sum.end(), 0.f);
+      const int64_t* slots = b.table + m * b.width;
+      for (int64_t start = 0; start < len; start += kBlock) {
+        const int64_t n = std::min(kBlock, len - start);
+        for (int64_t j = 0; j < n; ++j) {
+          const T* krow = kp + slots[start + j] * slot_stride + kvh * D;
+          for (int64_t i = 0; i < D; ++i) row[i] = to_float(krow[i]);
+          for (int64_t g = 0; g < G; ++g) scores[g * kBlock + j] = dot(q.data() + g * D, row.data(), D);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores.data() + g * kBlock;
+          float block_max = mx[g];
+          for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, sg[j]);
+          const float rescale = std::exp(mx[g] - block_max);  // 0 on the first block
+          for (int64_t i = 0; i < D; ++i) acc[g * D + i] *= rescale;
+          sum[g] *= rescale;
+          mx[g] = block_max;
+          for (int64_t j = 0; j < n; ++j) sg[j] -= block_max;
+          exp_nonpositive(sg, n);
+          for (int64_t j = 0; j < n; ++j) sum[g] += sg[j];
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          const T* vrow = vp + slots[start + j] * slot_stride + kvh * D;
+          for (int64_t i = 0; i < D; ++i) row[i] = to_float(vrow[i]);
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[g * kBlock + j];
+            float* a = acc.data() + g * D;
+            for (int64_t i = 0; i < D; ++i) a[i] += p * row[i];
+          }
+        }
+      }
+      float* out = s.att.data() + m * heads_ * D + kvh * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / sum[g];
+        for (int64_t i = 0; i < D; ++i) out[g * D + i] = acc[g * D + i] * inv;
+      }
+    }
+  }
+
+  static float dot(const float* a, const float* b, int64_t n) {
+    int64_t i = 0;
+    f16v part{};
+    for (; i + 16 <= n; i += 16) part += load16(a + i) * load16(b + i);
+    float total = hsum(part);
+    for (; i < n; ++i) total += a[i] * b[i];
+    return total;
+  }
+
+  int64_t hidden_, heads_, kv_heads_, head_dim_, inter_, vocab_;
+  float eps_;
+  at::Tensor cos_, sin_;
+  std::vector<at::Tensor> k_buffers_, v_buffers_, keep_;
+  Weight embed_, lm_head_;
+  const float* final_norm_ = nullptr;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+}  // namespace bsgl
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &bsgl::linear, "x times a stored (possibly quantized) weight, float32 accumulation (CPU)");
+  m.def("dequantize", &bsgl::dequantize, "rows of a stored weight as float32 (CPU)");
+  py::class_<bsgl::DecodeStep>(m, "DecodeStep")
+      .def(py::init<py::dict, py::list, py::tuple, py::tuple, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>>())
+      .def("run", &bsgl::DecodeStep::run);
+}

@@ -1,0 +1,164 @@
+// Vectors of 16 floats written with the compiler's vector extensions (GCC and clang): built with
+// -march=native they become one AVX-512 register, two AVX2 registers, or four SSE/NEON ones, so
+// the same source is the fast path on every CPU and the portable one where there is no SIMD.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace bsgl {
+
+typedef float f16v __attribute__((vector_size(64)));
+typedef float f8v __attribute__((vector_size(32)));
+typedef float f4v __attribute__((vector_size(16)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+inline f16v load16(const float* p) {
+  f16v v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, f16v v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline f16v splat(float x) { return f16v{} + x; }
+
+// Sum of the 16 lanes, always in the same order (halves added pairwise), so a dot product's
+// result does not depend on which kernel shape computed it.
+inline float hsum(f16v v) {
+  f8v a, b;
+  std::memcpy(&a, &v, 32);
+  std::memcpy(&b, reinterpret_cast<const char*>(&v) + 32, 32);
+  a += b;
+  f4v c, d;
+  std::memcpy(&c, &a, 16);
+  std::memcpy(&d, reinterpret_cast<const char*>(&a) + 16, 16);
+  c += d;
+  return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// bfloat16 is the top half of a float32: widening is a shift.
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if (std::isnan(f)) return 0x7fc0;
+  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+// Widening 16 narrow integers to 32 bits. The compilers' generic conversion between vectors
+// of different sizes is scalarized (GCC 12), so x86 gets the instructions by name.
+inline i16v widen_u8(const uint8_t* p) {
+  i16v r;
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&r, &v, 64);
+#elif defined(__AVX2__)
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&r, &a, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &b, 32);
+#else
+  for (int i = 0; i < 16; ++i) r[i] = p[i];
+#endif
+  return r;
+}
+
+inline i16v widen_i8(const int8_t* p) {
+  i16v r;
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&r, &v, 64);
+#elif defined(__AVX2__)
+  const __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&r, &a, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &b, 32);
+#else
+  for (int i = 0; i < 16; ++i) r[i] = p[i];
+#endif
+  return r;
+}
+
+inline f16v load_bf16x16(const uint16_t* p) {
+  i16v r;
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  std::memcpy(&r, &v, 64);
+#elif defined(__AVX2__)
+  const __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  std::memcpy(&r, &a, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &b, 32);
+#else
+  for (int i = 0; i < 16; ++i) r[i] = p[i];
+#endif
+  r <<= 16;
+  f16v f;
+  std::memcpy(&f, &r, 64);
+  return f;
+}
+
+inline f16v to_float(i16v v) { return __builtin_convertvector(v, f16v); }
+
+// IEEE half to float (GGUF block scales), exact.
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#endif
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000 | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal half: normalise
+    int shift = 0;
+    while (!(mant & 0x400)) mant <<= 1, ++shift;
+    bits = sign | ((113 - shift) << 23) | ((mant & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// exp(x) for x <= 0 (scores minus their running maximum), branch-free so that a loop over it
+// vectorizes: Cephes' expf (range reduction by ln 2, degree-6 polynomial, 2^k from the exponent
+// bits), relative error ~1e-7. Below -87 the result is ~1e-38 instead of 0.
+inline void exp_nonpositive(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::max(x[i], -87.f);
+    const float k = std::floor(v * 1.44269504088896341f + 0.5f);
+    const float r = v - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    x[i] = p * scale;
+  }
+}
+
+}  // namespace bsgl

@@ -1,0 +1,191 @@
+// Weight matrices as they are stored, and their products with float32 activations.
+//
+// A weight is N rows of K values, each row a run of 32-value blocks: plain float32 or bfloat16,
+// or one of GGUF's block formats, which stay quantized in memory:
+//   Q8_0: half d, 32 x int8 q          value = d * q
+//   Q4_0: half d, 16 bytes of nibbles  value = d * (q - 8)
+//   Q4_1: half d, half m, 16 bytes     value = d * q + m
+// (in a nibble block byte j holds value j in its low half and value j + 16 in its high half).
+// A block is widened to float32 in registers and multiplied there: nothing full-precision is
+// ever written out, and the products accumulate in float32. Each output is one dot product
+// whose order of operations is fixed (two 16-lane partial sums over the blocks, then a fixed
+// tree), whatever the number of rows computed with it: a request's result does not depend on
+// the batch it is in.
+#pragma once
+
+#include "vec.h"
+
+namespace bsgl {
+
+enum WeightType : int { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_0 = 3, kQ4_1 = 4 };
+
+inline int64_t row_bytes(int type, int64_t k) {
+  switch (type) {
+    case kF32: return 4 * k;
+    case kBF16: return 2 * k;
+    case kQ8_0: return k / 32 * 34;
+    case kQ4_0: return k / 32 * 18;
+    case kQ4_1: return k / 32 * 20;
+  }
+  return -1;
+}
+
+struct Weight {
+  int type = kF32;
+  int64_t n = 0, k = 0, stride = 0;  // stride: bytes from one row to the next
+  const uint8_t* data = nullptr;
+  const float* bias = nullptr;  // [n] or null
+  const uint8_t* row(int64_t i) const { return data + i * stride; }
+};
+
+inline uint16_t read_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline f16v nibbles_to_float(u8x16 q) {
+  uint8_t b[16];
+  std::memcpy(b, &q, 16);
+  return to_float(widen_u8(b));
+}
+
+// Block b of a row as two vectors: values 32b..32b+15 and 32b+16..32b+31.
+template <int T>
+inline void decode_block(const uint8_t* row, int64_t b, f16v& w0, f16v& w1) {
+  if constexpr (T == kF32) {
+    const float* p = reinterpret_cast<const float*>(row) + 32 * b;
+    w0 = load16(p);
+    w1 = load16(p + 16);
+  } else if constexpr (T == kBF16) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(row) + 32 * b;
+    w0 = load_bf16x16(p);
+    w1 = load_bf16x16(p + 16);
+  } else if constexpr (T == kQ8_0) {
+    const uint8_t* p = row + 34 * b;
+    const f16v d = splat(half_to_float(read_u16(p)));
+    w0 = to_float(widen_i8(reinterpret_cast<const int8_t*>(p + 2))) * d;
+    w1 = to_float(widen_i8(reinterpret_cast<const int8_t*>(p + 18))) * d;
+  } else if constexpr (T == kQ4_0) {
+    const uint8_t* p = row + 18 * b;
+    const f16v d = splat(half_to_float(read_u16(p)));
+    u8x16 q;
+    std::memcpy(&q, p + 2, 16);
+    w0 = (nibbles_to_float(q & 0x0f) - 8.f) * d;
+    w1 = (nibbles_to_float(q >> 4) - 8.f) * d;
+  } else {
+    const uint8_t* p = row + 20 * b;
+    const f16v d = splat(half_to_float(read_u16(p))), m = splat(half_to_float(read_u16(p + 2)));
+    u8x16 q;
+    std::memcpy(&q, p + 4, 16);
+    w0 = nibbles_to_float(q & 0x0f) * d + m;
+    w1 = nibbles_to_float(q >> 4) * d + m;
+  }
+}
+
+template <int T>
+inline float decode_one(const uint8_t* row, int64_t i) {
+  if constexpr (T == kF32) return reinterpret_cast<const float*>(row)[i];
+  else if constexpr (T == kBF16) return bf16_to_float(reinterpret_cast<const uint16_t*>(row)[i]);
+  else {
+    f16v w0, w1;
+    decode_block<T>(row, i / 32, w0, w1);
+    return (i % 32) < 16 ? w0[i % 16] : w1[i % 16];
+  }
+}
+
+// out[m * ldo + j + r] = x[m] . w.row(j + r) (+ bias) for MR activation rows and NR weight rows,
+// which share each block's loads; x is float32 with row stride ldx.
+template <int T, int MR, int NR>
+inline void tile(const Weight& w, int64_t j, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  const int64_t blocks = w.k / 32;
+  f16v acc0[MR][NR] = {}, acc1[MR][NR] = {};
+  const uint8_t* wr[NR];
+  for (int r = 0; r < NR; ++r) wr[r] = w.row(j + r);
+  for (int64_t b = 0; b < blocks; ++b) {
+    f16v w0[NR], w1[NR];
+    for (int r = 0; r < NR; ++r) decode_block<T>(wr[r], b, w0[r], w1[r]);
+    for (int m = 0; m < MR; ++m) {
+      const f16v x0 = load16(x + m * ldx + 32 * b), x1 = load16(x + m * ldx + 32 * b + 16);
+      for (int r = 0; r < NR; ++r) {
+        acc0[m][r] += w0[r] * x0;
+        acc1[m][r] += w1[r] * x1;
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < NR; ++r) {
+      float s = hsum(acc0[m][r] + acc1[m][r]);
+      for (int64_t i = 32 * blocks; i < w.k; ++i) s += decode_one<T>(wr[r], i) * x[m * ldx + i];  // dense tails
+      out[m * ldo + j + r] = w.bias ? s + w.bias[j + r] : s;
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+constexpr int kMR = 4;  // with NR = 2: 16 accumulators of the 32 vector registers
+#else
+constexpr int kMR = 2;
+#endif
+
+template <int T, int MR>
+void tile_columns(const Weight& w, const float* x, int64_t ldx, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  int64_t j = n0;
+  for (; j + 2 <= n1; j += 2) tile<T, MR, 2>(w, j, x, ldx, out, ldo);
+  for (; j < n1; ++j) tile<T, MR, 1>(w, j, x, ldx, out, ldo);
+}
+
+template <int T>
+void matmul_rows(const Weight& w, const float* x, int64_t ldx, int64_t rows, float* out, int64_t ldo, int64_t n0,
+                 int64_t n1) {
+  int64_t m = 0;
+  for (; m + kMR <= rows; m += kMR) tile_columns<T, kMR>(w, x + m * ldx, ldx, out + m * ldo, ldo, n0, n1);
+  switch (rows - m) {
+    case 3: tile_columns<T, 3>(w, x + m * ldx, ldx, out + m * ldo, ldo, n0, n1); break;
+    case 2: tile_columns<T, 2>(w, x + m * ldx, ldx, out + m * ldo, ldo, n0, n1); break;
+    case 1: tile_columns<T, 1>(w, x + m * ldx, ldx, out + m * ldo, ldo, n0, n1); break;
+  }
+}
+
+// x [rows, k] (row stride ldx) times w's rows n0..n1-1 into out [rows, n] (row stride ldo).
+inline void matmul(const Weight& w, const float* x, int64_t ldx, int64_t rows, float* out, int64_t ldo, int64_t n0,
+                   int64_t n1) {
+  switch (w.type) {
+    case kF32: return matmul_rows<kF32>(w, x, ldx, rows, out, ldo, n0, n1);
+    case kBF16: return matmul_rows<kBF16>(w, x, ldx, rows, out, ldo, n0, n1);
+    case kQ8_0: return matmul_rows<kQ8_0>(w, x, ldx, rows, out, ldo, n0, n1);
+    case kQ4_0: return matmul_rows<kQ4_0>(w, x, ldx, rows, out, ldo, n0, n1);
+    case kQ4_1: return matmul_rows<kQ4_1>(w, x, ldx, rows, out, ldo, n0, n1);
+  }
+}
+
+template <int T>
+void dequantize_row_t(const uint8_t* row, int64_t k, float* out) {
+  int64_t b = 0;
+  for (; 32 * (b + 1) <= k; ++b) {
+    f16v w0, w1;
+    decode_block<T>(row, b, w0, w1);
+    store16(out + 32 * b, w0);
+    store16(out + 32 * b + 16, w1);
+  }
+  for (int64_t i = 32 * b; i < k; ++i) out[i] = decode_one<T>(row, i);
+}
+
+inline void dequantize_row(const Weight& w, int64_t i, float* out) {
+  switch (w.type) {
+    case kF32: return dequantize_row_t<kF32>(w.row(i), w.k, out);
+    case kBF16: return dequantize_row_t<kBF16>(w.row(i), w.k, out);
+    case kQ8_0: return dequantize_row_t<kQ8_0>(w.row(i), w.k, out);
+    case kQ4_0: return dequantize_row_t<kQ4_0>(w.row(i), w.k, out);
+    case kQ4_1: return dequantize_row_t<kQ4_1>(w.row(i), w.k, out);
+  }
+}
+
+// Splits n outputs among threads in runs of even length (whole 2-row tiles).
+inline void split_range(int64_t n, int tid, int nthreads, int64_t& begin, int64_t& end) {
+  const int64_t pairs = (n + 1) / 2;
+  begin = std::min(n, 2 * (pairs * tid / nthreads));
+  end = std::min(n, 2 * (pairs * (tid + 1) / nthreads));
+}
+
+}  // namespace bsgl

@@ -1,0 +1,96 @@
+"""Weights kept as GGUF stores them (Q8_0, Q4_0, Q4_1 blocks of 32 values), multiplied without a
+full-precision copy by our CPU kernel (csrc/weights.h), which widens each block in registers and
+accumulates in float32: the same math as a float32 product over the dequantized weights, up to
+the order of the sums.
+
+`--quantization` (SGLang's flag): by default a GGUF's quantized tensors are served as they are
+wherever the kernel runs (a CPU with a C++ compiler, no tensor parallelism, no torch.compile);
+`none` dequantizes them to the model's dtype at load, as does every other case.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from baby_sgl.cpu_ops import cpu_ops
+
+QUANTIZATION_CHOICES = ("gguf", "none")
+
+
+class WeightType(enum.IntEnum):
+    """Row formats the CPU kernel reads (the codes of csrc/weights.h)."""
+
+    F32 = 0
+    BF16 = 1
+    Q8_0 = 2
+    Q4_0 = 3
+    Q4_1 = 4
+
+
+BLOCK_BYTES = {WeightType.Q8_0: 34, WeightType.Q4_0: 18, WeightType.Q4_1: 20}
+DENSE_TYPES = {torch.float32: WeightType.F32, torch.bfloat16: WeightType.BF16}
+
+# Up to this many rows the kernel multiplies the blocks directly; more rows are compute-bound,
+# where dequantizing the matrix once and handing it to torch's GEMM (oneDNN / MKL) is faster.
+# Measured on a 2-core AVX-512 CPU, Q4_1 576 -> 3072: 4 rows 69 us with the kernel, 32 rows
+# 542 us (kernel) against ~1000 us (dequantize + GEMM: the dequantization dominates) and 256 rows
+# 4.3 ms against 2.2 ms.
+DIRECT_MAX_ROWS = 64
+
+
+@dataclass
+class QuantizedWeight:
+    """An [n, k] weight as rows of GGUF blocks: `data` is uint8 [n, k / 32 * block bytes]."""
+
+    data: torch.Tensor
+    qtype: WeightType
+    shape: tuple[int, int]
+
+    @staticmethod
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Fused projections (q/k/v, gate/up): the parts' rows one after another."""
+        assert len({(p.qtype, p.shape[1]) for p in parts}) == 1, "fused parts must share a format"
+        return QuantizedWeight(torch.cat([p.data for p in parts]), parts[0].qtype,
+                               (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+    def select_rows(self, rows: torch.Tensor | slice) -> QuantizedWeight:
+        data = self.data[rows]
+        return QuantizedWeight(data, self.qtype, (data.shape[0], self.shape[1]))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
+        ops = cpu_ops() if self.data.device.type == "cpu" else None
+        if ops is not None:
+            out = ops.dequantize(self.data, int(self.qtype), *self.shape, rows)
+        else:
+            out = dequantize_blocks(self.data if rows is None else self.data[rows], self.qtype, self.shape[1])
+        return out.to(dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        ops = cpu_ops()
+        if x.shape[0] <= DIRECT_MAX_ROWS and ops is not None:
+            return ops.linear(x, self.data, int(self.qtype), *self.shape,
+                              None if bias is None else bias.float().contiguous())
+        return F.linear(x, self.dequantize(x.dtype), bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def dequantize_blocks(data: torch.Tensor, qtype: WeightType, k: int) -> torch.Tensor:
+    """The portable dequantization (torch ops): rows of blocks -> float32 [n, k]."""
+    blocks = data.reshape(data.shape[0], k // 32, BLOCK_BYTES[qtype])
+    d = blocks[..., :2].contiguous().view(torch.float16).float()
+    if qtype == WeightType.Q8_0:
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()
+        return (d * q).reshape(-1, k)
+    nibbles = blocks[..., -16:]
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
+    if qtype == WeightType.Q4_0:
+        return (d * (q - 8)).reshape(-1, k)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    return (d * q + m).reshape(-1, k)

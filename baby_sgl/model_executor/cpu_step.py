@@ -1,0 +1,68 @@
+"""The CPU decode step in one call (csrc/cpu_step.cpp): a decode pass of a Llama-family model with
+no Python between its ops and threads that spin between them instead of sleeping.
+
+It reads the model's weights where they are (quantized blocks, or plain float32 / bfloat16
+matrices) and the runner's KV pool, and returns the logits. Prefill, mixed passes and decode
+batches larger than MAX_BATCH run op by op as before: past a few dozen rows the matmuls are
+compute-bound and torch's GEMMs beat the kernel's dot products.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from baby_sgl.layers.quantization import DENSE_TYPES, QuantizedWeight
+from baby_sgl.mem_cache.memory_pool import KVPool, ReqToTokenPool
+
+# Decode batches up to this size take the step. Measured on SmolLM2-135M (Q4_1) on a 2-core
+# AVX-512 CPU: see the README's step profile.
+MAX_BATCH = 16
+
+
+def can_run(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Every matrix in a format the kernel reads, activations in float32 or bfloat16."""
+    if dtype not in DENSE_TYPES:
+        return False
+    linears = [model.embed_tokens, model.lm_head] + [m for layer in model.layers for m in
+                                                      (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    return all(isinstance(m.weight, QuantizedWeight) or
+               (m.weight.dtype in DENSE_TYPES and not m.weight.is_mkldnn) for m in linears)
+
+
+def _weight(module: torch.nn.Module) -> tuple:
+    """(data, format, n, k, bias) as the kernel takes a matrix."""
+    w, bias = module.weight, getattr(module, "bias", None)
+    if isinstance(w, QuantizedWeight):
+        return (w.data, int(w.qtype), *w.shape, bias)
+    return (w.detach(), int(DENSE_TYPES[w.dtype]), w.shape[0], w.shape[1], bias)
+
+
+class CpuDecodeStep:
+    def __init__(self, ops, model: torch.nn.Module, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> None:
+        cfg = model.config
+        layers = [dict(qkv=_weight(l.self_attn.qkv_proj), o=_weight(l.self_attn.o_proj),
+                       gate_up=_weight(l.mlp.gate_up_proj), down=_weight(l.mlp.down_proj),
+                       norm_in=l.input_layernorm.weight.detach(), norm_post=l.post_attention_layernorm.weight.detach())
+                  for l in model.layers]
+        config = dict(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                      head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
+                      rms_norm_eps=cfg.rms_norm_eps)
+        self.step = ops.DecodeStep(config, layers, _weight(model.embed_tokens), _weight(model.lm_head),
+                                   model.norm.weight.detach(), model.rotary.cos_cache, model.rotary.sin_cache,
+                                   kv_pool.k_buffers, kv_pool.v_buffers)
+        self.req_to_token = req_to_token_pool.req_to_token
+
+    @staticmethod
+    def takes(batch_size: int) -> bool:
+        return batch_size <= MAX_BATCH
+
+    def run(self, input_ids: list[int], positions: torch.Tensor, out_cache_loc: torch.Tensor,
+            req_pool_indices: list[int], seq_lens: list[int]) -> torch.Tensor:
+        """Logits (float32, one row per request) of one decode pass; writes the new tokens' KV."""
+        dev = self.req_to_token.device
+        rows = torch.tensor(req_pool_indices, dtype=torch.long, device=dev)
+        table = self.req_to_token.index_select(0, rows)[:, : max(seq_lens)].contiguous()
+        return self.step.run(torch.tensor(input_ids, dtype=torch.long, device=dev), positions.contiguous(),
+                             out_cache_loc.contiguous(), table, torch.tensor(seq_lens, dtype=torch.long, device=dev),
+                             torch.get_num_threads())
