@@ -9,6 +9,7 @@ import torch
 
 from baby_sgl.engine import Engine
 from baby_sgl.layers.linear import Linear
+from baby_sgl.layers.quantization import QuantizedWeight
 
 
 def _best_of(fn, repeats: int = 5) -> float:
@@ -28,9 +29,12 @@ def measure_roofs(engine: Engine) -> dict[str, float]:
     gflops = 2 * a.shape[0] * a.shape[1] * b.shape[1] / _best_of(lambda: a @ b) / 1e9
     model = engine.scheduler.runner.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    matmul_params = sum(m.weight.numel() for m in linears)
-    # What a decode step must read: every projection once, plus the norms (embedding rows are few).
-    weight_bytes = matmul_params * torch.finfo(dtype).bits // 8
+    shapes = [m.weight.shape for m in linears]
+    matmul_params = sum(n * k for n, k in shapes)
+    # What a decode step must read: every projection once as stored (quantized blocks, or the
+    # dtype's bytes), plus the norms (embedding rows are few).
+    weight_bytes = sum(m.weight.nbytes if isinstance(m.weight, QuantizedWeight) else
+                       m.weight.numel() * torch.finfo(dtype).bits // 8 for m in linears)
     flop_per_token = 2 * matmul_params
     # Read a buffer as large as the weights (within 64 MB .. 2 GB): a smaller one would be served
     # partly from a large last-level cache and overstate what a decode step can stream.

@@ -20,8 +20,9 @@ MAX_BATCH = 16
 
 
 def can_run(model: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """Every matrix in a format the kernel reads, activations in float32 or bfloat16."""
-    if dtype not in DENSE_TYPES:
+    """Every matrix in a format the kernel reads, activations in float32 or bfloat16, heads of a
+    multiple of 16 values (whole vectors)."""
+    if dtype not in DENSE_TYPES or model.config.head_dim % 16:
         return False
     linears = [model.embed_tokens, model.lm_head] + [m for layer in model.layers for m in
                                                       (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -47,7 +48,7 @@ class CpuDecodeStep:
                   for l in model.layers]
         config = dict(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                       head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
-                      rms_norm_eps=cfg.rms_norm_eps)
+                      rms_norm_eps=cfg.rms_norm_eps, num_threads=torch.get_num_threads())
         self.step = ops.DecodeStep(config, layers, _weight(model.embed_tokens), _weight(model.lm_head),
                                    model.norm.weight.detach(), model.rotary.cos_cache, model.rotary.sin_cache,
                                    kv_pool.k_buffers, kv_pool.v_buffers)
