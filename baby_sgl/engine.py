@@ -21,6 +21,7 @@ from baby_sgl.mem_cache.memory_pool import KVPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.model_runner import ModelRunner
 from baby_sgl.cpu_ops import cpu_ops
+from baby_sgl.toolchain import cpu_has_native_bf16
 from baby_sgl.model_loader.loader import is_gguf, load_model, resolve_model_path
 from baby_sgl.distributed import tp_plan
 from baby_sgl.distributed.tp_group import GroupBroken, TensorParallel
@@ -34,11 +35,6 @@ from baby_sgl.validation import validate, validate_text
 
 logger = logging.getLogger(__name__)
 
-
-def cpu_has_native_bf16() -> bool:
-    """avx512_bf16 or AMX: the CPU multiplies bfloat16 itself, without converting to float32."""
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, so looked up
-    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CPU_MAX_TOTAL_TOKENS = 32768  # KV pool cap on CPU when max_total_tokens is not given

@@ -34,6 +34,12 @@ def cpu_fingerprint() -> str:
     return hashlib.sha256("".join(info).encode()).hexdigest()[:12]
 
 
+def cpu_has_native_bf16() -> bool:
+    """avx512_bf16 or AMX: the CPU multiplies bfloat16 itself, without converting to float32."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, so looked up
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
 def kernel_cache_dir() -> Path:
     root = Path(os.environ.get("BABY_SGL_CACHE", Path.home() / ".cache" / "baby-sgl"))
     return root / "kernels" / f"torch-{torch.__version__}-{cpu_fingerprint()}"

@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cstdlib>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -57,18 +58,28 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& data, int64_t type, int
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// Rows `ids` of the weight (or all rows) as float32: embedding lookups, and whole matrices for
-// the large-batch path.
-at::Tensor dequantize(const at::Tensor& data, int64_t type, int64_t n, int64_t k, const c10::optional<at::Tensor>& ids) {
+// Rows `ids` of the weight (or all rows) as float32 or bfloat16: embedding lookups, and whole
+// matrices for large batches.
+at::Tensor dequantize(const at::Tensor& data, int64_t type, int64_t n, int64_t k, const c10::optional<at::Tensor>& ids,
+                      at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize gives float32 or bfloat16");
   const Weight w = make_weight(data, type, n, k, c10::nullopt);
   at::Tensor idx = ids ? ids->to(at::kLong).contiguous() : at::Tensor();
   const int64_t rows = ids ? idx.numel() : n;
   const int64_t* ip = ids ? idx.data_ptr<int64_t>() : nullptr;
   for (int64_t r = 0; ip && r < rows; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "row id ", ip[r], " out of range");
-  at::Tensor out = at::empty({rows, k}, data.options().dtype(at::kFloat));
-  float* op = out.data_ptr<float>();
+  at::Tensor out = at::empty({rows, k}, data.options().dtype(dtype));
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) dequantize_row(w, ip ? ip[r] : r, op + r * k);
+    std::vector<float> row(dtype == at::kFloat ? 0 : k);
+    for (int64_t r = begin; r < end; ++r) {
+      if (dtype == at::kFloat) {
+        dequantize_row(w, ip ? ip[r] : r, out.data_ptr<float>() + r * k);
+        continue;
+      }
+      dequantize_row(w, ip ? ip[r] : r, row.data());
+      uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + r * k;
+      for (int64_t i = 0; i < k; ++i) dst[i] = float_to_bf16(row[i]);
+    }
   });
   return out;
 }
@@ -144,24 +155,33 @@ class DecodeStep {
     }
   }
 
-  // input_ids, positions, out_cache_loc, seq_lens: int64 [M]; table: int64 [M, W], row m's first
-  // seq_lens[m] entries are its KV slots (the new token's last). Returns float32 logits [M, vocab].
+  // input_ids, positions, out_cache_loc, req_pool_indices, seq_lens: int64 [M]; req_to_token: the
+  // request-to-slot table, int64 [requests, W], whose row req_pool_indices[m] holds row m's KV
+  // slots in its first seq_lens[m] entries (the new token's last). Returns float32 logits [M, vocab].
   at::Tensor run(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& out_cache_loc,
-                 const at::Tensor& table, const at::Tensor& seq_lens, int64_t num_threads) {
+                 const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                 int64_t num_threads) {
     const int64_t rows = input_ids.size(0);
-    for (const auto* t : {&input_ids, &positions, &out_cache_loc, &seq_lens, &table})
-      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->size(0) == rows, "int64 inputs, one row each");
+    for (const auto* t : {&input_ids, &positions, &out_cache_loc, &req_pool_indices, &seq_lens})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == rows, "int64 inputs, one per row");
+    TORCH_CHECK(req_to_token.scalar_type() == at::kLong && req_to_token.is_contiguous() && req_to_token.dim() == 2,
+                "req_to_token must be a contiguous int64 table");
     const int64_t* ids = input_ids.data_ptr<int64_t>();
     const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    const int64_t* req = req_pool_indices.data_ptr<int64_t>();
+    const int64_t slots = k_buffers_[0].size(0);
     for (int64_t m = 0; m < rows; ++m) {
       TORCH_CHECK(ids[m] >= 0 && ids[m] < embed_.n, "token id ", ids[m], " out of range");
-      TORCH_CHECK(lens[m] >= 1 && lens[m] <= table.size(1), "sequence length out of range");
+      TORCH_CHECK(req[m] >= 0 && req[m] < req_to_token.size(0), "request slot out of range");
+      TORCH_CHECK(lens[m] >= 1 && lens[m] <= req_to_token.size(1), "sequence length out of range");
       TORCH_CHECK(positions.data_ptr<int64_t>()[m] < cos_.size(0), "position beyond the rope table");
+      TORCH_CHECK(out_cache_loc.data_ptr<int64_t>()[m] >= 0 && out_cache_loc.data_ptr<int64_t>()[m] < slots,
+                  "KV slot out of range");
     }
     at::Tensor logits = at::empty({rows, vocab_}, input_ids.options().dtype(at::kFloat));
     Scratch s(rows, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_, inter_);
-    Batch b{rows, ids, positions.data_ptr<int64_t>(), out_cache_loc.data_ptr<int64_t>(), table.data_ptr<int64_t>(),
-            table.size(1), lens, logits.data_ptr<float>()};
+    Batch b{rows, ids, positions.data_ptr<int64_t>(), out_cache_loc.data_ptr<int64_t>(), req_to_token.data_ptr<int64_t>(),
+            req_to_token.size(1), req, lens, logits.data_ptr<float>()};
     {
       py::gil_scoped_release no_gil;
       if (k_buffers_[0].scalar_type() == at::kBFloat16) {
@@ -178,11 +198,28 @@ class DecodeStep {
     int64_t rows;
     const int64_t *ids, *pos, *loc, *table;
     int64_t width;
-    const int64_t* lens;
+    const int64_t *req, *lens;
     float* logits;
   };
+  // Activations, each buffer aligned to 64 bytes: the kernels' 16-float loads of a misaligned
+  // buffer straddle cache lines, which made a batch-8 step 1.6x slower.
+  struct Buffer {
+    explicit Buffer(int64_t n) {
+      data_ = static_cast<float*>(std::aligned_alloc(64, ((n * 4 + 63) / 64) * 64));
+      TORCH_CHECK(data_ != nullptr, "out of memory for the decode step's activations");
+      std::fill(data_, data_ + n, 0.f);
+    }
+    ~Buffer() { std::free(data_); }
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
+    float* data() { return data_; }
+    float& operator[](int64_t i) { return data_[i]; }
+
+   private:
+    float* data_;
+  };
   struct Scratch {
-    std::vector<float> x, h, tmp, qkv, att, gate_up, act;
+    Buffer x, h, tmp, qkv, att, gate_up, act;
     Scratch(int64_t m, int64_t hidden, int64_t qkv_n, int64_t q_n, int64_t inter)
         : x(m * hidden), h(m * hidden), tmp(m * hidden), qkv(m * qkv_n), att(m * q_n), gate_up(m * 2 * inter),
           act(m * inter) {}
@@ -252,12 +289,14 @@ class DecodeStep {
         pool_.barrier();
         linear(l.gate_up, s.h.data(), s.gate_up.data());
         pool_.barrier();
-        int64_t e0, e1;
-        my_rows(M * inter_, e0, e1);
-        for (int64_t e = e0; e < e1; ++e) {
-          const int64_t m = e / inter_, i = e % inter_;
-          const float g = s.gate_up[m * 2 * inter_ + i], u = s.gate_up[m * 2 * inter_ + inter_ + i];
-          s.act[e] = g / (1.f + std::exp(-g)) * u;
+        for (int64_t m = 0; m < M; ++m) {  // SiLU(gate) * up, each thread a share of every row
+          int64_t i0, i1;
+          my_rows(inter_, i0, i1);
+          const float* g = s.gate_up.data() + m * 2 * inter_;
+          float* a = s.act.data() + m * inter_;
+          for (int64_t i = i0; i < i1; ++i) a[i] = -g[i];
+          exp_inplace(a + i0, i1 - i0);
+          for (int64_t i = i0; i < i1; ++i) a[i] = g[i] / (1.f + a[i]) * g[inter_ + i];
         }
         pool_.barrier();
         linear(l.down, s.act.data(), s.tmp.data());
@@ -338,7 +377,7 @@ class DecodeStep {
       std::fill(acc.begin(), acc.end(), f16v{});
       std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.end(), 0.f);
-      const int64_t* slots = b.table + m * b.width;
+      const int64_t* slots = b.table + b.req[m] * b.width;
       for (int64_t start = 0; start < len; start += kBlock) {
         const int64_t n = std::min(kBlock, len - start);
         for (int64_t j = 0; j < n; ++j) {
@@ -360,7 +399,7 @@ class DecodeStep {
           sum[g] *= rescale[0];
           mx[g] = block_max;
           for (int64_t j = 0; j < n; ++j) sg[j] -= block_max;
-          exp_nonpositive(sg, n);
+          exp_inplace(sg, n);
           for (int64_t j = 0; j < n; ++j) sum[g] += sg[j];
         }
         for (int64_t j = 0; j < n; ++j) {

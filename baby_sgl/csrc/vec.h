@@ -167,12 +167,12 @@ inline void half2_to_float(const uint8_t* p, float& a, float& b) {
 #endif
 }
 
-// exp(x) for x <= 0 (scores minus their running maximum), branch-free so that a loop over it
-// vectorizes: Cephes' expf (range reduction by ln 2, degree-6 polynomial, 2^k from the exponent
-// bits), relative error ~1e-7. Below -87 the result is ~1e-38 instead of 0.
-inline void exp_nonpositive(float* x, int64_t n) {
+// exp(x) in place, branch-free so that a loop over it vectorizes: Cephes' expf (range reduction
+// by ln 2, degree-6 polynomial, 2^k from the exponent bits), relative error ~1e-7. x is clamped
+// to [-87, 88]: below, the result is ~1e-38 instead of 0; above, 1.6e38 instead of inf.
+inline void exp_inplace(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const float v = std::max(x[i], -87.f);
+    const float v = std::min(std::max(x[i], -87.f), 88.f);
     const float k = std::floor(v * 1.44269504088896341f + 0.5f);
     const float r = v - k * 0.693359375f + k * 2.12194440e-4f;
     float p = 1.9875691500e-4f;

@@ -11,12 +11,16 @@ wherever the kernel runs (a CPU with a C++ compiler, no tensor parallelism, no t
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from baby_sgl.cpu_ops import cpu_ops
+from baby_sgl.toolchain import cpu_has_native_bf16
+
+_bf16_units = functools.cache(cpu_has_native_bf16)
 
 QUANTIZATION_CHOICES = ("gguf", "none")
 
@@ -34,12 +38,13 @@ class WeightType(enum.IntEnum):
 BLOCK_BYTES = {WeightType.Q8_0: 34, WeightType.Q4_0: 18, WeightType.Q4_1: 20}
 DENSE_TYPES = {torch.float32: WeightType.F32, torch.bfloat16: WeightType.BF16}
 
-# Up to this many rows the kernel multiplies the blocks directly; more rows are compute-bound,
-# where dequantizing the matrix once and handing it to torch's GEMM (oneDNN / MKL) is faster.
-# Measured on a 2-core AVX-512 CPU, Q4_1 576 -> 3072: 4 rows 69 us with the kernel, 32 rows
-# 542 us (kernel) against ~1000 us (dequantize + GEMM: the dequantization dominates) and 256 rows
-# 4.3 ms against 2.2 ms.
-DIRECT_MAX_ROWS = 64
+# The kernel multiplies the blocks directly for every batch in float32: torch's float32 GEMM was
+# no faster even with the matrix already dequantized (Q4_1 576 -> 3072 on a 2-core Zen 5: 256
+# rows 3.9 ms with the kernel, 4.5 ms dequantizing + GEMM). A CPU with bfloat16 units runs a
+# bfloat16 GEMM 3-4x faster than the kernel, so there, past this many rows, the matrix is
+# dequantized to bfloat16 for each product (32 rows: 487 us kernel, 312 us dequantize + GEMM;
+# 16 rows: 272 against 279).
+BF16_GEMM_MIN_ROWS = 17
 
 
 @dataclass
@@ -63,18 +68,15 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         ops = cpu_ops() if self.data.device.type == "cpu" else None
-        if ops is not None:
-            out = ops.dequantize(self.data, int(self.qtype), *self.shape, rows)
-        else:
-            out = dequantize_blocks(self.data if rows is None else self.data[rows], self.qtype, self.shape[1])
-        return out.to(dtype)
+        if ops is not None and dtype in (torch.float32, torch.bfloat16):
+            return ops.dequantize(self.data, int(self.qtype), *self.shape, rows, dtype)
+        return dequantize_blocks(self.data if rows is None else self.data[rows], self.qtype, self.shape[1]).to(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         ops = cpu_ops()
-        if x.shape[0] <= DIRECT_MAX_ROWS and ops is not None:
-            return ops.linear(x, self.data, int(self.qtype), *self.shape,
-                              None if bias is None else bias.float().contiguous())
-        return F.linear(x, self.dequantize(x.dtype), bias)
+        if ops is None or (x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMM_MIN_ROWS and _bf16_units()):
+            return F.linear(x, self.dequantize(x.dtype), bias)
+        return ops.linear(x, self.data, int(self.qtype), *self.shape, None if bias is None else bias.float().contiguous())
 
     @property
     def nbytes(self) -> int:

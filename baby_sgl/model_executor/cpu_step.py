@@ -2,21 +2,18 @@
 no Python between its ops and threads that spin between them instead of sleeping.
 
 It reads the model's weights where they are (quantized blocks, or plain float32 / bfloat16
-matrices) and the runner's KV pool, and returns the logits. Prefill, mixed passes and decode
-batches larger than MAX_BATCH run op by op as before: past a few dozen rows the matmuls are
-compute-bound and torch's GEMMs beat the kernel's dot products.
+matrices) and the runner's KV pool, and returns the logits. Prefill and mixed passes run op by op
+as before, and so do bfloat16 decode batches of BF16_GEMM_MIN_ROWS or more on a CPU with bfloat16
+units, whose bfloat16 GEMMs then beat the kernel's float32 dot products (layers/quantization.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from baby_sgl.layers.quantization import DENSE_TYPES, QuantizedWeight
+from baby_sgl.layers.quantization import BF16_GEMM_MIN_ROWS, DENSE_TYPES, QuantizedWeight
 from baby_sgl.mem_cache.memory_pool import KVPool, ReqToTokenPool
-
-# Decode batches up to this size take the step. Measured on SmolLM2-135M (Q4_1) on a 2-core
-# AVX-512 CPU: see the README's step profile.
-MAX_BATCH = 16
+from baby_sgl.toolchain import cpu_has_native_bf16
 
 
 def can_run(model: torch.nn.Module, dtype: torch.dtype) -> bool:
@@ -53,17 +50,19 @@ class CpuDecodeStep:
                                    model.norm.weight.detach(), model.rotary.cos_cache, model.rotary.sin_cache,
                                    kv_pool.k_buffers, kv_pool.v_buffers)
         self.req_to_token = req_to_token_pool.req_to_token
+        bf16_gemm = kv_pool.dtype == torch.bfloat16 and cpu_has_native_bf16()
+        self.max_batch = BF16_GEMM_MIN_ROWS - 1 if bf16_gemm else req_to_token_pool.size
 
-    @staticmethod
-    def takes(batch_size: int) -> bool:
-        return batch_size <= MAX_BATCH
+    def takes(self, batch_size: int) -> bool:
+        return batch_size <= self.max_batch
 
     def run(self, input_ids: list[int], positions: torch.Tensor, out_cache_loc: torch.Tensor,
             req_pool_indices: list[int], seq_lens: list[int]) -> torch.Tensor:
         """Logits (float32, one row per request) of one decode pass; writes the new tokens' KV."""
         dev = self.req_to_token.device
-        rows = torch.tensor(req_pool_indices, dtype=torch.long, device=dev)
-        table = self.req_to_token.index_select(0, rows)[:, : max(seq_lens)].contiguous()
-        return self.step.run(torch.tensor(input_ids, dtype=torch.long, device=dev), positions.contiguous(),
-                             out_cache_loc.contiguous(), table, torch.tensor(seq_lens, dtype=torch.long, device=dev),
-                             torch.get_num_threads())
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
+        return self.step.run(ints(input_ids), positions.contiguous(), out_cache_loc.contiguous(), self.req_to_token,
+                             ints(req_pool_indices), ints(seq_lens), torch.get_num_threads())

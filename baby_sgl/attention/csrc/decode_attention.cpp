@@ -15,6 +15,8 @@
 #include <limits>
 #include <vector>
 
+#include "../../csrc/vec.h"
+
 namespace {
 
 constexpr int64_t kBlock = 32;  // keys scored before their values are accumulated
@@ -37,28 +39,6 @@ inline float as_float<c10::BFloat16>(c10::BFloat16 x) {
 template <typename T>
 inline void widen(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = as_float(src[i]);
-}
-
-// exp(x) for x <= 0 (scores minus their running maximum), branch-free so that the loop over a
-// block vectorizes: Cephes' expf (range reduction by ln 2, degree-6 polynomial, 2^k from the
-// exponent bits), relative error ~1e-7. Below -87 the result is ~1e-38 instead of 0.
-inline void exp_nonpositive(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = std::max(x[i], -87.f);
-    const float k = std::floor(v * 1.44269504088896341f + 0.5f);
-    const float r = v - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    x[i] = p * scale;
-  }
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -90,6 +70,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor&
   // side by side in the pool, is read from memory once.
   const int64_t hg = heads * group;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    const bsgl::FlushDenormals flush;  // see vec.h: far-off keys' tiny weights
     std::vector<float> qf(hg * dim), acc(hg * dim), scores(hg * kBlock), mx(hg), sum(hg), row(heads * dim);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t len = lp[r];
@@ -116,7 +97,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor&
           sum[qi] *= rescale;
           mx[qi] = block_max;
           for (int64_t j = 0; j < n; ++j) sq[j] -= block_max;
-          exp_nonpositive(sq, n);
+          bsgl::exp_inplace(sq, n);
           for (int64_t j = 0; j < n; ++j) sum[qi] += sq[j];
         }
         for (int64_t j = 0; j < n; ++j) {
