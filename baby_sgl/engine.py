@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import queue
@@ -70,6 +71,11 @@ class Engine:
                 self.tp.stop()
             raise
         self.model_path = loaded.source
+        # Everything built so far lives as long as the engine: leave it out of the garbage
+        # collector's full passes, which walked the tokenizer's and the model's millions of
+        # objects during decode steps (9% of a batch-32 step's time). Undone at shutdown.
+        gc.collect()
+        gc.freeze()
         logger.info("engine ready: %s, %s, %d KV slots", loaded.source, self.dtype, self.max_total_tokens)
 
     # ---- set-up helpers ------------------------------------------------------------------
@@ -436,6 +442,7 @@ class Engine:
         return self.scheduler.is_alive()
 
     def shutdown(self) -> None:
+        gc.unfreeze()
         self.scheduler.shutdown()
         if self.tp is not None:
             sched = self.scheduler

@@ -103,6 +103,10 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
   return b;
 }
 
+// Batches of at least this many rows take the bfloat16 products (weights.h) when the dtype is
+// bfloat16; a single row is bound by reading the weights, not by the products, and keeps float32.
+constexpr int64_t kBF16MinRows = 4;
+
 class DecodeStep {
  public:
   DecodeStep(py::dict cfg, py::list layers, py::tuple embed, py::tuple lm_head, const at::Tensor& final_norm,
@@ -115,6 +119,7 @@ class DecodeStep {
         inter_(cfg["intermediate_size"].cast<int64_t>()),
         vocab_(cfg["vocab_size"].cast<int64_t>()),
         eps_(cfg["rms_norm_eps"].cast<float>()),
+        bf16_products_(kHasBF16Products && cfg["bf16_products"].cast<bool>()),
         pool_(cfg["num_threads"].cast<int>()),
         cos_(cos.contiguous()),
         sin_(sin.contiguous()),
@@ -259,9 +264,18 @@ class DecodeStep {
         begin = n * tid / nt;
         end = n * (tid + 1) / nt;
       };
+      std::vector<uint16_t> xb;  // this thread's bfloat16 copy of a product's activations
       auto linear = [&](const Weight& w, const float* x, float* out) {
         int64_t n0, n1;
         split_range(w.n, tid, nt, n0, n1);
+#if defined(__AVX512BF16__)
+        if (bf16_products_ && M >= kBF16MinRows && w.k % 32 == 0) {
+          xb.resize(M * w.k);
+          to_bf16_rows(x, w.k, M, w.k, xb.data());
+          matmul_bf16(w, xb.data(), M, out, w.n, n0, n1);
+          return;
+        }
+#endif
         matmul(w, x, w.k, M, out, w.n, n0, n1);
       };
       int64_t r0, r1;
@@ -390,17 +404,19 @@ class DecodeStep {
             scores[g * kBlock + j] = hsum(part);
           }
         }
-        for (int64_t g = 0; g < G; ++g) {
+        for (int64_t g = 0; g < G; ++g) {  // whole 32-score vectors; a last short block is padded
           float* sg = scores.data() + g * kBlock;
-          float block_max = mx[g];
-          for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, sg[j]);
-          const f16v rescale = splat(std::exp(mx[g] - block_max));  // 0 on the first block
-          for (int64_t v = 0; v < V; ++v) acc[g * V + v] *= rescale;
-          sum[g] *= rescale[0];
+          std::fill(sg + n, sg + kBlock, -std::numeric_limits<float>::infinity());
+          const f16v lo = load16(sg), hi = load16(sg + 16);
+          const float block_max = std::max(mx[g], hmax(vmax(lo, hi)));
+          const float rescale = std::exp(mx[g] - block_max);  // 0 on the first block
+          for (int64_t v = 0; v < V; ++v) acc[g * V + v] *= splat(rescale);
           mx[g] = block_max;
-          for (int64_t j = 0; j < n; ++j) sg[j] -= block_max;
-          exp_inplace(sg, n);
-          for (int64_t j = 0; j < n; ++j) sum[g] += sg[j];
+          store16(sg, lo - block_max);
+          store16(sg + 16, hi - block_max);
+          exp_inplace(sg, kBlock);
+          std::fill(sg + n, sg + kBlock, 0.f);
+          sum[g] = sum[g] * rescale + hsum(load16(sg) + load16(sg + 16));
         }
         for (int64_t j = 0; j < n; ++j) {
           if (start + j + kAhead < len) prefetch_row(vp + slots[start + j + kAhead] * slot_stride + kvh * D, D);
@@ -422,6 +438,7 @@ class DecodeStep {
 
   int64_t hidden_, heads_, kv_heads_, head_dim_, inter_, vocab_;
   float eps_;
+  bool bf16_products_;  // bfloat16 dtype on a CPU with AVX512_BF16: batches use vdpbf16ps
   SpinPool pool_;
   at::Tensor cos_, sin_;
   std::vector<at::Tensor> k_buffers_, v_buffers_, keep_;

@@ -158,6 +158,90 @@ inline void matmul(const Weight& w, const float* x, int64_t ldx, int64_t rows, f
   }
 }
 
+// bfloat16 products: on CPUs with AVX512_BF16, a batch computed in bfloat16 (the engine's dtype)
+// multiplies with vdpbf16ps, 32 products per instruction against 16 for float32 FMAs. The
+// block is widened as above, rounded to bfloat16 pairs, and multiplied with the activations
+// rounded to bfloat16 once per product (what torch's bfloat16 GEMM computes), accumulating in
+// float32. Eight activation rows share each decoded block: a decode batch of 32 was compute-
+// bound in the float32 kernel (~230 GFLOP/s on a 2-core Zen 5).
+#if defined(__AVX512BF16__)
+constexpr bool kHasBF16Products = true;
+constexpr int kBF16MR = 8;
+
+// x [rows, k] float32 -> bfloat16 (round to nearest even), k a multiple of 16.
+inline void to_bf16_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, uint16_t* out) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t i = 0; i < k; i += 16) {
+      const __m256bh v = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + m * ldx + i));
+      std::memcpy(out + m * k + i, &v, 32);
+    }
+}
+
+template <int T, int MR>
+inline void tile_bf16(const Weight& w, int64_t j, const uint16_t* xb, float* out, int64_t ldo) {
+  const int64_t blocks = w.k / 32;
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  const uint8_t* row = w.row(j);
+  for (int64_t b = 0; b < blocks; ++b) {
+    f16v w0, w1;
+    decode_block<T>(row, b, w0, w1);
+    __m512 lo, hi;
+    std::memcpy(&lo, &w0, 64);
+    std::memcpy(&hi, &w1, 64);
+    const __m512bh pairs = _mm512_cvtne2ps_pbh(hi, lo);  // values 0..31 of the block, in order
+    for (int m = 0; m < MR; ++m) {
+      const __m512i xv = _mm512_loadu_si512(xb + m * w.k + 32 * b);
+      __m512bh xp;
+      std::memcpy(&xp, &xv, 64);
+      acc[m] = _mm512_dpbf16_ps(acc[m], pairs, xp);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    const float s = _mm512_reduce_add_ps(acc[m]);
+    out[m * ldo + j] = w.bias ? s + w.bias[j] : s;
+  }
+}
+
+template <int T, int MR>
+void tile_bf16_columns(const Weight& w, const uint16_t* xb, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  for (int64_t j = n0; j < n1; ++j) tile_bf16<T, MR>(w, j, xb, out, ldo);
+}
+
+template <int T>
+void matmul_bf16_rows(const Weight& w, const uint16_t* xb, int64_t rows, float* out, int64_t ldo, int64_t n0,
+                      int64_t n1) {
+  int64_t m = 0;
+  for (; m + kBF16MR <= rows; m += kBF16MR) tile_bf16_columns<T, kBF16MR>(w, xb + m * w.k, out + m * ldo, ldo, n0, n1);
+  const int64_t left = rows - m;
+  const uint16_t* xr = xb + m * w.k;
+  float* o = out + m * ldo;
+  if (left >= 4) {
+    tile_bf16_columns<T, 4>(w, xr, o, ldo, n0, n1);
+    xr += 4 * w.k, o += 4 * ldo;
+  }
+  switch (left % 4) {
+    case 3: tile_bf16_columns<T, 3>(w, xr, o, ldo, n0, n1); break;
+    case 2: tile_bf16_columns<T, 2>(w, xr, o, ldo, n0, n1); break;
+    case 1: tile_bf16_columns<T, 1>(w, xr, o, ldo, n0, n1); break;
+  }
+}
+
+// xb: the activations already rounded by to_bf16_rows ([rows, k]); w.k a multiple of 32.
+inline void matmul_bf16(const Weight& w, const uint16_t* xb, int64_t rows, float* out, int64_t ldo, int64_t n0,
+                        int64_t n1) {
+  switch (w.type) {
+    case kF32: return matmul_bf16_rows<kF32>(w, xb, rows, out, ldo, n0, n1);
+    case kBF16: return matmul_bf16_rows<kBF16>(w, xb, rows, out, ldo, n0, n1);
+    case kQ8_0: return matmul_bf16_rows<kQ8_0>(w, xb, rows, out, ldo, n0, n1);
+    case kQ4_0: return matmul_bf16_rows<kQ4_0>(w, xb, rows, out, ldo, n0, n1);
+    case kQ4_1: return matmul_bf16_rows<kQ4_1>(w, xb, rows, out, ldo, n0, n1);
+  }
+}
+#else
+constexpr bool kHasBF16Products = false;
+#endif
+
 template <int T>
 void dequantize_row_t(const uint8_t* row, int64_t k, float* out) {
   int64_t b = 0;

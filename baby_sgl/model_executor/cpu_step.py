@@ -45,13 +45,14 @@ class CpuDecodeStep:
                   for l in model.layers]
         config = dict(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                       head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
-                      rms_norm_eps=cfg.rms_norm_eps, num_threads=torch.get_num_threads())
+                      rms_norm_eps=cfg.rms_norm_eps, num_threads=torch.get_num_threads(),
+                      bf16_products=kv_pool.dtype == torch.bfloat16)
         self.step = ops.DecodeStep(config, layers, _weight(model.embed_tokens), _weight(model.lm_head),
                                    model.norm.weight.detach(), model.rotary.cos_cache, model.rotary.sin_cache,
                                    kv_pool.k_buffers, kv_pool.v_buffers)
         self.req_to_token = req_to_token_pool.req_to_token
         bf16_gemm = kv_pool.dtype == torch.bfloat16 and cpu_has_native_bf16()
-        self.max_batch = BF16_GEMM_MIN_ROWS - 1 if bf16_gemm else req_to_token_pool.size
+        self.max_batch = req_to_token_pool.size
 
     def takes(self, batch_size: int) -> bool:
         return batch_size <= self.max_batch

@@ -1,0 +1,77 @@
+"""Writes a tiny Hugging Face checkpoint (from conftest) as a GGUF file with quantized matrices, the
+way llama.cpp's converter lays it out, and gives the float32 weights those blocks stand for."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file
+
+_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _gguf_name(hf: str) -> str:
+    name, _, suffix = hf.removeprefix("model.").rpartition(".")
+    top = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+    if name in top:
+        return f"{top[name]}.{suffix}"
+    _, layer, rest = name.split(".", 2)
+    return f"blk.{layer}.{_LAYER[rest]}.{suffix}"
+
+
+def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's reordering of a Llama head's Q/K rows (rotate-half -> interleaved)."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def write_tiny_gguf(hf_dir: str, path: str, qtype: GGMLQuantizationType,
+                    embed_qtype: GGMLQuantizationType = GGMLQuantizationType.Q8_0) -> dict[str, torch.Tensor]:
+    """Every 2-D weight quantized (the embedding as embed_qtype); returns the Hugging Face state dict
+    with those matrices replaced by their dequantized values (what transformers should compute with)."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    arch = "llama" if cfg["model_type"] == "llama" else "qwen2"
+    w = GGUFWriter(path, arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
+        vocab = json.load(f)["model"]["vocab"]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])])
+    w.add_token_types([3 if i < 3 else 1 for i in range(len(vocab))])
+    w.add_token_scores([0.0] * len(vocab))  # no merges: transformers derives them (none) from these
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    state = load_file(os.path.join(hf_dir, "model.safetensors"))
+    reference = {}
+    for hf_name, tensor in state.items():
+        data = tensor.float().numpy()
+        if data.ndim == 2:
+            kind = embed_qtype if "embed_tokens" in hf_name else qtype
+            blocks = quantize(data, kind)
+            reference[hf_name] = torch.from_numpy(dequantize(blocks, kind).reshape(data.shape).astype(np.float32))
+            if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+                heads = cfg["num_attention_heads" if ".q_proj." in hf_name else "num_key_value_heads"]
+                blocks = _permute(blocks, heads)
+            w.add_tensor(_gguf_name(hf_name), blocks, raw_shape=blocks.shape, raw_dtype=kind)
+        else:
+            reference[hf_name] = tensor.float()
+            w.add_tensor(_gguf_name(hf_name), data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return reference

@@ -1,0 +1,88 @@
+"""The CPU kernel's products over stored weights (GGUF blocks, float32, bfloat16) against the
+same weights dequantized, and its promise that a row's result does not depend on its batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as G
+from gguf.quants import dequantize, quantize
+
+from baby_sgl.cpu_ops import cpu_ops
+from baby_sgl.layers.quantization import QuantizedWeight, WeightType, dequantize_blocks
+
+TYPES = {G.Q8_0: WeightType.Q8_0, G.Q4_0: WeightType.Q4_0, G.Q4_1: WeightType.Q4_1}
+N, K = 200, 96
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = cpu_ops()
+    if built is None:
+        pytest.skip("no C++ compiler: the portable path is tested by the engine tests")
+    return built
+
+
+def _quantized(kind: G, n: int = N, k: int = K, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    blocks = quantize(w, kind)
+    ref = torch.from_numpy(dequantize(blocks, kind).reshape(n, k).astype(np.float32))
+    return QuantizedWeight(torch.from_numpy(blocks), TYPES[kind], (n, k)), ref
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_dequantized_values_equal_the_gguf_package(ops, kind):
+    qw, ref = _quantized(kind)
+    assert torch.equal(qw.dequantize(torch.float32), ref)
+    assert torch.equal(dequantize_blocks(qw.data, qw.qtype, K), ref)  # the portable path
+    rows = torch.tensor([5, 0, 199, 5])
+    assert torch.equal(qw.dequantize(torch.float32, rows), ref[rows])
+    assert torch.equal(qw.dequantize(torch.bfloat16), ref.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+def test_products_equal_float64_on_the_dequantized_weights(ops, kind, rows):
+    qw, ref = _quantized(kind)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(N)
+    out = ops.linear(x, qw.data, int(qw.qtype), N, K, bias)
+    expected = (x.double() @ ref.double().T + bias.double()).float()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_a_rows_result_does_not_depend_on_its_batch(ops, kind):
+    qw, _ = _quantized(kind)
+    x = torch.randn(11, K, generator=torch.Generator().manual_seed(7))
+    batched = ops.linear(x, qw.data, int(qw.qtype), N, K, None)
+    for i in range(11):
+        assert torch.equal(ops.linear(x[i : i + 1], qw.data, int(qw.qtype), N, K, None)[0], batched[i])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_weights_any_width(ops, dtype):
+    k = 70  # not a whole number of blocks: the tail is summed apart
+    w = torch.randn(N, k).to(dtype)
+    x = torch.randn(3, k)
+    out = ops.linear(x, w, int(WeightType.F32 if dtype == torch.float32 else WeightType.BF16), N, k, None)
+    torch.testing.assert_close(out, x @ w.float().T, rtol=1e-5, atol=1e-4)
+
+
+def test_bfloat16_activations_come_back_in_bfloat16(ops):
+    qw, ref = _quantized(G.Q4_1)
+    x = torch.randn(4, K).to(torch.bfloat16)
+    out = qw.matmul(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), x.float() @ ref.T, rtol=2e-2, atol=0.1)  # bfloat16 rounding
+    big = torch.randn(40, K).to(torch.bfloat16)  # past BF16_GEMM_MIN_ROWS: dequantized for torch's GEMM
+    torch.testing.assert_close(qw.matmul(big).float(), big.float() @ ref.T, rtol=2e-2, atol=0.1)
+
+
+def test_bad_shapes_are_refused(ops):
+    qw, _ = _quantized(G.Q8_0)
+    with pytest.raises(RuntimeError, match="expected"):
+        ops.linear(torch.randn(1, K), qw.data, int(WeightType.Q4_1), N, K, None)  # Q8_0 rows read as Q4_1
+    with pytest.raises(RuntimeError, match="out of range"):
+        qw.dequantize(torch.float32, torch.tensor([N]))
