@@ -34,7 +34,7 @@ RUNS = [
     ("shared-prefix 8x8, 1024-token system prompt, 64-token question, --disable-radix-cache, bfloat16",
      f"{SHARED_8X8} --dtype bfloat16 --disable-radix-cache"),
     ("one-batch B=1, in 1000, out 16 (TTFT of a 1000-token prompt), bfloat16",
-     "--workload one-batch --batch 1 --input-len 1000 --output-len 16 --dtype bfloat16"),
+     "--workload one-batch --batch 1 --input-len 1000 --output-len 16 --dtype bfloat16 --compare vllm"),
     ("random, 32 prompts, in 32-256, out 64-128, bfloat16, then each under a JSON schema",
      f"{RANDOM} --dtype bfloat16 --compare json-schema"),
 ]

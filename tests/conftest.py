@@ -15,15 +15,17 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 
-def _save_tiny(path, kind: str) -> str:
+def _save_tiny(path, kind: str, **overrides) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 
     torch.manual_seed(0)
     if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**TINY_KW, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
+        model = LlamaForCausalLM(LlamaConfig(**(TINY_KW | overrides), tie_word_embeddings=False, bos_token_id=1,
+                                             eos_token_id=2))
     else:
-        model = Qwen2ForCausalLM(Qwen2Config(**TINY_KW, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2))
+        model = Qwen2ForCausalLM(Qwen2Config(**(TINY_KW | overrides), tie_word_embeddings=True, bos_token_id=1,
+                                             eos_token_id=2))
     # Larger weights make the logits decisive, so greedy choices are not near-ties.
     with torch.no_grad():
         for p in model.parameters():
@@ -48,6 +50,14 @@ def _save_tiny(path, kind: str) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_long(tmp_path_factory) -> str:
+    """The tiny Llama with a 32k context, for tests that need a request still running seconds after
+    it started: at ~0.2 ms a token, the 1024-token context of tiny_llama ends within a fraction of
+    a second."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama-long"), "llama", max_position_embeddings=32768)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <limits>
 #include <type_traits>
@@ -160,6 +161,19 @@ class DecodeStep {
     }
   }
 
+  // Seconds thread 0 spent in each part since the last call (with profiling on), and whether to
+  // keep measuring: scripts/profile_step.py reads it.
+  py::dict profile(bool keep_on) {
+    py::dict out;
+    out["matmul"] = profile_[kMatmul];
+    out["attention"] = profile_[kAttention];
+    out["norms, rope, KV writes, activation"] = profile_[kOther];
+    out["logits"] = profile_[kLogits];
+    std::fill(profile_, profile_ + 4, 0.0);
+    profiling_ = keep_on;
+    return out;
+  }
+
   // input_ids, positions, out_cache_loc, req_pool_indices, seq_lens: int64 [M]; req_to_token: the
   // request-to-slot table, int64 [requests, W], whose row req_pool_indices[m] holds row m's KV
   // slots in its first seq_lens[m] entries (the new token's last). Returns float32 logits [M, vocab].
@@ -278,6 +292,15 @@ class DecodeStep {
 #endif
         matmul(w, x, w.k, M, out, w.n, n0, n1);
       };
+      // Thread 0 charges the time since its last mark (its op and the wait for the others) to
+      // one of matmul / attention / the rest when profiling is on.
+      auto last = std::chrono::steady_clock::now();
+      auto mark = [&](int kind) {
+        if (tid != 0 || !profiling_) return;
+        const auto now = std::chrono::steady_clock::now();
+        profile_[kind] += std::chrono::duration<double>(now - last).count();
+        last = now;
+      };
       int64_t r0, r1;
       my_rows(M, r0, r1);
       for (int64_t m = r0; m < r1; ++m) {
@@ -285,24 +308,31 @@ class DecodeStep {
         rms_norm(s.x.data() + m * H, layers_[0].norm_in, s.h.data() + m * H);
       }
       pool_.barrier();
+      mark(kOther);
       for (size_t li = 0; li < layers_.size(); ++li) {
         const Layer& l = layers_[li];
         linear(l.qkv, s.h.data(), s.qkv.data());
         pool_.barrier();
+        mark(kMatmul);
         rope_and_store<T>(b, s, li, tid, nt);
         pool_.barrier();
+        mark(kOther);
         attend<T>(b, s, li, tid, nt);
         pool_.barrier();
+        mark(kAttention);
         linear(l.o, s.att.data(), s.tmp.data());
         pool_.barrier();
+        mark(kMatmul);
         for (int64_t m = r0; m < r1; ++m) {
           float* x = s.x.data() + m * H;
           for (int64_t i = 0; i < H; ++i) x[i] += s.tmp[m * H + i];
           rms_norm(x, l.norm_post, s.h.data() + m * H);
         }
         pool_.barrier();
+        mark(kOther);
         linear(l.gate_up, s.h.data(), s.gate_up.data());
         pool_.barrier();
+        mark(kMatmul);
         for (int64_t m = 0; m < M; ++m) {  // SiLU(gate) * up, each thread a share of every row
           int64_t i0, i1;
           my_rows(inter_, i0, i1);
@@ -313,8 +343,10 @@ class DecodeStep {
           for (int64_t i = i0; i < i1; ++i) a[i] = g[i] / (1.f + a[i]) * g[inter_ + i];
         }
         pool_.barrier();
+        mark(kOther);
         linear(l.down, s.act.data(), s.tmp.data());
         pool_.barrier();
+        mark(kMatmul);
         const float* next_norm = li + 1 < layers_.size() ? layers_[li + 1].norm_in : final_norm_;
         for (int64_t m = r0; m < r1; ++m) {
           float* x = s.x.data() + m * H;
@@ -322,8 +354,10 @@ class DecodeStep {
           rms_norm(x, next_norm, s.h.data() + m * H);
         }
         pool_.barrier();
+        mark(kOther);
       }
       linear(lm_head_, s.h.data(), b.logits);
+      mark(kLogits);  // thread 0's share: the pool waits for the others before run() returns
     });
   }
 
@@ -438,6 +472,9 @@ class DecodeStep {
 
   int64_t hidden_, heads_, kv_heads_, head_dim_, inter_, vocab_;
   float eps_;
+  enum { kMatmul, kAttention, kOther, kLogits };
+  bool profiling_ = false;
+  double profile_[4] = {};
   bool bf16_products_;  // bfloat16 dtype on a CPU with AVX512_BF16: batches use vdpbf16ps
   SpinPool pool_;
   at::Tensor cos_, sin_;
@@ -456,5 +493,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<bsgl::DecodeStep>(m, "DecodeStep")
       .def(py::init<py::dict, py::list, py::tuple, py::tuple, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                     std::vector<at::Tensor>, std::vector<at::Tensor>>())
-      .def("run", &bsgl::DecodeStep::run);
+      .def("run", &bsgl::DecodeStep::run)
+      .def("profile", &bsgl::DecodeStep::profile);
 }

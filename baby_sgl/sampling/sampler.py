@@ -52,10 +52,17 @@ class Sampler:
         probs = torch.softmax(logits / temps, dim=-1)
         top_ks = [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params]
         kmax = max(top_ks)
-        if kmax <= _TOPK_FAST_PATH:
-            probs_sort, idx = probs.topk(kmax, dim=-1)
-        else:
-            probs_sort, idx = probs.sort(dim=-1, descending=True)
+        if kmax == self.vocab_size and all(p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
+            # Nothing is cut: the race runs over the whole vocabulary, no sort needed (a sort of a
+            # 49k vocabulary took ~3 ms a step on CPU).
+            return (probs / self._noise(reqs)).argmax(dim=-1)
+        probs_sort, idx = probs.topk(min(kmax, _TOPK_FAST_PATH), dim=-1)
+        if kmax > _TOPK_FAST_PATH:
+            # top_p alone: the top 1024 suffice when they reach every row's top_p (the smallest set
+            # reaching it lies among them); otherwise sort everything.
+            top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)
+            if not bool((probs_sort.sum(dim=-1) >= top_p).all()) or any(k < self.vocab_size for k in top_ks):
+                probs_sort, idx = probs.sort(dim=-1, descending=True)
         ranks = torch.arange(probs_sort.shape[1])
         drop = ranks[None, :] >= torch.tensor(top_ks)[:, None]
         top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)[:, None]

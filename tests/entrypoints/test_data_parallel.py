@@ -21,8 +21,8 @@ from baby_sgl.entrypoints.data_parallel import router_executable
 
 
 @pytest.fixture(scope="module")
-def dp_server(tiny_llama):
-    proc, base = start_server(tiny_llama, "--dtype", "float32", "--dp-size", "2", "--max-total-tokens", "2048",
+def dp_server(tiny_llama_long):  # its long requests must still run when a worker is killed
+    proc, base = start_server(tiny_llama_long, "--dtype", "float32", "--dp-size", "2", "--max-total-tokens", "32768",
                               ready="/v1/models", timeout=180, stderr=subprocess.DEVNULL)
     yield base, proc
     if proc.poll() is None:  # a test stopped early: stop it as a supervisor would
@@ -80,12 +80,15 @@ def _prompt(group: int, i: int) -> str:
 
 
 def _hit_rate(base: str) -> float:
-    """Sends the workload, first one request of each group at once (so a load-aware router spreads
-    the groups), then the others one group after another; returns cached / prompt tokens."""
+    """Sends the workload, first one request of each group at once, each long enough to be still
+    running when the next arrives (so a load-aware router spreads the groups), then the others one
+    group after another; returns cached / prompt tokens."""
     httpx.post(base + "/flush_cache", timeout=30).raise_for_status()
 
     def send(group: int, i: int) -> dict:
-        body = {"text": _prompt(group, i), "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        new = 3000 if i == 0 else 2
+        body = {"text": _prompt(group, i), "sampling_params": {"max_new_tokens": new, "temperature": 0,
+                                                               "ignore_eos": True}}
         r = httpx.post(base + "/generate", json=body, timeout=60)
         assert r.status_code == 200, r.text
         return r.json()["meta_info"]
@@ -140,9 +143,18 @@ def _worker_pid(front_pid: int, url: str) -> int:
     raise AssertionError(f"no worker process listens on {url}")
 
 
+def _sse_lines(r: httpx.Response):
+    """The stream's lines, split at newlines only (SSE's rule): httpx's iter_lines also splits at
+    characters such as U+0085 or U+2028, which a long random output sends unescaped in its text."""
+    buf = b""
+    for chunk in r.iter_bytes():
+        *lines, buf = (buf + chunk).split(b"\n")
+        yield from (line.decode() for line in lines)
+
+
 def _long_request(base: str, text: str, stream: bool) -> dict:
     """A long /generate; returns what the client saw: the last event or the answer, or the error."""
-    body = {"text": text, "stream": stream, "sampling_params": {"max_new_tokens": 700, "ignore_eos": True}}
+    body = {"text": text, "stream": stream, "sampling_params": {"max_new_tokens": 6000, "ignore_eos": True}}
     last = None
     try:
         with httpx.stream("POST", base + "/generate", json=body, timeout=60) as r:
@@ -152,7 +164,7 @@ def _long_request(base: str, text: str, stream: bool) -> dict:
                     {"status": r.status_code, "error": r.text}
             if r.status_code != 200:
                 return {"status": r.status_code, "error": r.read().decode()}
-            for line in r.iter_lines():
+            for line in _sse_lines(r):
                 if line.startswith("data: ") and line != "data: [DONE]":
                     last = json.loads(line[6:])
     except httpx.HTTPError as e:

@@ -7,8 +7,26 @@ import json
 
 import httpx
 import pytest
+from conftest import serve_in_thread, wait_idle
 
-LONG = {"max_new_tokens": 900, "ignore_eos": True}  # runs for seconds on the tiny model
+from baby_sgl import Engine
+
+LONG = {"max_new_tokens": 16000, "ignore_eos": True}  # runs for seconds on long_server's model
+
+
+@pytest.fixture(scope="module")
+def long_server(tiny_llama_long):
+    """A server whose LONG requests run for seconds on any machine (tiny_llama_long); each test
+    that uses it ends with the server idle and its memory intact."""
+    engine = Engine(tiny_llama_long, dtype="float32", max_total_tokens=65536)
+    with serve_in_thread(engine) as base:
+        yield base
+
+
+@pytest.fixture
+def long_server_clean(long_server):
+    yield long_server
+    wait_idle(long_server)
 
 
 def sse_events(r: httpx.Response) -> list[str]:
@@ -70,19 +88,22 @@ async def _abort_after_start(server: str, body: dict, rid: str) -> list[dict]:
         return out if isinstance(out, list) else [out]
 
 
-def test_abort_request(server):
+def test_abort_request(long_server_clean):
+    server = long_server_clean
     outs = asyncio.run(_abort_after_start(server, {"text": "long", "rid": "abort-me", "sampling_params": LONG},
                                           "abort-me"))
     assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
-def test_abort_request_reaches_every_copy(server):
+def test_abort_request_reaches_every_copy(long_server_clean):
+    server = long_server_clean
     body = {"text": "long", "rid": "copies", "sampling_params": LONG | {"n": 2}}
     outs = asyncio.run(_abort_after_start(server, body, "copies"))
     assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort", "abort"]
 
 
-def test_duplicate_running_rid_is_refused(server):
+def test_duplicate_running_rid_is_refused(long_server_clean):
+    server = long_server_clean
     async def scenario():
         async with httpx.AsyncClient(timeout=60) as c:
             task = asyncio.create_task(c.post(server + "/generate", json={"text": "a", "rid": "dup",
@@ -122,7 +143,8 @@ def test_32_concurrent_streaming_clients(server):
     assert len(results) == 32 and all(usage["completion_tokens"] == 16 for _, usage in results)
 
 
-def test_stream_disconnect_aborts_the_request(server):
+def test_stream_disconnect_aborts_the_request(long_server_clean):
+    server = long_server_clean
     before = _aborted(server)
     with httpx.stream("POST", server + "/generate", json={"text": "go on", "stream": True,
                                                           "sampling_params": LONG}) as r:
@@ -132,7 +154,8 @@ def test_stream_disconnect_aborts_the_request(server):
     _wait_for(lambda: _aborted(server) == before + 1)  # then the autouse fixture checks memory
 
 
-def test_non_stream_disconnect_aborts_the_request(server):
+def test_non_stream_disconnect_aborts_the_request(long_server_clean):
+    server = long_server_clean
     before = _aborted(server)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server + "/generate", json={"text": "go on", "sampling_params": LONG}, timeout=0.3)

@@ -15,11 +15,11 @@ import httpx
 
 from conftest import start_server
 
-LONG = {"max_new_tokens": 1000, "ignore_eos": True}
+LONG = {"max_new_tokens": 16000, "ignore_eos": True}  # runs for seconds on tiny_llama_long
 
 
 def start(model: str, script: list[str] | None = None) -> tuple[subprocess.Popen, str]:
-    return start_server(model, "--max-total-tokens", "4096", "--request-body-timeout", "60", script=script)
+    return start_server(model, "--max-total-tokens", "32768", "--request-body-timeout", "60", script=script)
 
 
 def _stream_forever(base: str, outcome: list) -> None:
@@ -33,8 +33,8 @@ def _stream_forever(base: str, outcome: list) -> None:
         outcome.append(type(e).__name__)
 
 
-def test_sigterm_stops_the_server_within_seconds(tiny_llama):
-    proc, base = start(tiny_llama)
+def test_sigterm_stops_the_server_within_seconds(tiny_llama_long):
+    proc, base = start(tiny_llama_long)
     try:
         outcome: list = []
         threading.Thread(target=_stream_forever, args=(base, outcome), daemon=True).start()
@@ -54,9 +54,9 @@ def test_sigterm_stops_the_server_within_seconds(tiny_llama):
     assert code in (0, -signal.SIGTERM) and took < 10, (code, took)  # uvicorn re-raises the signal
 
 
-def test_a_dead_engine_fails_clients_and_exits_nonzero(tiny_llama):
+def test_a_dead_engine_fails_clients_and_exits_nonzero(tiny_llama_long):
     script = [sys.executable, str(Path(__file__).with_name("dying_server.py"))]
-    proc, base = start(tiny_llama, script)
+    proc, base = start(tiny_llama_long, script)
     try:
         outcome: list = []
         waiter = threading.Thread(target=_stream_forever, args=(base, outcome), daemon=True)
