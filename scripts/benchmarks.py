@@ -93,6 +93,8 @@ def render(rows: list[tuple[str, str, dict]]) -> str:
                 notes.append(f"{r['greedy_agree_prefix_frac']:.0%} of tokens agree before the first difference")
             if "closed_by_grammar" in r:
                 notes.append(f"outputs the grammar closed before the length limit: {r['closed_by_grammar']}")
+            if "prefill_tok_s" in r:
+                notes.append(f"prefill {r['prefill_tok_s']:.0f} tok/s, {r['prefill_roof_fraction']:.0%} of the matmul roof")
             if r is not base and step and base.get("decode_step_median_s"):
                 notes.append(f"decode step ratio (theirs / ours): {step / base['decode_step_median_s']:.2f}x")
             notes = "; ".join(notes)

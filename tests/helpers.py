@@ -53,3 +53,14 @@ def hf_greedy(model, prompts_ids: list[list[int]], max_new_tokens: int) -> list[
                            eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
         outs.append(y[0, len(ids):].tolist())
     return outs
+
+
+def assert_first_step_logprobs(engine, hf, prompts: list[list[int]], top: int) -> None:
+    """The engine's top logprobs of each prompt's first output token are transformers' within 1e-4;
+    then the memory invariant."""
+    outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 1}, top_logprobs_num=top)
+    for p, out in zip(prompts, outs):
+        ref = torch.log_softmax(hf(torch.tensor([p])).logits[0, -1].float(), dim=-1)
+        for logprob, token, _ in out["meta_info"]["output_top_logprobs"][0]:
+            assert abs(logprob - ref[token].item()) < 1e-4
+    engine.check_memory()

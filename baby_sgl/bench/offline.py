@@ -165,6 +165,9 @@ def main(argv: list[str]) -> int:
         result["compute_roof_fraction"] = result["computed_tok_s"] / roofs["compute_roof_tok_s"]
     if "decode_step_median_s" in result:
         result["bandwidth_roof_ratio"] = result["decode_step_median_s"] / roofs["bandwidth_roof_step_s"]
+    if "prefill_s" in result:  # one batch: the prompt tokens' pass against the matmul roof
+        result["prefill_tok_s"] = wl.input_tokens / result["prefill_s"]
+        result["prefill_roof_fraction"] = result["prefill_tok_s"] / roofs["compute_roof_tok_s"]
     if args.compare == "hf":
         from baby_sgl.bench.hf_baseline import compare_hf
 

@@ -120,7 +120,7 @@ class ModelRunner:
             raise GroupBroken(f"tensor-parallel rank {self.tp.rank}: a pass failed: {e!r}") from e
 
     def _forward(self, b: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.step is not None and b.mode == ForwardMode.DECODE and self.step.takes(len(b.input_ids)):
+        if self.step is not None and b.mode == ForwardMode.DECODE:
             logits = self.step.run(b.input_ids, b.positions, b.out_cache_loc, b.req_pool_indices, b.seq_lens)
             return logits, None
         dev = self.device

@@ -10,7 +10,7 @@ import torch
 
 from baby_sgl import Engine
 from baby_sgl.model_loader.loader import default_model_path
-from helpers import CONFIGS, GREEDY, hf_greedy
+from helpers import CONFIGS, GREEDY, assert_first_step_logprobs, hf_greedy
 
 MAX_NEW = 12
 QUESTIONS = [
@@ -55,13 +55,7 @@ def test_default_model_matches_transformers(reference, config):
 def test_default_model_first_step_logprobs(reference):
     prompts, _, hf = reference
     with Engine(dtype="float32") as engine:
-        outs = engine.generate(input_ids=prompts[:4], sampling_params={**GREEDY, "max_new_tokens": 1},
-                               top_logprobs_num=5)
-        for p, out in zip(prompts[:4], outs):
-            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0, -1].float(), dim=-1)
-            for logprob, token, _ in out["meta_info"]["output_top_logprobs"][0]:
-                assert abs(logprob - ref[token].item()) < 1e-4
-        engine.check_memory()
+        assert_first_step_logprobs(engine, hf, prompts[:4], top=5)
 
 
 def test_default_model_answers_read_as_answers():

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from baby_sgl import Engine
 from baby_sgl.layers.quantization import QuantizedWeight
 from gguf_writer import write_tiny_gguf
-from helpers import CONFIGS, GREEDY, hf_greedy, random_prompts, shared_prefix_prompts
+from helpers import CONFIGS, GREEDY, assert_first_step_logprobs, hf_greedy, random_prompts, shared_prefix_prompts
 
 MAX_NEW = 24
 KINDS = {"tiny_llama": G.Q4_1, "tiny_qwen2": G.Q4_0}
@@ -58,13 +58,8 @@ def test_quantized_greedy_matches_transformers(case, config):
 def test_quantized_first_step_logprobs_match_transformers(case):
     path, prompts, _, hf = case
     with Engine(path, dtype="float32") as engine:
-        outs = engine.generate(input_ids=prompts[:6], sampling_params={**GREEDY, "max_new_tokens": 1},
-                               top_logprobs_num=10)
-        for p, out in zip(prompts[:6], outs):
-            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0, -1].float(), dim=-1)
-            for logprob, token, _ in out["meta_info"]["output_top_logprobs"][0]:
-                assert abs(logprob - ref[token].item()) < 1e-4
-        engine.check_memory()
+        assert _served_quantized(engine)
+        assert_first_step_logprobs(engine, hf, prompts[:6], top=10)
 
 
 def test_quantization_none_dequantizes_at_load(case):

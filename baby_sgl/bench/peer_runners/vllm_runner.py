@@ -21,6 +21,9 @@ def main() -> None:
 
     def run(lens):
         params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens]
+        # Each run starts from an empty prefix cache, as baby-sgl's does (its cache is flushed
+        # after the warm-up): otherwise the measured run would find every prompt cached.
+        llm.reset_prefix_cache()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t0, outs
