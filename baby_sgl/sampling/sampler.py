@@ -1,9 +1,11 @@
 """Batched next-token selection, in SGLang's order: penalties (and min_new_tokens' blocked
 stops), the grammar mask, logit_bias; then greedy, or temperature, top-k, top-p, min-p and a draw.
 
-Sampling uses the exponential race (argmax p_i / E_i with E_i ~ Exp(1) picks i with probability
-p_i). A request with a seed draws its noise from a generator seeded by (seed, step), over the
-whole vocabulary in vocabulary order, so its tokens do not depend on what else is in the batch.
+Sampling inverts the kept distribution's cumulative sum at one uniform draw per request (the
+first token whose cumulative probability exceeds u * total). A request with a seed draws its u
+from a generator seeded by (seed, step), so its tokens do not depend on what else is in the batch.
+(The exponential race this replaced drew a random number per vocabulary entry: 27 ms a step for
+32 requests over a 49k vocabulary, most of a decode step.)
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ class Sampler:
         top_ks = [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params]
         kmax = max(top_ks)
         if kmax == self.vocab_size and all(p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
-            # Nothing is cut: the race runs over the whole vocabulary, no sort needed (a sort of a
-            # 49k vocabulary took ~3 ms a step on CPU).
-            return (probs / self._noise(reqs)).argmax(dim=-1)
+            # Nothing is cut: draw from the whole vocabulary, no sort needed (a sort of a 49k
+            # vocabulary took ~3 ms a step on CPU).
+            return self._draw(probs, reqs)
         probs_sort, idx = probs.topk(min(kmax, _TOPK_FAST_PATH), dim=-1)
         if kmax > _TOPK_FAST_PATH:
             # top_p alone: the top 1024 suffice when they reach every row's top_p (the smallest set
@@ -70,18 +72,21 @@ class Sampler:
         min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)[:, None]
         drop |= probs_sort < probs_sort[:, :1] * min_p
         probs_sort = probs_sort.masked_fill(drop, 0.0)
-        noise = self._noise(reqs).gather(1, idx)
-        choice = (probs_sort / noise).argmax(dim=-1, keepdim=True)
-        return idx.gather(1, choice).squeeze(1)
+        return idx.gather(1, self._draw(probs_sort, reqs)[:, None]).squeeze(1)
 
-    def _noise(self, reqs: list[Req]) -> torch.Tensor:
-        noise = torch.empty(len(reqs), self.vocab_size).exponential_(generator=self.generator)
+    def _draw(self, probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """One column per row of probs (not normalised; zeros are never drawn), at random."""
+        u = torch.rand(len(reqs), 1, generator=self.generator, dtype=probs.dtype)
         for i, r in enumerate(reqs):
             seed = r.sampling_params.seed
             if seed is not None:
                 g = torch.Generator().manual_seed((seed * 1_000_003 + len(r.output_ids)) % (2**63))
-                noise[i].exponential_(generator=g)
-        return noise
+                u[i] = torch.rand(1, generator=g, dtype=probs.dtype)
+        cdf = probs.cumsum(dim=-1)
+        picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+        # u * total can round up to total itself: then the last token that may be drawn.
+        last = probs.shape[1] - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(dim=-1)
+        return torch.where(picked >= probs.shape[1], last, picked)
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         for i, r in enumerate(reqs):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+import math
+
 import pytest
 
 from baby_sgl import SamplingParams
@@ -80,3 +83,19 @@ def test_validation_names_the_field(field, value):
 def test_defaults_and_sglang_spellings():
     p = SamplingParams.from_dict({"stop": "END", "sampling_seed": 3}, defaults={"temperature": 0.6})
     assert p.stop == ["END"] and p.seed == 3 and p.temperature == 0.6
+
+
+def test_sampled_tokens_follow_the_distribution(engine):
+    """Temperature 1, nothing cut: 3000 one-token draws of one prompt against the engine's own
+    probabilities for it (chi-square over the 8 likeliest tokens and the rest, 8 degrees of
+    freedom: 26.1 is the 0.1% critical value)."""
+    prompt = [7, 8, 9, 10]
+    ref = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                          top_logprobs_num=8)
+    top = {tok: math.exp(lp) for lp, tok, _ in ref["meta_info"]["output_top_logprobs"][0]}
+    outs = engine.generate(input_ids=[prompt] * 3000, sampling_params={"max_new_tokens": 1, "temperature": 1.0})
+    counts = collections.Counter(o["output_ids"][0] for o in outs)
+    expected = {**{t: 3000 * p for t, p in top.items()}, "rest": 3000 * (1 - sum(top.values()))}
+    observed = {**{t: counts.get(t, 0) for t in top}, "rest": sum(n for t, n in counts.items() if t not in top)}
+    chi2 = sum((observed[k] - e) ** 2 / e for k, e in expected.items() if e > 0)
+    assert chi2 < 26.1, (chi2, observed, expected)
