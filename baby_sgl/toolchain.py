@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 from pathlib import Path
 from types import ModuleType
@@ -45,21 +46,32 @@ def kernel_cache_dir() -> Path:
     return root / "kernels" / f"torch-{torch.__version__}-{cpu_fingerprint()}"
 
 
+def target_arch() -> str:
+    """The instruction set our kernels are built for: this CPU's own (-march=native) unless
+    BABY_SGL_CPU_ARCH names another (e.g. x86-64-v3 for AVX2, x86-64 for the portable path: the
+    tests build those too, so every path is checked on whatever machine runs them)."""
+    return os.environ.get("BABY_SGL_CPU_ARCH", "native")
+
+
 def build_extension(name: str, sources: tuple[Path, ...], purpose: str) -> ModuleType | None:
-    """The extension built from `sources`, or None (the reason logged): then `purpose` takes its
-    portable path. Callers keep the result, so each build is tried once per process."""
+    """The extension built from `sources` for target_arch(), or None (the reason logged): then
+    `purpose` takes its portable path. Callers keep the result, so each build is tried once per
+    process."""
     if cxx_compiler() is None:
         logger.warning("no C++ compiler found (g++, c++ or clang++): %s takes the portable path", purpose)
         return None
     try:
         from torch.utils.cpp_extension import load
 
+        arch = target_arch()
+        if arch != "native":
+            name = f"{name}_{re.sub(r'[^A-Za-z0-9]', '_', arch)}"
         build = kernel_cache_dir() / name
         build.mkdir(parents=True, exist_ok=True)
         logger.info("loading the CPU kernels for %s (built once into %s)", purpose, build)
         return load(name, [str(s) for s in sources], build_directory=str(build),
                     extra_include_paths=sorted({str(s.parent) for s in sources}),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                    extra_cflags=["-O3", f"-march={arch}", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # a missing ninja, an old compiler: run, slower, rather than fail
         logger.warning("could not build the CPU kernels for %s (%s); it takes the portable path", purpose,
                        str(e).splitlines()[0] if str(e) else repr(e))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import platform
 import random
 
+import pytest
 import torch
 
 TINY_KW = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -64,3 +66,21 @@ def assert_first_step_logprobs(engine, hf, prompts: list[list[int]], top: int) -
         for logprob, token, _ in out["meta_info"]["output_top_logprobs"][0]:
             assert abs(logprob - ref[token].item()) < 1e-4
     engine.check_memory()
+
+
+# Instruction sets the CPU kernels are built for in the tests: this CPU's, and on x86 also AVX2
+# (x86-64-v3) and no SIMD at all (x86-64), so every path runs whatever the machine.
+ARCHS = ["native", "x86-64-v3", "x86-64"] if platform.machine() == "x86_64" else ["native"]
+
+
+def build_for(arch: str, monkeypatch):
+    """The CPU kernels built for arch (cached per arch in ~/.cache/baby-sgl/kernels) and made the
+    ones the engine uses, or a skip without a compiler."""
+    from baby_sgl import cpu_ops
+
+    monkeypatch.setenv("BABY_SGL_CPU_ARCH", arch)
+    monkeypatch.setattr(cpu_ops, "_loaded", {})
+    built = cpu_ops.cpu_ops()
+    if built is None:
+        pytest.skip("no C++ compiler: the portable path is tested by the engine tests")
+    return built

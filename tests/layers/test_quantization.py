@@ -1,5 +1,7 @@
 """The CPU kernel's products over stored weights (GGUF blocks, float32, bfloat16) against the
-same weights dequantized, and its promise that a row's result does not depend on its batch."""
+same weights dequantized, and its promise that a row's result does not depend on its batch; built
+for this CPU and, on x86, also for AVX2 (x86-64-v3) and for the portable path (x86-64), so every
+path is checked whatever the machine."""
 
 from __future__ import annotations
 
@@ -9,19 +11,17 @@ import torch
 from gguf import GGMLQuantizationType as G
 from gguf.quants import dequantize, quantize
 
-from baby_sgl.cpu_ops import cpu_ops
 from baby_sgl.layers.quantization import QuantizedWeight, WeightType, dequantize_blocks
+from helpers import ARCHS, build_for
 
 TYPES = {G.Q8_0: WeightType.Q8_0, G.Q4_0: WeightType.Q4_0, G.Q4_1: WeightType.Q4_1}
 N, K = 200, 96
 
 
-@pytest.fixture(scope="module")
-def ops():
-    built = cpu_ops()
-    if built is None:
-        pytest.skip("no C++ compiler: the portable path is tested by the engine tests")
-    return built
+@pytest.fixture(scope="module", params=ARCHS)
+def ops(request):
+    with pytest.MonkeyPatch.context() as mp:
+        yield build_for(request.param, mp)
 
 
 def _quantized(kind: G, n: int = N, k: int = K, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from baby_sgl import Engine
 from baby_sgl.layers.quantization import QuantizedWeight
 from gguf_writer import write_tiny_gguf
-from helpers import CONFIGS, GREEDY, assert_first_step_logprobs, hf_greedy, random_prompts, shared_prefix_prompts
+from helpers import ARCHS, CONFIGS, GREEDY, assert_first_step_logprobs, build_for, hf_greedy, random_prompts, shared_prefix_prompts
 
 MAX_NEW = 24
 KINDS = {"tiny_llama": G.Q4_1, "tiny_qwen2": G.Q4_0}
@@ -95,3 +95,16 @@ def test_quantization_flag_is_checked(tiny_llama, case):
         Engine(tiny_llama, quantization="gguf")
     with pytest.raises(ValueError, match="--quantization none"):
         Engine(path, quantization="gguf", enable_torch_compile=True)
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "native"])
+def test_every_instruction_set_gives_the_same_tokens(case, arch, monkeypatch):
+    """The step and the kernels built for AVX2 (x86-64-v3) and for no SIMD at all (x86-64) give
+    transformers' greedy ids too, with the file served quantized."""
+    path, prompts, expected, _ = case
+    build_for(arch, monkeypatch)
+    with Engine(path, dtype="float32", page_size=4) as engine:
+        assert _served_quantized(engine) and engine.scheduler.runner.step is not None
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW})
+        assert [o["output_ids"] for o in outs] == expected
+        engine.check_memory()
