@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -193,12 +194,17 @@ class DecodeStep {
       TORCH_CHECK(ids[m] >= 0 && ids[m] < embed_.n, "token id ", ids[m], " out of range");
       TORCH_CHECK(req[m] >= 0 && req[m] < req_to_token.size(0), "request slot out of range");
       TORCH_CHECK(lens[m] >= 1 && lens[m] <= req_to_token.size(1), "sequence length out of range");
-      TORCH_CHECK(positions.data_ptr<int64_t>()[m] < cos_.size(0), "position beyond the rope table");
+      TORCH_CHECK(positions.data_ptr<int64_t>()[m] >= 0 && positions.data_ptr<int64_t>()[m] < cos_.size(0),
+                  "position outside the rope table");
       TORCH_CHECK(out_cache_loc.data_ptr<int64_t>()[m] >= 0 && out_cache_loc.data_ptr<int64_t>()[m] < slots,
                   "KV slot out of range");
     }
     at::Tensor logits = at::empty({rows, vocab_}, input_ids.options().dtype(at::kFloat));
-    Scratch s(rows, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_, inter_);
+    if (!scratch_ || scratch_->rows < rows) {  // kept between steps: fresh pages each step cost faults
+      scratch_ = std::make_unique<Scratch>(rows, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_,
+                                           inter_);
+    }
+    Scratch& s = *scratch_;
     Batch b{rows, ids, positions.data_ptr<int64_t>(), out_cache_loc.data_ptr<int64_t>(), req_to_token.data_ptr<int64_t>(),
             req_to_token.size(1), req, lens, logits.data_ptr<float>()};
     {
@@ -221,12 +227,12 @@ class DecodeStep {
     float* logits;
   };
   // Activations, each buffer aligned to 64 bytes: the kernels' 16-float loads of a misaligned
-  // buffer straddle cache lines, which made a batch-8 step 1.6x slower.
+  // buffer straddle cache lines, which made a batch-8 step 1.6x slower. Every value is written
+  // before it is read in a step.
   struct Buffer {
     explicit Buffer(int64_t n) {
       data_ = static_cast<float*>(std::aligned_alloc(64, ((n * 4 + 63) / 64) * 64));
       TORCH_CHECK(data_ != nullptr, "out of memory for the decode step's activations");
-      std::fill(data_, data_ + n, 0.f);
     }
     ~Buffer() { std::free(data_); }
     Buffer(const Buffer&) = delete;
@@ -238,10 +244,11 @@ class DecodeStep {
     float* data_;
   };
   struct Scratch {
+    int64_t rows;  // the largest batch it holds
     Buffer x, h, tmp, qkv, att, gate_up, act;
     Scratch(int64_t m, int64_t hidden, int64_t qkv_n, int64_t q_n, int64_t inter)
-        : x(m * hidden), h(m * hidden), tmp(m * hidden), qkv(m * qkv_n), att(m * q_n), gate_up(m * 2 * inter),
-          act(m * inter) {}
+        : rows(m), x(m * hidden), h(m * hidden), tmp(m * hidden), qkv(m * qkv_n), att(m * q_n),
+          gate_up(m * 2 * inter), act(m * inter) {}
   };
 
   Weight weight(py::tuple t) {
@@ -477,6 +484,7 @@ class DecodeStep {
   double profile_[4] = {};
   bool bf16_products_;  // bfloat16 dtype on a CPU with AVX512_BF16: batches use vdpbf16ps
   SpinPool pool_;
+  std::unique_ptr<Scratch> scratch_;  // run() is called by one thread at a time (the scheduler's)
   at::Tensor cos_, sin_;
   std::vector<at::Tensor> k_buffers_, v_buffers_, keep_;
   Weight embed_, lm_head_;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__SSE__)
 #include <immintrin.h>
@@ -85,34 +86,34 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch doe
   return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
-// Widening 16 narrow integers to 32 bits. The compilers' generic conversion between vectors
-// of different sizes is scalarized (GCC 12), so x86 gets the instructions by name.
-inline i16v widen_u8(const uint8_t* p) {
+// Widening 16 narrow integers (uint8, int8 or uint16) to 32 bits. The compilers' generic
+// conversion between vectors of different sizes is scalarized (GCC 12), so x86 gets the
+// instructions by name: one AVX-512 conversion, or two AVX2 ones of 8 values each.
+template <typename Src>
+inline i16v widen(const Src* p) {
+  static_assert(std::is_same_v<Src, uint8_t> || std::is_same_v<Src, int8_t> || std::is_same_v<Src, uint16_t>);
   i16v r;
 #if defined(__AVX512F__)
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m512i v;
+  if constexpr (std::is_same_v<Src, uint16_t>) {
+    v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    v = std::is_same_v<Src, uint8_t> ? _mm512_cvtepu8_epi32(bytes) : _mm512_cvtepi8_epi32(bytes);
+  }
   std::memcpy(&r, &v, 64);
 #elif defined(__AVX2__)
-  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-  std::memcpy(&r, &a, 32);
-  std::memcpy(reinterpret_cast<char*>(&r) + 32, &b, 32);
-#else
-  for (int i = 0; i < 16; ++i) r[i] = p[i];
-#endif
-  return r;
-}
-
-inline i16v widen_i8(const int8_t* p) {
-  i16v r;
-#if defined(__AVX512F__)
-  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  std::memcpy(&r, &v, 64);
-#elif defined(__AVX2__)
-  const __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-  std::memcpy(&r, &a, 32);
-  std::memcpy(reinterpret_cast<char*>(&r) + 32, &b, 32);
+  for (int half = 0; half < 2; ++half) {
+    const Src* q = p + 8 * half;
+    __m256i v;
+    if constexpr (std::is_same_v<Src, uint16_t>) {
+      v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    } else {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q));
+      v = std::is_same_v<Src, uint8_t> ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes);
+    }
+    std::memcpy(reinterpret_cast<char*>(&r) + 32 * half, &v, 32);
+  }
 #else
   for (int i = 0; i < 16; ++i) r[i] = p[i];
 #endif
@@ -120,19 +121,7 @@ inline i16v widen_i8(const int8_t* p) {
 }
 
 inline f16v load_bf16x16(const uint16_t* p) {
-  i16v r;
-#if defined(__AVX512F__)
-  const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  std::memcpy(&r, &v, 64);
-#elif defined(__AVX2__)
-  const __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  std::memcpy(&r, &a, 32);
-  std::memcpy(reinterpret_cast<char*>(&r) + 32, &b, 32);
-#else
-  for (int i = 0; i < 16; ++i) r[i] = p[i];
-#endif
-  r <<= 16;
+  const i16v r = widen(p) << 16;
   f16v f;
   std::memcpy(&f, &r, 64);
   return f;
@@ -144,7 +133,7 @@ inline f16v to_float(i16v v) { return __builtin_convertvector(v, f16v); }
 inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
   return _cvtsh_ss(h);
-#endif
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
   if (exp == 0x1f) {
@@ -161,6 +150,7 @@ inline float half_to_float(uint16_t h) {
   float f;
   std::memcpy(&f, &bits, sizeof(f));
   return f;
+#endif
 }
 
 // Two adjacent halves (a block's d and m) in one conversion.

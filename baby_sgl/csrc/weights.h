@@ -30,6 +30,30 @@ inline int64_t row_bytes(int type, int64_t k) {
   return -1;
 }
 
+// Calls f(std::integral_constant<int, T>{}) for the weight format T: one switch for every kernel.
+template <typename F>
+inline void with_format(int type, F&& f) {
+  switch (type) {
+    case kF32: return f(std::integral_constant<int, kF32>{});
+    case kBF16: return f(std::integral_constant<int, kBF16>{});
+    case kQ8_0: return f(std::integral_constant<int, kQ8_0>{});
+    case kQ4_0: return f(std::integral_constant<int, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int, kQ4_1>{});
+  }
+}
+
+// Calls f(std::integral_constant<int, R>{}, m) over [0, rows) in tiles of R rows: as many of MR
+// as fit, then halves (a remainder of 7 under MR = 8 goes as 4, 2, 1). A row's result does not
+// depend on its tile, so this only decides how many rows share each decoded block.
+template <int MR, typename F>
+inline void by_row_tiles(int64_t rows, F&& f, int64_t first = 0) {
+  int64_t m = first;
+  for (; m + MR <= rows; m += MR) f(std::integral_constant<int, MR>{}, m);
+  if constexpr (MR > 1) {
+    if (m < rows) by_row_tiles<MR / 2>(rows, f, m);
+  }
+}
+
 struct Weight {
   int type = kF32;
   int64_t n = 0, k = 0, stride = 0;  // stride: bytes from one row to the next
@@ -46,7 +70,7 @@ inline uint16_t read_u16(const uint8_t* p) {
 
 // 16 bytes of nibbles: the low halves are values 0..15 of the block, the high halves 16..31.
 inline void nibbles(const uint8_t* p, f16v& lo, f16v& hi) {
-  const i16v v = widen_u8(p);
+  const i16v v = widen(p);
   lo = to_float(v & 0x0f);
   hi = to_float(v >> 4);
 }
@@ -65,8 +89,8 @@ inline void decode_block(const uint8_t* row, int64_t b, f16v& w0, f16v& w1) {
   } else if constexpr (T == kQ8_0) {
     const uint8_t* p = row + 34 * b;
     const f16v d = splat(half_to_float(read_u16(p)));
-    w0 = to_float(widen_i8(reinterpret_cast<const int8_t*>(p + 2))) * d;
-    w1 = to_float(widen_i8(reinterpret_cast<const int8_t*>(p + 18))) * d;
+    w0 = to_float(widen(reinterpret_cast<const int8_t*>(p + 2))) * d;
+    w1 = to_float(widen(reinterpret_cast<const int8_t*>(p + 18))) * d;
   } else if constexpr (T == kQ4_0) {
     const uint8_t* p = row + 18 * b;
     const f16v d = splat(half_to_float(read_u16(p)));
@@ -125,37 +149,14 @@ constexpr int kMR = 4;
 constexpr int kMR = 2;
 #endif
 
-template <int T, int MR>
-void tile_columns(const Weight& w, const float* x, int64_t ldx, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  for (int64_t j = n0; j < n1; ++j) tile<T, MR>(w, j, x, ldx, out, ldo);
-}
-
-template <int T>
-void matmul_rows(const Weight& w, const float* x, int64_t ldx, int64_t rows, float* out, int64_t ldo, int64_t n0,
-                 int64_t n1) {
-  int64_t m = 0;
-  for (; m + kMR <= rows; m += kMR) tile_columns<T, kMR>(w, x + m * ldx, ldx, out + m * ldo, ldo, n0, n1);
-  switch (rows - m) {
-    case 7: tile_columns<T, 7>(w, x + m * ldx, ldx, out + m * ldo, ldo, n0, n1); break;
-    case 6: tile_columns<T, 6>(w, x + m * ldx, ldx, out + m * ldo, ldo, n0, n1); break;
-    case 5: tile_columns<T, 5>(w, x + m * ldx, ldx, out + m * ldo, ldo, n0, n1); break;
-    case 4: tile_columns<T, 4>(w, x + m * ldx, ldx, out + m * ldo, ldo, n0, n1); break;
-    case 3: tile_columns<T, 3>(w, x + m * ldx, ldx, out + m * ldo, ldo, n0, n1); break;
-    case 2: tile_columns<T, 2>(w, x + m * ldx, ldx, out + m * ldo, ldo, n0, n1); break;
-    case 1: tile_columns<T, 1>(w, x + m * ldx, ldx, out + m * ldo, ldo, n0, n1); break;
-  }
-}
-
 // x [rows, k] (row stride ldx) times w's rows n0..n1-1 into out [rows, n] (row stride ldo).
 inline void matmul(const Weight& w, const float* x, int64_t ldx, int64_t rows, float* out, int64_t ldo, int64_t n0,
                    int64_t n1) {
-  switch (w.type) {
-    case kF32: return matmul_rows<kF32>(w, x, ldx, rows, out, ldo, n0, n1);
-    case kBF16: return matmul_rows<kBF16>(w, x, ldx, rows, out, ldo, n0, n1);
-    case kQ8_0: return matmul_rows<kQ8_0>(w, x, ldx, rows, out, ldo, n0, n1);
-    case kQ4_0: return matmul_rows<kQ4_0>(w, x, ldx, rows, out, ldo, n0, n1);
-    case kQ4_1: return matmul_rows<kQ4_1>(w, x, ldx, rows, out, ldo, n0, n1);
-  }
+  with_format(w.type, [&](auto t) {
+    by_row_tiles<kMR>(rows, [&](auto mr, int64_t m) {
+      for (int64_t j = n0; j < n1; ++j) tile<decltype(t)::value, decltype(mr)::value>(w, j, x + m * ldx, ldx, out + m * ldo, ldo);
+    });
+  });
 }
 
 // bfloat16 products: on CPUs with AVX512_BF16, a batch computed in bfloat16 (the engine's dtype)
@@ -203,40 +204,14 @@ inline void tile_bf16(const Weight& w, int64_t j, const uint16_t* xb, float* out
   }
 }
 
-template <int T, int MR>
-void tile_bf16_columns(const Weight& w, const uint16_t* xb, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  for (int64_t j = n0; j < n1; ++j) tile_bf16<T, MR>(w, j, xb, out, ldo);
-}
-
-template <int T>
-void matmul_bf16_rows(const Weight& w, const uint16_t* xb, int64_t rows, float* out, int64_t ldo, int64_t n0,
-                      int64_t n1) {
-  int64_t m = 0;
-  for (; m + kBF16MR <= rows; m += kBF16MR) tile_bf16_columns<T, kBF16MR>(w, xb + m * w.k, out + m * ldo, ldo, n0, n1);
-  const int64_t left = rows - m;
-  const uint16_t* xr = xb + m * w.k;
-  float* o = out + m * ldo;
-  if (left >= 4) {
-    tile_bf16_columns<T, 4>(w, xr, o, ldo, n0, n1);
-    xr += 4 * w.k, o += 4 * ldo;
-  }
-  switch (left % 4) {
-    case 3: tile_bf16_columns<T, 3>(w, xr, o, ldo, n0, n1); break;
-    case 2: tile_bf16_columns<T, 2>(w, xr, o, ldo, n0, n1); break;
-    case 1: tile_bf16_columns<T, 1>(w, xr, o, ldo, n0, n1); break;
-  }
-}
-
 // xb: the activations already rounded by to_bf16_rows ([rows, k]); w.k a multiple of 32.
 inline void matmul_bf16(const Weight& w, const uint16_t* xb, int64_t rows, float* out, int64_t ldo, int64_t n0,
                         int64_t n1) {
-  switch (w.type) {
-    case kF32: return matmul_bf16_rows<kF32>(w, xb, rows, out, ldo, n0, n1);
-    case kBF16: return matmul_bf16_rows<kBF16>(w, xb, rows, out, ldo, n0, n1);
-    case kQ8_0: return matmul_bf16_rows<kQ8_0>(w, xb, rows, out, ldo, n0, n1);
-    case kQ4_0: return matmul_bf16_rows<kQ4_0>(w, xb, rows, out, ldo, n0, n1);
-    case kQ4_1: return matmul_bf16_rows<kQ4_1>(w, xb, rows, out, ldo, n0, n1);
-  }
+  with_format(w.type, [&](auto t) {
+    by_row_tiles<kBF16MR>(rows, [&](auto mr, int64_t m) {
+      for (int64_t j = n0; j < n1; ++j) tile_bf16<decltype(t)::value, decltype(mr)::value>(w, j, xb + m * w.k, out + m * ldo, ldo);
+    });
+  });
 }
 #else
 constexpr bool kHasBF16Products = false;
@@ -255,13 +230,7 @@ void dequantize_row_t(const uint8_t* row, int64_t k, float* out) {
 }
 
 inline void dequantize_row(const Weight& w, int64_t i, float* out) {
-  switch (w.type) {
-    case kF32: return dequantize_row_t<kF32>(w.row(i), w.k, out);
-    case kBF16: return dequantize_row_t<kBF16>(w.row(i), w.k, out);
-    case kQ8_0: return dequantize_row_t<kQ8_0>(w.row(i), w.k, out);
-    case kQ4_0: return dequantize_row_t<kQ4_0>(w.row(i), w.k, out);
-    case kQ4_1: return dequantize_row_t<kQ4_1>(w.row(i), w.k, out);
-  }
+  with_format(w.type, [&](auto t) { dequantize_row_t<decltype(t)::value>(w.row(i), w.k, out); });
 }
 
 // Thread tid's share of n outputs.

@@ -62,7 +62,7 @@ class Sampler:
         if kmax > _TOPK_FAST_PATH:
             # top_p alone: the top 1024 suffice when they reach every row's top_p (the smallest set
             # reaching it lies among them); otherwise sort everything.
-            top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)
+            top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=probs.device)
             if not bool((probs_sort.sum(dim=-1) >= top_p).all()) or any(k < self.vocab_size for k in top_ks):
                 probs_sort, idx = probs.sort(dim=-1, descending=True)
         ranks = torch.arange(probs_sort.shape[1])
@@ -76,12 +76,14 @@ class Sampler:
 
     def _draw(self, probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         """One column per row of probs (not normalised; zeros are never drawn), at random."""
-        u = torch.rand(len(reqs), 1, generator=self.generator, dtype=probs.dtype)
+        # Drawn on the CPU (the generators live there), one number per request, then moved.
+        u = torch.rand(len(reqs), 1, generator=self.generator, dtype=probs.dtype, device="cpu")
         for i, r in enumerate(reqs):
             seed = r.sampling_params.seed
             if seed is not None:
                 g = torch.Generator().manual_seed((seed * 1_000_003 + len(r.output_ids)) % (2**63))
-                u[i] = torch.rand(1, generator=g, dtype=probs.dtype)
+                u[i] = torch.rand(1, generator=g, dtype=probs.dtype, device="cpu")
+        u = u.to(probs.device)
         cdf = probs.cumsum(dim=-1)
         picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
         # u * total can round up to total itself: then the last token that may be drawn.
