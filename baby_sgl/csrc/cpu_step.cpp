@@ -26,6 +26,10 @@
 namespace bsgl {
 namespace {
 
+// Batches of at least this many rows take the bfloat16 products (weights.h) when the dtype is
+// bfloat16; a single row is bound by reading the weights, not by the products, and keeps float32.
+constexpr int64_t kBF16MinRows = 4;
+
 Weight make_weight(const at::Tensor& data, int64_t type, int64_t n, int64_t k, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(data.device().is_cpu() && data.dim() == 2 && data.size(0) == n && data.stride(1) == 1,
               "weight data must be a CPU [n, row] tensor with unit inner stride");
@@ -46,17 +50,27 @@ Weight make_weight(const at::Tensor& data, int64_t type, int64_t n, int64_t k, c
   return w;
 }
 
-// x [M, K] (float32 or bfloat16) times the weight's rows: [M, N] in x's dtype.
+// x [M, K] (float32 or bfloat16) times the weight's rows: [M, N] in x's dtype. A bfloat16 x of
+// at least kBF16MinRows rows on a CPU with AVX512_BF16 takes bfloat16 products (what torch's
+// bfloat16 GEMM computes); otherwise the products are float32.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& data, int64_t type, int64_t n, int64_t k,
                   const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, ", k, "]");
   const Weight w = make_weight(data, type, n, k, bias);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const int64_t rows = x.size(0);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { matmul(w, xp, k, rows, op, n, begin, end); });
+  at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16 && rows >= kBF16MinRows && k % 32 == 0) {
+    const at::Tensor xc = x.contiguous();
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { product_bf16(w, xb, rows, op, n, begin, end); });
+    return out.to(at::kBFloat16);
+  }
+#endif
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { product(w, xp, k, rows, op, n, begin, end); });
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
@@ -104,10 +118,6 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
   b.x = float_to_bf16(v);
   return b;
 }
-
-// Batches of at least this many rows take the bfloat16 products (weights.h) when the dtype is
-// bfloat16; a single row is bound by reading the weights, not by the products, and keeps float32.
-constexpr int64_t kBF16MinRows = 4;
 
 class DecodeStep {
  public:
@@ -226,23 +236,8 @@ class DecodeStep {
     const int64_t *req, *lens;
     float* logits;
   };
-  // Activations, each buffer aligned to 64 bytes: the kernels' 16-float loads of a misaligned
-  // buffer straddle cache lines, which made a batch-8 step 1.6x slower. Every value is written
-  // before it is read in a step.
-  struct Buffer {
-    explicit Buffer(int64_t n) {
-      data_ = static_cast<float*>(std::aligned_alloc(64, ((n * 4 + 63) / 64) * 64));
-      TORCH_CHECK(data_ != nullptr, "out of memory for the decode step's activations");
-    }
-    ~Buffer() { std::free(data_); }
-    Buffer(const Buffer&) = delete;
-    Buffer& operator=(const Buffer&) = delete;
-    float* data() { return data_; }
-    float& operator[](int64_t i) { return data_[i]; }
-
-   private:
-    float* data_;
-  };
+  // Activations (every value is written before it is read in a step).
+  using Buffer = AlignedBuffer<float>;
   struct Scratch {
     int64_t rows;  // the largest batch it holds
     Buffer x, h, tmp, qkv, att, gate_up, act;
@@ -293,11 +288,11 @@ class DecodeStep {
         if (bf16_products_ && M >= kBF16MinRows && w.k % 32 == 0) {
           xb.resize(M * w.k);
           to_bf16_rows(x, w.k, M, w.k, xb.data());
-          matmul_bf16(w, xb.data(), M, out, w.n, n0, n1);
+          product_bf16(w, xb.data(), M, out, w.n, n0, n1);
           return;
         }
 #endif
-        matmul(w, x, w.k, M, out, w.n, n0, n1);
+        product(w, x, w.k, M, out, w.n, n0, n1);
       };
       // Thread 0 charges the time since its last mark (its op and the wait for the others) to
       // one of matmul / attention / the rest when profiling is on.
@@ -408,9 +403,9 @@ class DecodeStep {
   }
 
   template <typename T>
-  static f16v load_kv(const T* p) {
-    if constexpr (std::is_same_v<T, float>) return load16(p);
-    else return load_bf16x16(reinterpret_cast<const uint16_t*>(p));
+  static fv load_kv(const T* p) {
+    if constexpr (std::is_same_v<T, float>) return loadv(p);
+    else return load_bf16(reinterpret_cast<const uint16_t*>(p));
   }
 
   // Each (row, KV head): its G query heads over the row's slots, in blocks of keys: scores in
@@ -418,18 +413,18 @@ class DecodeStep {
   template <typename T>
   void attend(const Batch& b, Scratch& s, size_t layer, int tid, int nt) {
     constexpr int64_t kBlock = 32;
-    const int64_t D = head_dim_, V = D / 16, G = heads_ / kv_heads_, qkv_n = (heads_ + 2 * kv_heads_) * D;
+    const int64_t D = head_dim_, V = D / kLanes, G = heads_ / kv_heads_, qkv_n = (heads_ + 2 * kv_heads_) * D;
     const int64_t tasks = b.rows * kv_heads_, slot_stride = kv_heads_ * D;
     const float scale = 1.f / std::sqrt(static_cast<float>(D));
     const T* kp = k_buffers_[layer].data_ptr<T>();
     const T* vp = v_buffers_[layer].data_ptr<T>();
-    std::vector<f16v> q(G * V), acc(G * V), row(V);
+    std::vector<fv> q(G * V), acc(G * V), row(V);
     std::vector<float> scores(G * kBlock), mx(G), sum(G);
     for (int64_t t = tasks * tid / nt; t < tasks * (tid + 1) / nt; ++t) {
       const int64_t m = t / kv_heads_, kvh = t % kv_heads_, len = b.lens[m];
       const float* qsrc = s.qkv.data() + m * qkv_n + kvh * G * D;
-      for (int64_t i = 0; i < G * V; ++i) q[i] = load16(qsrc + 16 * i) * splat(scale);
-      std::fill(acc.begin(), acc.end(), f16v{});
+      for (int64_t i = 0; i < G * V; ++i) q[i] = loadv(qsrc + kLanes * i) * splat(scale);
+      std::fill(acc.begin(), acc.end(), fv{});
       std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.end(), 0.f);
       const int64_t* slots = b.table + b.req[m] * b.width;
@@ -438,9 +433,9 @@ class DecodeStep {
         for (int64_t j = 0; j < n; ++j) {
           if (start + j + kAhead < len) prefetch_row(kp + slots[start + j + kAhead] * slot_stride + kvh * D, D);
           const T* krow = kp + slots[start + j] * slot_stride + kvh * D;
-          for (int64_t v = 0; v < V; ++v) row[v] = load_kv(krow + 16 * v);
+          for (int64_t v = 0; v < V; ++v) row[v] = load_kv(krow + kLanes * v);
           for (int64_t g = 0; g < G; ++g) {
-            f16v part = q[g * V] * row[0];
+            fv part = q[g * V] * row[0];
             for (int64_t v = 1; v < V; ++v) part += q[g * V + v] * row[v];
             scores[g * kBlock + j] = hsum(part);
           }
@@ -448,31 +443,32 @@ class DecodeStep {
         for (int64_t g = 0; g < G; ++g) {  // whole 32-score vectors; a last short block is padded
           float* sg = scores.data() + g * kBlock;
           std::fill(sg + n, sg + kBlock, -std::numeric_limits<float>::infinity());
-          const f16v lo = load16(sg), hi = load16(sg + 16);
-          const float block_max = std::max(mx[g], hmax(vmax(lo, hi)));
+          fv top = loadv(sg);
+          for (int64_t i = kLanes; i < kBlock; i += kLanes) top = vmax(top, loadv(sg + i));
+          const float block_max = std::max(mx[g], hmax(top));
           const float rescale = std::exp(mx[g] - block_max);  // 0 on the first block
           for (int64_t v = 0; v < V; ++v) acc[g * V + v] *= splat(rescale);
           mx[g] = block_max;
-          store16(sg, lo - block_max);
-          store16(sg + 16, hi - block_max);
-          exp_inplace(sg, kBlock);
+          for (int64_t i = 0; i < kBlock; i += kLanes) storev(sg + i, expv(loadv(sg + i) - block_max));
           std::fill(sg + n, sg + kBlock, 0.f);
-          sum[g] = sum[g] * rescale + hsum(load16(sg) + load16(sg + 16));
+          fv total = loadv(sg);
+          for (int64_t i = kLanes; i < kBlock; i += kLanes) total += loadv(sg + i);
+          sum[g] = sum[g] * rescale + hsum(total);
         }
         for (int64_t j = 0; j < n; ++j) {
           if (start + j + kAhead < len) prefetch_row(vp + slots[start + j + kAhead] * slot_stride + kvh * D, D);
           const T* vrow = vp + slots[start + j] * slot_stride + kvh * D;
-          for (int64_t v = 0; v < V; ++v) row[v] = load_kv(vrow + 16 * v);
+          for (int64_t v = 0; v < V; ++v) row[v] = load_kv(vrow + kLanes * v);
           for (int64_t g = 0; g < G; ++g) {
-            const f16v p = splat(scores[g * kBlock + j]);
+            const fv p = splat(scores[g * kBlock + j]);
             for (int64_t v = 0; v < V; ++v) acc[g * V + v] += p * row[v];
           }
         }
       }
       float* out = s.att.data() + m * heads_ * D + kvh * G * D;
       for (int64_t g = 0; g < G; ++g) {
-        const f16v inv = splat(1.f / sum[g]);
-        for (int64_t v = 0; v < V; ++v) store16(out + g * D + 16 * v, acc[g * V + v] * inv);
+        const fv inv = splat(1.f / sum[g]);
+        for (int64_t v = 0; v < V; ++v) storev(out + g * D + kLanes * v, acc[g * V + v] * inv);
       }
     }
   }

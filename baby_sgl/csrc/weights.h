@@ -68,43 +68,46 @@ inline uint16_t read_u16(const uint8_t* p) {
   return v;
 }
 
-// 16 bytes of nibbles: the low halves are values 0..15 of the block, the high halves 16..31.
-inline void nibbles(const uint8_t* p, f16v& lo, f16v& hi) {
-  const i16v v = widen(p);
-  lo = to_float(v & 0x0f);
-  hi = to_float(v >> 4);
+constexpr int kBlockVecs = 32 / kLanes;  // vectors per 32-value block
+
+// Values kLanes * i.. of a block's 16 bytes of nibbles (byte j holds value j in its low half and
+// value j + 16 in its high half).
+inline fv nibbles(const uint8_t* p, int i) {
+  constexpr int per_half = 16 / kLanes;
+  const iv v = widen(p + (i % per_half) * kLanes);
+  return to_float(i < per_half ? (v & 0x0f) : (v >> 4));
 }
 
-// Block b of a row as two vectors: values 32b..32b+15 and 32b+16..32b+31.
+// Block b of a row as kBlockVecs vectors, values in order.
 template <int T>
-inline void decode_block(const uint8_t* row, int64_t b, f16v& w0, f16v& w1) {
+inline void decode_block(const uint8_t* row, int64_t b, fv* w) {
   if constexpr (T == kF32) {
     const float* p = reinterpret_cast<const float*>(row) + 32 * b;
-    w0 = load16(p);
-    w1 = load16(p + 16);
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = loadv(p + kLanes * i);
   } else if constexpr (T == kBF16) {
     const uint16_t* p = reinterpret_cast<const uint16_t*>(row) + 32 * b;
-    w0 = load_bf16x16(p);
-    w1 = load_bf16x16(p + 16);
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = load_bf16(p + kLanes * i);
   } else if constexpr (T == kQ8_0) {
     const uint8_t* p = row + 34 * b;
-    const f16v d = splat(half_to_float(read_u16(p)));
-    w0 = to_float(widen(reinterpret_cast<const int8_t*>(p + 2))) * d;
-    w1 = to_float(widen(reinterpret_cast<const int8_t*>(p + 18))) * d;
+    const fv d = splat(half_to_float(read_u16(p)));
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = to_float(widen(reinterpret_cast<const int8_t*>(p + 2) + kLanes * i)) * d;
   } else if constexpr (T == kQ4_0) {
     const uint8_t* p = row + 18 * b;
-    const f16v d = splat(half_to_float(read_u16(p)));
-    nibbles(p + 2, w0, w1);
-    w0 = (w0 - 8.f) * d;
-    w1 = (w1 - 8.f) * d;
+    const fv d = splat(half_to_float(read_u16(p)));
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = (nibbles(p + 2, i) - 8.f) * d;
   } else {
     const uint8_t* p = row + 20 * b;
     float d, m;
     half2_to_float(p, d, m);
-    nibbles(p + 4, w0, w1);
-    w0 = w0 * splat(d) + splat(m);
-    w1 = w1 * splat(d) + splat(m);
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = nibbles(p + 4, i) * splat(d) + splat(m);
   }
+}
+
+// A block's partial sums into one vector: adjacent pairs, then pairs of pairs.
+inline fv fold(const fv* a) {
+  if constexpr (kBlockVecs == 2) return a[0] + a[1];
+  else if constexpr (kBlockVecs == 4) return (a[0] + a[1]) + (a[2] + a[3]);
+  else return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
 
 template <int T>
@@ -112,42 +115,48 @@ inline float decode_one(const uint8_t* row, int64_t i) {
   if constexpr (T == kF32) return reinterpret_cast<const float*>(row)[i];
   else if constexpr (T == kBF16) return bf16_to_float(reinterpret_cast<const uint16_t*>(row)[i]);
   else {
-    f16v w0, w1;
-    decode_block<T>(row, i / 32, w0, w1);
-    return (i % 32) < 16 ? w0[i % 16] : w1[i % 16];
+    fv w[kBlockVecs];
+    decode_block<T>(row, i / 32, w);
+    return w[(i % 32) / kLanes][i % kLanes];
   }
 }
 
+template <int T>
+void dequantize_row_t(const uint8_t* row, int64_t k, float* out) {
+  int64_t b = 0;
+  for (; 32 * (b + 1) <= k; ++b) {
+    fv w[kBlockVecs];
+    decode_block<T>(row, b, w);
+    for (int i = 0; i < kBlockVecs; ++i) storev(out + 32 * b + kLanes * i, w[i]);
+  }
+  for (int64_t i = 32 * b; i < k; ++i) out[i] = decode_one<T>(row, i);
+}
+
 // out[m * ldo + j] = x[m] . w.row(j) (+ bias) for MR activation rows, which share each block's
-// decoding; x is float32 with row stride ldx. One weight row at a time: reading two rows side by
+// decoding; x is float32 with row stride ldx. Each output keeps kLanes partial sums per vector of
+// the block, folded and summed in a fixed order at the end. One weight row at a time: reading two rows side by
 // side (two streams a row apart) ran at a quarter of the memory bandwidth (Q8_0, 2-core Zen 5).
 template <int T, int MR>
 inline void tile(const Weight& w, int64_t j, const float* x, int64_t ldx, float* out, int64_t ldo) {
   const int64_t blocks = w.k / 32;
-  f16v acc0[MR] = {}, acc1[MR] = {};
+  fv acc[MR][kBlockVecs] = {};
   const uint8_t* row = w.row(j);
   for (int64_t b = 0; b < blocks; ++b) {
-    f16v w0, w1;
-    decode_block<T>(row, b, w0, w1);
-    for (int m = 0; m < MR; ++m) {
-      acc0[m] += w0 * load16(x + m * ldx + 32 * b);
-      acc1[m] += w1 * load16(x + m * ldx + 32 * b + 16);
-    }
+    fv wv[kBlockVecs];
+    decode_block<T>(row, b, wv);
+    for (int m = 0; m < MR; ++m)
+      for (int i = 0; i < kBlockVecs; ++i) acc[m][i] += wv[i] * loadv(x + m * ldx + 32 * b + kLanes * i);
   }
   for (int m = 0; m < MR; ++m) {
-    float s = hsum(acc0[m] + acc1[m]);
+    float s = hsum(fold(acc[m]));
     for (int64_t i = 32 * blocks; i < w.k; ++i) s += decode_one<T>(row, i) * x[m * ldx + i];  // dense tails
     out[m * ldo + j] = w.bias ? s + w.bias[j] : s;
   }
 }
 
-// Activation rows per tile: with AVX-512's 32 registers, 4 (8 rows ran Q8_0 576 -> 49152 at 133
-// GFLOP/s against 200 for 4); with 16 registers, where a 16-float vector takes two, 2.
-#if defined(__AVX512F__)
-constexpr int kMR = 4;
-#else
-constexpr int kMR = 2;
-#endif
+// Activation rows per tile, by register file: AVX-512's 32 registers take 4 (8 rows ran Q8_0
+// 576 -> 49152 at 133 GFLOP/s against 200 for 4), AVX2's 16 take 2, SSE's 16 narrower ones 1.
+constexpr int kMR = kLanes == 16 ? 4 : kLanes == 8 ? 2 : 1;
 
 // x [rows, k] (row stride ldx) times w's rows n0..n1-1 into out [rows, n] (row stride ldo).
 inline void matmul(const Weight& w, const float* x, int64_t ldx, int64_t rows, float* out, int64_t ldo, int64_t n0,
@@ -155,6 +164,82 @@ inline void matmul(const Weight& w, const float* x, int64_t ldx, int64_t rows, f
   with_format(w.type, [&](auto t) {
     by_row_tiles<kMR>(rows, [&](auto mr, int64_t m) {
       for (int64_t j = n0; j < n1; ++j) tile<decltype(t)::value, decltype(mr)::value>(w, j, x + m * ldx, ldx, out + m * ldo, ldo);
+    });
+  });
+}
+
+// Products with many activation rows (a prefill, a large decode batch). The tiles above decode
+// each block once per MR rows, so a 1000-row product would decode every matrix 250 times and
+// re-read it from memory as often. Here a panel of weight rows is decoded once into a buffer the
+// core's L2 holds, and every activation row is multiplied with it, MR rows by NR weight rows at a
+// time: the same decoded values, the same partial sums per output in the same order and the same
+// final sum as tile(), so the results are the tiles' bits (a request's output still does not
+// depend on the size of its batch). Whole blocks only (k a multiple of 32).
+constexpr int kPanelMR = kLanes == 16 ? 4 : kLanes == 8 ? 3 : 1;  // 16, 12 or 8 accumulators
+constexpr int kPanelNR = kLanes == 16 ? 2 : 1;
+
+// Weight rows per panel: at most 64, and about 384 KB of them.
+inline int64_t panel_rows(int64_t k, int64_t elem_bytes, int nr) {
+  const int64_t fit = 384 * 1024 / (k * elem_bytes);
+  return std::max<int64_t>(nr, std::min<int64_t>(64, fit) / nr * nr);
+}
+
+template <int MR, int NR>
+inline void panel_tile(const float* wp, int64_t ldw, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo,
+                       const float* bias) {
+  fv acc[MR][NR][kBlockVecs] = {};
+  for (int64_t i = 0; i < k; i += 32) {
+    for (int v = 0; v < kBlockVecs; ++v) {
+      fv wv[NR];
+      for (int r = 0; r < NR; ++r) wv[r] = loadv(wp + r * ldw + i + kLanes * v);
+      for (int m = 0; m < MR; ++m) {
+        const fv xv = loadv(x + m * ldx + i + kLanes * v);
+        for (int r = 0; r < NR; ++r) acc[m][r][v] += wv[r] * xv;
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) {
+      const float s = hsum(fold(acc[m][r]));
+      out[m * ldo + r] = bias ? s + bias[r] : s;
+    }
+}
+
+// Calls f(panel, ldw, j0, np) for panels of w's rows n0..n1-1 as Elem (float, or bfloat16 bits):
+// stored rows of that type are used in place, others are decoded by decode(row, k, dst).
+template <typename Elem, int T, typename Decode, typename F>
+inline void by_panels(const Weight& w, int64_t n0, int64_t n1, int nr, Decode&& decode, F&& f) {
+  constexpr bool in_place = std::is_same_v<Elem, float> ? T == kF32 : T == kBF16;
+  const int64_t rows = panel_rows(w.k, sizeof(Elem), nr);
+  thread_local AlignedBuffer<Elem> buf;
+  if (!in_place) buf.reserve(rows * w.k);
+  for (int64_t j0 = n0; j0 < n1; j0 += rows) {
+    const int64_t np = std::min(rows, n1 - j0);
+    if constexpr (in_place) {
+      f(reinterpret_cast<const Elem*>(w.row(j0)), w.stride / static_cast<int64_t>(sizeof(Elem)), j0, np);
+    } else {
+      for (int64_t r = 0; r < np; ++r) decode(w.row(j0 + r), w.k, buf.data() + r * w.k);
+      f(static_cast<const Elem*>(buf.data()), w.k, j0, np);
+    }
+  }
+}
+
+// matmul() for many rows: the same results.
+inline void matmul_panels(const Weight& w, const float* x, int64_t ldx, int64_t rows, float* out, int64_t ldo,
+                          int64_t n0, int64_t n1) {
+  with_format(w.type, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    auto decode = [](const uint8_t* row, int64_t k, float* dst) { dequantize_row_t<T>(row, k, dst); };
+    by_panels<float, T>(w, n0, n1, kPanelNR, decode, [&](const float* wp, int64_t ldw, int64_t j0, int64_t np) {
+      by_row_tiles<kPanelMR>(rows, [&](auto mr, int64_t m) {
+        constexpr int MR = decltype(mr)::value;
+        const float* xm = x + m * ldx;
+        float* om = out + m * ldo + j0;
+        int64_t r = 0;
+        for (; r + kPanelNR <= np; r += kPanelNR)
+          panel_tile<MR, kPanelNR>(wp + r * ldw, ldw, w.k, xm, ldx, om + r, ldo, w.bias ? w.bias + j0 + r : nullptr);
+        for (; r < np; ++r) panel_tile<MR, 1>(wp + r * ldw, ldw, w.k, xm, ldx, om + r, ldo, w.bias ? w.bias + j0 + r : nullptr);
+      });
     });
   });
 }
@@ -185,11 +270,11 @@ inline void tile_bf16(const Weight& w, int64_t j, const uint16_t* xb, float* out
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   const uint8_t* row = w.row(j);
   for (int64_t b = 0; b < blocks; ++b) {
-    f16v w0, w1;
-    decode_block<T>(row, b, w0, w1);
+    fv wv[2];
+    decode_block<T>(row, b, wv);
     __m512 lo, hi;
-    std::memcpy(&lo, &w0, 64);
-    std::memcpy(&hi, &w1, 64);
+    std::memcpy(&lo, &wv[0], 64);
+    std::memcpy(&hi, &wv[1], 64);
     const __m512bh pairs = _mm512_cvtne2ps_pbh(hi, lo);  // values 0..31 of the block, in order
     for (int m = 0; m < MR; ++m) {
       const __m512i xv = _mm512_loadu_si512(xb + m * w.k + 32 * b);
@@ -213,25 +298,97 @@ inline void matmul_bf16(const Weight& w, const uint16_t* xb, int64_t rows, float
     });
   });
 }
+
+// matmul_bf16() for many rows, by panels as matmul_panels(): the same results.
+constexpr int kBF16PanelMR = 8, kBF16PanelNR = 2;
+
+// A row's blocks rounded to bfloat16, in order: the pairs tile_bf16() multiplies.
+template <int T>
+inline void decode_row_bf16(const uint8_t* row, int64_t k, uint16_t* dst) {
+  for (int64_t b = 0; b < k / 32; ++b) {
+    fv wv[2];
+    decode_block<T>(row, b, wv);
+    __m512 lo, hi;
+    std::memcpy(&lo, &wv[0], 64);
+    std::memcpy(&hi, &wv[1], 64);
+    const __m512bh pairs = _mm512_cvtne2ps_pbh(hi, lo);
+    std::memcpy(dst + 32 * b, &pairs, 64);
+  }
+}
+
+template <int MR, int NR>
+inline void panel_tile_bf16(const uint16_t* wp, int64_t ldw, int64_t k, const uint16_t* xb, int64_t ldx, float* out,
+                            int64_t ldo, const float* bias) {
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 32) {
+    __m512bh wv[NR];
+    for (int r = 0; r < NR; ++r) {
+      const __m512i v = _mm512_loadu_si512(wp + r * ldw + i);
+      std::memcpy(&wv[r], &v, 64);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512i v = _mm512_loadu_si512(xb + m * ldx + i);
+      __m512bh xp;
+      std::memcpy(&xp, &v, 64);
+      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xp);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) {
+      const float s = _mm512_reduce_add_ps(acc[m][r]);
+      out[m * ldo + r] = bias ? s + bias[r] : s;
+    }
+}
+
+inline void matmul_bf16_panels(const Weight& w, const uint16_t* xb, int64_t rows, float* out, int64_t ldo, int64_t n0,
+                               int64_t n1) {
+  with_format(w.type, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    by_panels<uint16_t, T>(w, n0, n1, kBF16PanelNR, decode_row_bf16<T>,
+                           [&](const uint16_t* wp, int64_t ldw, int64_t j0, int64_t np) {
+      by_row_tiles<kBF16PanelMR>(rows, [&](auto mr, int64_t m) {
+        constexpr int MR = decltype(mr)::value;
+        const uint16_t* xm = xb + m * w.k;
+        float* om = out + m * ldo + j0;
+        int64_t r = 0;
+        for (; r + kBF16PanelNR <= np; r += kBF16PanelNR)
+          panel_tile_bf16<MR, kBF16PanelNR>(wp + r * ldw, ldw, w.k, xm, w.k, om + r, ldo, w.bias ? w.bias + j0 + r : nullptr);
+        for (; r < np; ++r)
+          panel_tile_bf16<MR, 1>(wp + r * ldw, ldw, w.k, xm, w.k, om + r, ldo, w.bias ? w.bias + j0 + r : nullptr);
+      });
+    });
+  });
+}
 #else
 constexpr bool kHasBF16Products = false;
 #endif
 
-template <int T>
-void dequantize_row_t(const uint8_t* row, int64_t k, float* out) {
-  int64_t b = 0;
-  for (; 32 * (b + 1) <= k; ++b) {
-    f16v w0, w1;
-    decode_block<T>(row, b, w0, w1);
-    store16(out + 32 * b, w0);
-    store16(out + 32 * b + 16, w1);
-  }
-  for (int64_t i = 32 * b; i < k; ++i) out[i] = decode_one<T>(row, i);
-}
-
 inline void dequantize_row(const Weight& w, int64_t i, float* out) {
   with_format(w.type, [&](auto t) { dequantize_row_t<decltype(t)::value>(w.row(i), w.k, out); });
 }
+
+// Rows from which a product goes by panels (both ways give the same bits): with 8 rows the
+// panels ran at 0.7-0.9x the tiles, with 16 at 1.0-1.3x, with 32 at 1.0-1.4x (2-core Zen 5,
+// AVX-512 and AVX2 builds, Q4_1).
+constexpr int64_t kPanelMinRows = 16;
+
+// x [rows, k] (float32, row stride ldx) times w's rows n0..n1-1 into out [rows, n] (row stride ldo).
+inline void product(const Weight& w, const float* x, int64_t ldx, int64_t rows, float* out, int64_t ldo, int64_t n0,
+                    int64_t n1) {
+  if (rows >= kPanelMinRows && w.k % 32 == 0) matmul_panels(w, x, ldx, rows, out, ldo, n0, n1);
+  else matmul(w, x, ldx, rows, out, ldo, n0, n1);
+}
+
+#if defined(__AVX512BF16__)
+// The same with bfloat16 products; xb [rows, k] holds the activations as bfloat16, k % 32 == 0.
+inline void product_bf16(const Weight& w, const uint16_t* xb, int64_t rows, float* out, int64_t ldo, int64_t n0,
+                         int64_t n1) {
+  if (rows >= kPanelMinRows) matmul_bf16_panels(w, xb, rows, out, ldo, n0, n1);
+  else matmul_bf16(w, xb, rows, out, ldo, n0, n1);
+}
+#endif
 
 // Thread tid's share of n outputs.
 inline void split_range(int64_t n, int tid, int nthreads, int64_t& begin, int64_t& end) {

@@ -11,16 +11,12 @@ wherever the kernel runs (a CPU with a C++ compiler, no tensor parallelism, no t
 from __future__ import annotations
 
 import enum
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from baby_sgl.cpu_ops import cpu_ops
-from baby_sgl.toolchain import cpu_has_native_bf16
-
-_bf16_units = functools.cache(cpu_has_native_bf16)
 
 QUANTIZATION_CHOICES = ("gguf", "none")
 
@@ -38,13 +34,12 @@ class WeightType(enum.IntEnum):
 BLOCK_BYTES = {WeightType.Q8_0: 34, WeightType.Q4_0: 18, WeightType.Q4_1: 20}
 DENSE_TYPES = {torch.float32: WeightType.F32, torch.bfloat16: WeightType.BF16}
 
-# The kernel multiplies the blocks directly for every batch in float32: torch's float32 GEMM was
-# no faster even with the matrix already dequantized (Q4_1 576 -> 3072 on a 2-core Zen 5: 256
-# rows 3.9 ms with the kernel, 4.5 ms dequantizing + GEMM). A CPU with bfloat16 units runs a
-# bfloat16 GEMM 3-4x faster than the kernel, so there, past this many rows, the matrix is
-# dequantized to bfloat16 for each product (32 rows: 487 us kernel, 312 us dequantize + GEMM;
-# 16 rows: 272 against 279).
-BF16_GEMM_MIN_ROWS = 17
+# From this many activation rows the matrix is dequantized for torch's GEMM, which is then the
+# faster (2-core Zen 5, Q4_1 576->3072, 1536->576, 576->960; our kernel's AVX-512 and AVX2
+# builds against torch's): in float32 equal at 64 rows and 1.2-1.5x faster at 256; in bfloat16
+# 0.7-1.0x at 128 rows and 1.0-1.2x at 256. Below, the kernel was up to 2x faster, and it is
+# the only way for a decode step.
+TORCH_GEMM_MIN_ROWS = {torch.float32: 64, torch.bfloat16: 256}
 
 
 @dataclass
@@ -74,7 +69,7 @@ class QuantizedWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         ops = cpu_ops()
-        if ops is None or (x.dtype == torch.bfloat16 and x.shape[0] >= BF16_GEMM_MIN_ROWS and _bf16_units()):
+        if ops is None or x.shape[0] >= TORCH_GEMM_MIN_ROWS.get(x.dtype, 0):
             return F.linear(x, self.dequantize(x.dtype), bias)
         return ops.linear(x, self.data, int(self.qtype), *self.shape, None if bias is None else bias.float().contiguous())
 

@@ -42,7 +42,7 @@ def test_dequantized_values_equal_the_gguf_package(ops, kind):
 
 
 @pytest.mark.parametrize("kind", list(TYPES))
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 33, 70])  # tiles, then panels from 16
 def test_products_equal_float64_on_the_dequantized_weights(ops, kind, rows):
     qw, ref = _quantized(kind)
     x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
@@ -53,12 +53,25 @@ def test_products_equal_float64_on_the_dequantized_weights(ops, kind, rows):
 
 
 @pytest.mark.parametrize("kind", list(TYPES))
-def test_a_rows_result_does_not_depend_on_its_batch(ops, kind):
-    qw, _ = _quantized(kind)
-    x = torch.randn(11, K, generator=torch.Generator().manual_seed(7))
-    batched = ops.linear(x, qw.data, int(qw.qtype), N, K, None)
+@pytest.mark.parametrize("n", [N, 67])  # 67: an odd share of rows per thread
+def test_a_rows_result_does_not_depend_on_its_batch(ops, kind, n):
+    qw, _ = _quantized(kind, n=n)
+    x = torch.randn(40, K, generator=torch.Generator().manual_seed(7))
+    batched = ops.linear(x, qw.data, int(qw.qtype), n, K, None)  # by panels
     for i in range(11):
-        assert torch.equal(ops.linear(x[i : i + 1], qw.data, int(qw.qtype), N, K, None)[0], batched[i])
+        assert torch.equal(ops.linear(x[i : i + 1], qw.data, int(qw.qtype), n, K, None)[0], batched[i])
+        assert torch.equal(ops.linear(x[i : i + 5], qw.data, int(qw.qtype), n, K, None)[0], batched[i])
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_bfloat16_rows_do_not_depend_on_their_batch(ops, kind):
+    """From 4 rows bfloat16 activations take bfloat16 products where the CPU has them (float32
+    elsewhere): 4-row tiles and 40-row panels give the same bits."""
+    qw, _ = _quantized(kind)
+    x = torch.randn(40, K, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    batched = ops.linear(x, qw.data, int(qw.qtype), N, K, None)
+    for i in range(0, 36, 5):
+        assert torch.equal(ops.linear(x[i : i + 4], qw.data, int(qw.qtype), N, K, None)[0], batched[i])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -76,7 +89,7 @@ def test_bfloat16_activations_come_back_in_bfloat16(ops):
     out = qw.matmul(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), x.float() @ ref.T, rtol=2e-2, atol=0.1)  # bfloat16 rounding
-    big = torch.randn(40, K).to(torch.bfloat16)  # past BF16_GEMM_MIN_ROWS: dequantized for torch's GEMM
+    big = torch.randn(300, K).to(torch.bfloat16)  # past TORCH_GEMM_MIN_ROWS: dequantized for torch's GEMM
     torch.testing.assert_close(qw.matmul(big).float(), big.float() @ ref.T, rtol=2e-2, atol=0.1)
 
 
