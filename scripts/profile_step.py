@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=4, help="decode rounds before measuring")
     p.add_argument("--steps", type=int, default=32, help="decode rounds measured")
     p.add_argument("--rows", type=int, default=15)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy, as the benchmarks")
     p.add_argument("--model-path", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, help="as the engine's flag (gguf or none)")
@@ -98,7 +99,8 @@ def main() -> None:
         sched.step, runner.forward = measured_step, profiled_forward
         sched._sample = timed(times, "sampling", sample, lambda: measuring[0])
         n_out = args.warmup + args.steps + 2
-        engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": n_out, "ignore_eos": True})
+        engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": n_out, "ignore_eos": True,
+                                                              "temperature": args.temperature})
         sched.step, runner.forward, sched._sample = step_fn, forward, sample
         engine.check_memory()
 

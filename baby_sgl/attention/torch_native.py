@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from baby_sgl.attention.cpu_kernel import decode_kernel
+from baby_sgl.cpu_ops import cpu_ops
 from baby_sgl.attention.shared_prefix import SharedPrefixes, find_shared_prefixes, merge
 from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
 
@@ -67,9 +68,31 @@ def split_by_length(lens: list[int]) -> list[list[int]]:
 
 @dataclass
 class _ExtendMeta:
-    kv_indices: list[torch.Tensor]  # per request: its slots 0..seq_len-1
-    masks: list[torch.Tensor | None]  # per request: None means plain causal (no cached prefix)
+    rows: torch.Tensor  # [B, W]: request i's slots 0..prefix + extend - 1 lead its row
+    prefix_lens: list[int]
     extend_lens: list[int]  # per request: new tokens
+    _portable: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
+    _kernel_lens: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def kernel_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lengths as int64 CPU tensors for the kernel, made once per batch."""
+        if self._kernel_lens is None:
+            self._kernel_lens = (torch.tensor(self.prefix_lens), torch.tensor(self.extend_lens))
+        return self._kernel_lens
+
+    def portable(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Per request, its slots and its mask (None: plain causal, no cached prefix), made once."""
+        if self._portable is None:
+            indices, masks = [], []
+            for i, (prefix, ext) in enumerate(zip(self.prefix_lens, self.extend_lens)):
+                indices.append(self.rows[i, : prefix + ext])
+                # Invariant 2: query j (absolute position prefix + j) sees keys 0..prefix + j.
+                causal = None
+                if prefix:
+                    causal = torch.ones(ext, prefix + ext, dtype=torch.bool, device=self.rows.device).tril(prefix)
+                masks.append(causal)
+            self._portable = (indices, masks)
+        return self._portable
 
 
 @dataclass
@@ -131,6 +154,8 @@ class TorchNativeAttnBackend:
         # for every request's own slots if the model has few query heads per KV head.
         self.decode_kernel = decode_kernel() if device is not None and device.type == "cpu" else None
         self.kernel_rows = self.decode_kernel is not None and queries_per_kv_head <= _KERNEL_MAX_QUERIES
+        # Prefill attention reads the pool in place with the CPU step's kernel (csrc/attention.h).
+        self.extend_kernel = cpu_ops() if device is not None and device.type == "cpu" else None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, : max(fb.seq_lens_cpu)]
@@ -147,15 +172,7 @@ class TorchNativeAttnBackend:
 
     @staticmethod
     def _extend_meta(rows: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]) -> _ExtendMeta:
-        indices, masks = [], []
-        for i, (prefix, ext) in enumerate(zip(prefix_lens, extend_lens)):
-            indices.append(rows[i, : prefix + ext])
-            # Invariant 2: query j (absolute position prefix + j) sees keys 0..prefix + j.
-            causal = None
-            if prefix:
-                causal = torch.ones(ext, prefix + ext, dtype=torch.bool, device=rows.device).tril(prefix)
-            masks.append(causal)
-        return _ExtendMeta(indices, masks, list(extend_lens))
+        return _ExtendMeta(rows.contiguous(), list(prefix_lens), list(extend_lens))
 
     def _decode_meta(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
                      dtype: torch.dtype) -> _DecodePlan:
@@ -197,10 +214,11 @@ class TorchNativeAttnBackend:
         return torch.cat([self._extend(q[:t], k_buf, v_buf, scale, meta.extend),
                           self._decode(q[t:], k_buf, v_buf, scale, meta.decode)])
 
-    @staticmethod
-    def _extend(q, k_buf, v_buf, scale, meta: _ExtendMeta) -> torch.Tensor:
+    def _extend(self, q, k_buf, v_buf, scale, meta: _ExtendMeta) -> torch.Tensor:
+        if self.extend_kernel is not None and q.shape[-1] % 16 == 0:
+            return self.extend_kernel.extend_attention(q, k_buf, v_buf, meta.rows, *meta.kernel_lens(), scale)
         outs, start = [], 0
-        for idx, mask, ext in zip(meta.kv_indices, meta.masks, meta.extend_lens):
+        for idx, mask, ext in zip(*meta.portable(), meta.extend_lens):
             qi = q[start : start + ext].transpose(0, 1).unsqueeze(0)  # [1, H, ext, D]
             ki = _gather(k_buf, idx).transpose(0, 1).unsqueeze(0)
             vi = _gather(v_buf, idx).transpose(0, 1).unsqueeze(0)

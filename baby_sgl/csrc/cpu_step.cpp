@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention.h"
 #include "spin_pool.h"
 #include "weights.h"
 
@@ -98,6 +99,67 @@ at::Tensor dequantize(const at::Tensor& data, int64_t type, int64_t n, int64_t k
     }
   });
   return out;
+}
+
+// Prefill attention over the pool, for the Python path: q [T, heads, head_dim] holds the new
+// tokens of B requests one after another; request r's KV slots are rows[r, :prefix_lens[r] +
+// extend_lens[r]] (its new tokens' K and V already written), and its new token j (absolute
+// position prefix + j) sees its slots 0 .. prefix + j. Each token is a row of attend_row: the
+// same arithmetic as a decode step's attention. Returns [T, heads, head_dim] in q's dtype.
+at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                            const at::Tensor& rows, const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
+                            double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && k_buf.sizes() == v_buf.sizes() && k_buf.is_contiguous() &&
+                  v_buf.is_contiguous() && k_buf.scalar_type() == v_buf.scalar_type() && q.size(2) == k_buf.size(2),
+              "q [T, heads, D] and contiguous K/V buffers [slots, kv_heads, D] of one dtype");
+  TORCH_CHECK(k_buf.scalar_type() == at::kFloat || k_buf.scalar_type() == at::kBFloat16, "KV must be float32 or bfloat16");
+  const int64_t T = q.size(0), heads = q.size(1), kv_heads = k_buf.size(1), D = q.size(2), slots = k_buf.size(0);
+  TORCH_CHECK(heads % kv_heads == 0 && D % 16 == 0 && D <= 1024, "heads must be a multiple of kv_heads, head_dim of 16");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.is_contiguous(), "rows: int64 [B, W]");
+  const int64_t B = rows.size(0), W = rows.size(1);
+  for (const auto* t : {&prefix_lens, &extend_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == B, "int64 lengths, one per request");
+  const int64_t* pre = prefix_lens.data_ptr<int64_t>();
+  const int64_t* ext = extend_lens.data_ptr<int64_t>();
+  const int64_t* table = rows.data_ptr<int64_t>();
+  std::vector<int64_t> token_req, token_len;  // per new token: its request and how many slots it sees
+  token_req.reserve(T);
+  token_len.reserve(T);
+  for (int64_t r = 0; r < B; ++r) {
+    TORCH_CHECK(pre[r] >= 0 && ext[r] >= 1 && pre[r] + ext[r] <= W, "request lengths out of range");
+    for (int64_t i = 0; i < pre[r] + ext[r]; ++i)
+      TORCH_CHECK(table[r * W + i] >= 0 && table[r * W + i] < slots, "KV slot out of range");
+    for (int64_t j = 0; j < ext[r]; ++j) {
+      token_req.push_back(r);
+      token_len.push_back(pre[r] + j + 1);
+    }
+  }
+  TORCH_CHECK(static_cast<int64_t>(token_req.size()) == T, "q holds ", T, " tokens, the lengths ", token_req.size());
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({T, heads, D}, q.options().dtype(at::kFloat));
+  const int64_t G = heads / kv_heads;
+  const int nthreads = at::get_num_threads();
+  // Tasks go round-robin: a causal prefill's later tokens see more slots, so contiguous shares
+  // would load the last thread most. (Which thread computes a token changes nothing in it.)
+  const int64_t H = T >= 4 * nthreads ? kv_heads : 1, groups = kv_heads / H, tasks = T * groups;
+  auto run = [&](auto* tag) {
+    using Elem = std::remove_pointer_t<decltype(tag)>;
+    const KVPool<Elem> kv{k_buf.data_ptr<Elem>(), v_buf.data_ptr<Elem>(), kv_heads, D};
+    at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
+      const FlushDenormals flush;
+      AttnScratch ws;
+      for (int64_t tid = begin; tid < end; ++tid)
+        for (int64_t t = tid; t < tasks; t += nthreads) {
+          const int64_t i = t / groups, kvh0 = (t % groups) * H;
+          attend_row(kv, qf.data_ptr<float>() + (i * heads + kvh0 * G) * D, static_cast<float>(scale),
+                     table + token_req[i] * W, token_len[i], kvh0, H, G,
+                     out.data_ptr<float>() + (i * heads + kvh0 * G) * D, ws);
+        }
+    });
+  };
+  if (k_buf.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
+  else run(static_cast<c10::BFloat16*>(nullptr));
+  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
 struct Layer {
@@ -392,84 +454,20 @@ class DecodeStep {
     }
   }
 
-  // A head's K or V row is a few cache lines, one slot's worth apart from the next key's (and
-  // slots need not be in order): the hardware prefetchers miss them, so ask kAhead keys early.
-  // (Over 1000 slots a batch-1 step took 9.9 ms without it, 6.2 ms 8 keys ahead, 5.3 ms 24 ahead.)
-  static constexpr int64_t kAhead = 24;
-  template <typename T>
-  static void prefetch_row(const T* p, int64_t n) {
-    const char* c = reinterpret_cast<const char*>(p);
-    for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
-  }
-
-  template <typename T>
-  static fv load_kv(const T* p) {
-    if constexpr (std::is_same_v<T, float>) return loadv(p);
-    else return load_bf16(reinterpret_cast<const uint16_t*>(p));
-  }
-
-  // Each (row, KV head): its G query heads over the row's slots, in blocks of keys: scores in
-  // float32, a running maximum and sum per query (online softmax), values accumulated.
+  // A task is a row's KV heads kvh0 .. kvh0 + H - 1: all of them when there are rows enough to
+  // share out (a slot's heads are adjacent in the pool and read as one run: a batch-32 step's
+  // attention took 0.7x the time of head by head), else one (so a single row still splits).
   template <typename T>
   void attend(const Batch& b, Scratch& s, size_t layer, int tid, int nt) {
-    constexpr int64_t kBlock = 32;
-    const int64_t D = head_dim_, V = D / kLanes, G = heads_ / kv_heads_, qkv_n = (heads_ + 2 * kv_heads_) * D;
-    const int64_t tasks = b.rows * kv_heads_, slot_stride = kv_heads_ * D;
+    const int64_t D = head_dim_, G = heads_ / kv_heads_, qkv_n = (heads_ + 2 * kv_heads_) * D;
+    const int64_t H = b.rows >= 4 * nt ? kv_heads_ : 1, groups = kv_heads_ / H, tasks = b.rows * groups;
+    const KVPool<T> kv{k_buffers_[layer].data_ptr<T>(), v_buffers_[layer].data_ptr<T>(), kv_heads_, D};
     const float scale = 1.f / std::sqrt(static_cast<float>(D));
-    const T* kp = k_buffers_[layer].data_ptr<T>();
-    const T* vp = v_buffers_[layer].data_ptr<T>();
-    std::vector<fv> q(G * V), acc(G * V), row(V);
-    std::vector<float> scores(G * kBlock), mx(G), sum(G);
+    AttnScratch ws;
     for (int64_t t = tasks * tid / nt; t < tasks * (tid + 1) / nt; ++t) {
-      const int64_t m = t / kv_heads_, kvh = t % kv_heads_, len = b.lens[m];
-      const float* qsrc = s.qkv.data() + m * qkv_n + kvh * G * D;
-      for (int64_t i = 0; i < G * V; ++i) q[i] = loadv(qsrc + kLanes * i) * splat(scale);
-      std::fill(acc.begin(), acc.end(), fv{});
-      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
-      std::fill(sum.begin(), sum.end(), 0.f);
-      const int64_t* slots = b.table + b.req[m] * b.width;
-      for (int64_t start = 0; start < len; start += kBlock) {
-        const int64_t n = std::min(kBlock, len - start);
-        for (int64_t j = 0; j < n; ++j) {
-          if (start + j + kAhead < len) prefetch_row(kp + slots[start + j + kAhead] * slot_stride + kvh * D, D);
-          const T* krow = kp + slots[start + j] * slot_stride + kvh * D;
-          for (int64_t v = 0; v < V; ++v) row[v] = load_kv(krow + kLanes * v);
-          for (int64_t g = 0; g < G; ++g) {
-            fv part = q[g * V] * row[0];
-            for (int64_t v = 1; v < V; ++v) part += q[g * V + v] * row[v];
-            scores[g * kBlock + j] = hsum(part);
-          }
-        }
-        for (int64_t g = 0; g < G; ++g) {  // whole 32-score vectors; a last short block is padded
-          float* sg = scores.data() + g * kBlock;
-          std::fill(sg + n, sg + kBlock, -std::numeric_limits<float>::infinity());
-          fv top = loadv(sg);
-          for (int64_t i = kLanes; i < kBlock; i += kLanes) top = vmax(top, loadv(sg + i));
-          const float block_max = std::max(mx[g], hmax(top));
-          const float rescale = std::exp(mx[g] - block_max);  // 0 on the first block
-          for (int64_t v = 0; v < V; ++v) acc[g * V + v] *= splat(rescale);
-          mx[g] = block_max;
-          for (int64_t i = 0; i < kBlock; i += kLanes) storev(sg + i, expv(loadv(sg + i) - block_max));
-          std::fill(sg + n, sg + kBlock, 0.f);
-          fv total = loadv(sg);
-          for (int64_t i = kLanes; i < kBlock; i += kLanes) total += loadv(sg + i);
-          sum[g] = sum[g] * rescale + hsum(total);
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          if (start + j + kAhead < len) prefetch_row(vp + slots[start + j + kAhead] * slot_stride + kvh * D, D);
-          const T* vrow = vp + slots[start + j] * slot_stride + kvh * D;
-          for (int64_t v = 0; v < V; ++v) row[v] = load_kv(vrow + kLanes * v);
-          for (int64_t g = 0; g < G; ++g) {
-            const fv p = splat(scores[g * kBlock + j]);
-            for (int64_t v = 0; v < V; ++v) acc[g * V + v] += p * row[v];
-          }
-        }
-      }
-      float* out = s.att.data() + m * heads_ * D + kvh * G * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const fv inv = splat(1.f / sum[g]);
-        for (int64_t v = 0; v < V; ++v) storev(out + g * D + kLanes * v, acc[g * V + v] * inv);
-      }
+      const int64_t m = t / groups, kvh0 = (t % groups) * H;
+      attend_row(kv, s.qkv.data() + m * qkv_n + kvh0 * G * D, scale, b.table + b.req[m] * b.width, b.lens[m], kvh0, H, G,
+                 s.att.data() + m * heads_ * D + kvh0 * G * D, ws);
     }
   }
 
@@ -494,6 +492,7 @@ class DecodeStep {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &bsgl::linear, "x times a stored (possibly quantized) weight, float32 accumulation (CPU)");
   m.def("dequantize", &bsgl::dequantize, "rows of a stored weight as float32 (CPU)");
+  m.def("extend_attention", &bsgl::extend_attention, "prefill attention of new tokens over the paged KV pool (CPU)");
   py::class_<bsgl::DecodeStep>(m, "DecodeStep")
       .def(py::init<py::dict, py::list, py::tuple, py::tuple, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                     std::vector<at::Tensor>, std::vector<at::Tensor>>())
