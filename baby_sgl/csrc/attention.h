@@ -133,4 +133,148 @@ void attend_row(const KVPool<T>& kv, const float* q, float scale, const int64_t*
   }
 }
 
+// Prefill: several new tokens of one request together, each a query row per head of KV head kvh
+// (row i sees the request's first lens[i] slots). Per block of 32 keys the keys are transposed and
+// the values widened once for all rows; then NR rows at a time, a row's 32 scores are vectors
+// built along head_dim (no horizontal sums) and its values' sum runs in registers. Each row's
+// arithmetic is its own, whatever rows it is grouped with: a token's result does not depend on
+// the other tokens of its prefill or on the batch.
+struct PrefillScratch {
+  AlignedBuffer<float> q, kt, vf, scores, acc;
+  std::vector<float> mx, sum;
+};
+
+constexpr int64_t kKeyBlock = 32;
+constexpr int kScoreVecs = kKeyBlock / kLanes;
+
+// Rows rows[0..NR) of the block starting at key `start`: scores, online softmax, values.
+template <int NR, int kV>
+inline void prefill_rows(const int64_t* rows, const int64_t* lens, int64_t start, int64_t D, PrefillScratch& ws) {
+  const float* kt = ws.kt.data();
+  fv sc[NR][kScoreVecs] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    fv k[kScoreVecs];
+    for (int c = 0; c < kScoreVecs; ++c) k[c] = loadv(kt + d * kKeyBlock + c * kLanes);
+    for (int r = 0; r < NR; ++r) {
+      const fv qd = splat(ws.q[rows[r] * D + d]);
+      for (int c = 0; c < kScoreVecs; ++c) sc[r][c] += qd * k[c];
+    }
+  }
+  float p[NR][kKeyBlock];
+  int64_t n[NR];
+  for (int r = 0; r < NR; ++r) {
+    const int64_t i = rows[r];
+    n[r] = std::min(kKeyBlock, lens[i] - start);
+    float* pr = p[r];
+    for (int c = 0; c < kScoreVecs; ++c) storev(pr + c * kLanes, sc[r][c]);
+    std::fill(pr + n[r], pr + kKeyBlock, -std::numeric_limits<float>::infinity());
+    fv top = loadv(pr);
+    for (int c = 1; c < kScoreVecs; ++c) top = vmax(top, loadv(pr + c * kLanes));
+    const float block_max = std::max(ws.mx[i], hmax(top));
+    const float rescale = std::exp(ws.mx[i] - block_max);  // 0 on the first block
+    ws.mx[i] = block_max;
+    fv total{};
+    for (int c = 0; c < kScoreVecs; ++c) {
+      const fv e = expv(loadv(pr + c * kLanes) - block_max);
+      storev(pr + c * kLanes, e);
+    }
+    std::fill(pr + n[r], pr + kKeyBlock, 0.f);
+    for (int c = 0; c < kScoreVecs; ++c) total += loadv(pr + c * kLanes);
+    ws.sum[i] = ws.sum[i] * rescale + hsum(total);
+    float* a = ws.acc.data() + i * D;
+    for (int64_t v = 0; v < D; v += kLanes) storev(a + v, loadv(a + v) * splat(rescale));
+  }
+  const int64_t V = kV > 0 ? kV : D / kLanes;
+  const float* vf = ws.vf.data();
+  if constexpr (kV > 0) {
+    fv a[NR][kV];
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < kV; ++v) a[r][v] = loadv(ws.acc.data() + rows[r] * D + v * kLanes);
+    int64_t most = 0;
+    for (int r = 0; r < NR; ++r) most = std::max(most, n[r]);
+    for (int64_t j = 0; j < most; ++j) {  // past a row's n its p is 0: adds exact zeros
+      fv val[kV];
+      for (int v = 0; v < kV; ++v) val[v] = loadv(vf + j * D + v * kLanes);
+      for (int r = 0; r < NR; ++r) {
+        const fv pj = splat(p[r][j]);
+        for (int v = 0; v < kV; ++v) a[r][v] += pj * val[v];
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < kV; ++v) storev(ws.acc.data() + rows[r] * D + v * kLanes, a[r][v]);
+  } else {
+    for (int r = 0; r < NR; ++r) {
+      float* a = ws.acc.data() + rows[r] * D;
+      for (int64_t j = 0; j < n[r]; ++j) {
+        const fv pj = splat(p[r][j]);
+        for (int64_t v = 0; v < V; ++v) storev(a + v * kLanes, loadv(a + v * kLanes) + pj * loadv(vf + j * D + v * kLanes));
+      }
+    }
+  }
+}
+
+// q: T tokens' query rows for KV head kvh (G heads each; token t's head g at q + t * q_stride +
+// g * D), token t seeing the first lens[t] of `slots` (lens increasing); out: the same layout.
+template <int kV, typename T>
+void attend_prefill_v(const KVPool<T>& kv, const float* q, int64_t q_stride, float scale, const int64_t* slots,
+                      const int64_t* token_lens, int64_t T_, int64_t kvh, int64_t G, float* out, PrefillScratch& ws) {
+  constexpr int NR = 4;
+  const int64_t D = kv.head_dim, NQ = T_ * G, stride = kv.slot_stride();
+  ws.q.reserve(NQ * D);
+  ws.acc.reserve(NQ * D);
+  ws.kt.reserve(D * kKeyBlock);
+  ws.vf.reserve(kKeyBlock * D);
+  ws.mx.assign(NQ, -std::numeric_limits<float>::infinity());
+  ws.sum.assign(NQ, 0.f);
+  std::vector<int64_t> lens(NQ);
+  for (int64_t t = 0; t < T_; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = t * G + g;
+      lens[i] = token_lens[t];
+      for (int64_t d = 0; d < D; ++d) ws.q[i * D + d] = q[t * q_stride + g * D + d] * scale;
+    }
+  std::fill(ws.acc.data(), ws.acc.data() + NQ * D, 0.f);
+  const T* kp = kv.k + kvh * D;
+  const T* vp = kv.v + kvh * D;
+  const int64_t longest = token_lens[T_ - 1];
+  std::vector<int64_t> active;
+  for (int64_t start = 0; start < longest; start += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, longest - start);
+    float* kt = ws.kt.data();
+    float* vf = ws.vf.data();
+    for (int64_t j = 0; j < kKeyBlock; ++j) {
+      if (j < n) {
+        const T* kr = kp + slots[start + j] * stride;
+        const T* vr = vp + slots[start + j] * stride;
+        for (int64_t d = 0; d < D; ++d) kt[d * kKeyBlock + j] = static_cast<float>(kr[d]);
+        for (int64_t v = 0; v < D; v += kLanes) storev(vf + j * D + v, load_kv(vr + v));
+      } else {
+        for (int64_t d = 0; d < D; ++d) kt[d * kKeyBlock + j] = 0.f;
+      }
+    }
+    active.clear();
+    for (int64_t i = 0; i < NQ; ++i)
+      if (lens[i] > start) active.push_back(i);
+    size_t a = 0;
+    for (; a + NR <= active.size(); a += NR) prefill_rows<NR, kV>(active.data() + a, lens.data(), start, D, ws);
+    for (; a < active.size(); ++a) prefill_rows<1, kV>(active.data() + a, lens.data(), start, D, ws);
+  }
+  for (int64_t t = 0; t < T_; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = t * G + g;
+      const fv inv = splat(1.f / ws.sum[i]);
+      for (int64_t v = 0; v < D; v += kLanes) storev(out + t * q_stride + g * D + v, loadv(ws.acc.data() + i * D + v) * inv);
+    }
+}
+
+template <typename T>
+void attend_prefill(const KVPool<T>& kv, const float* q, int64_t q_stride, float scale, const int64_t* slots,
+                    const int64_t* token_lens, int64_t T_, int64_t kvh, int64_t G, float* out, PrefillScratch& ws) {
+  switch (kv.head_dim / kLanes) {
+    case 64 / kLanes: return attend_prefill_v<64 / kLanes>(kv, q, q_stride, scale, slots, token_lens, T_, kvh, G, out, ws);
+    case 128 / kLanes: return attend_prefill_v<128 / kLanes>(kv, q, q_stride, scale, slots, token_lens, T_, kvh, G, out, ws);
+    default: return attend_prefill_v<0>(kv, q, q_stride, scale, slots, token_lens, T_, kvh, G, out, ws);
+  }
+}
+
 }  // namespace bsgl

@@ -104,8 +104,7 @@ at::Tensor dequantize(const at::Tensor& data, int64_t type, int64_t n, int64_t k
 // Prefill attention over the pool, for the Python path: q [T, heads, head_dim] holds the new
 // tokens of B requests one after another; request r's KV slots are rows[r, :prefix_lens[r] +
 // extend_lens[r]] (its new tokens' K and V already written), and its new token j (absolute
-// position prefix + j) sees its slots 0 .. prefix + j. Each token is a row of attend_row: the
-// same arithmetic as a decode step's attention. Returns [T, heads, head_dim] in q's dtype.
+// position prefix + j) sees its slots 0 .. prefix + j. Returns [T, heads, head_dim] in q's dtype.
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                             const at::Tensor& rows, const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
                             double scale) {
@@ -122,38 +121,44 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   const int64_t* pre = prefix_lens.data_ptr<int64_t>();
   const int64_t* ext = extend_lens.data_ptr<int64_t>();
   const int64_t* table = rows.data_ptr<int64_t>();
-  std::vector<int64_t> token_req, token_len;  // per new token: its request and how many slots it sees
-  token_req.reserve(T);
-  token_len.reserve(T);
+  // Tasks: runs of up to kTokens new tokens of one request, for one KV head.
+  constexpr int64_t kTokens = 16;
+  struct Task {
+    int64_t req, first, count, kvh;  // first: the run's first token in q
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> token_len(T);
+  int64_t first = 0;
   for (int64_t r = 0; r < B; ++r) {
     TORCH_CHECK(pre[r] >= 0 && ext[r] >= 1 && pre[r] + ext[r] <= W, "request lengths out of range");
     for (int64_t i = 0; i < pre[r] + ext[r]; ++i)
       TORCH_CHECK(table[r * W + i] >= 0 && table[r * W + i] < slots, "KV slot out of range");
-    for (int64_t j = 0; j < ext[r]; ++j) {
-      token_req.push_back(r);
-      token_len.push_back(pre[r] + j + 1);
-    }
+    TORCH_CHECK(first + ext[r] <= T, "q holds ", T, " tokens, the lengths more");
+    for (int64_t j = 0; j < ext[r]; ++j) token_len[first + j] = pre[r] + j + 1;
+    for (int64_t j = 0; j < ext[r]; j += kTokens)
+      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({r, first + j, std::min(kTokens, ext[r] - j), h});
+    first += ext[r];
   }
-  TORCH_CHECK(static_cast<int64_t>(token_req.size()) == T, "q holds ", T, " tokens, the lengths ", token_req.size());
+  TORCH_CHECK(first == T, "q holds ", T, " tokens, the lengths ", first);
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({T, heads, D}, q.options().dtype(at::kFloat));
   const int64_t G = heads / kv_heads;
   const int nthreads = at::get_num_threads();
+  const int64_t ntasks = static_cast<int64_t>(tasks.size());
   // Tasks go round-robin: a causal prefill's later tokens see more slots, so contiguous shares
   // would load the last thread most. (Which thread computes a token changes nothing in it.)
-  const int64_t H = T >= 4 * nthreads ? kv_heads : 1, groups = kv_heads / H, tasks = T * groups;
   auto run = [&](auto* tag) {
     using Elem = std::remove_pointer_t<decltype(tag)>;
     const KVPool<Elem> kv{k_buf.data_ptr<Elem>(), v_buf.data_ptr<Elem>(), kv_heads, D};
     at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
       const FlushDenormals flush;
-      AttnScratch ws;
+      PrefillScratch ws;
       for (int64_t tid = begin; tid < end; ++tid)
-        for (int64_t t = tid; t < tasks; t += nthreads) {
-          const int64_t i = t / groups, kvh0 = (t % groups) * H;
-          attend_row(kv, qf.data_ptr<float>() + (i * heads + kvh0 * G) * D, static_cast<float>(scale),
-                     table + token_req[i] * W, token_len[i], kvh0, H, G,
-                     out.data_ptr<float>() + (i * heads + kvh0 * G) * D, ws);
+        for (int64_t t = tid; t < ntasks; t += nthreads) {
+          const Task& k = tasks[t];
+          const int64_t offset = (k.first * heads + k.kvh * G) * D;
+          attend_prefill(kv, qf.data_ptr<float>() + offset, heads * D, static_cast<float>(scale), table + k.req * W,
+                         token_len.data() + k.first, k.count, k.kvh, G, out.data_ptr<float>() + offset, ws);
         }
     });
   };

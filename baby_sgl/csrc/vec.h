@@ -80,7 +80,11 @@ inline fv loadv(const float* p) {
 
 inline void storev(float* p, fv v) { std::memcpy(p, &v, sizeof(v)); }
 
-inline fv splat(float x) { return fv{} + x; }
+inline fv splat(float x) {  // spelled out: compilers make the braces one broadcast
+  if constexpr (kLanes == 16) return fv{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+  else if constexpr (kLanes == 8) return fv{x, x, x, x, x, x, x, x};
+  else return fv{x, x, x, x};
+}
 
 // Sum of the lanes, always in the same order (halves added pairwise down to four lanes, then
 // (0 + 2) + (1 + 3)), so a dot product's result does not depend on which kernel shape computed it.
