@@ -76,11 +76,13 @@ ARCHS = ["native", "x86-64-v3", "x86-64"] if platform.machine() == "x86_64" else
 def build_for(arch: str, monkeypatch):
     """The CPU kernels built for arch (cached per arch in ~/.cache/baby-sgl/kernels) and made the
     ones the engine uses, or a skip without a compiler."""
-    from baby_sgl import cpu_ops
+    from baby_sgl import cpu_ops, toolchain
 
     monkeypatch.setenv("BABY_SGL_CPU_ARCH", arch)
     monkeypatch.setattr(cpu_ops, "_loaded", {})
     built = cpu_ops.cpu_ops()
     if built is None:
+        if toolchain.cxx_compiler() is not None:
+            pytest.fail(f"the CPU kernels failed to build for {arch} (see the log)")
         pytest.skip("no C++ compiler: the portable path is tested by the engine tests")
     return built

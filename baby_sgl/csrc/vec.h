@@ -81,9 +81,13 @@ inline fv loadv(const float* p) {
 inline void storev(float* p, fv v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline fv splat(float x) {  // spelled out: compilers make the braces one broadcast
-  if constexpr (kLanes == 16) return fv{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
-  else if constexpr (kLanes == 8) return fv{x, x, x, x, x, x, x, x};
-  else return fv{x, x, x, x};
+#if defined(__AVX512F__)
+  return fv{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#elif defined(__AVX2__)
+  return fv{x, x, x, x, x, x, x, x};
+#else
+  return fv{x, x, x, x};
+#endif
 }
 
 // Sum of the lanes, always in the same order (halves added pairwise down to four lanes, then
