@@ -27,6 +27,19 @@
 namespace bsgl {
 namespace {
 
+template <typename T>
+inline float to_float(T v) { return static_cast<float>(v); }
+template <>
+inline float to_float<c10::BFloat16>(c10::BFloat16 v) { return bf16_to_float(v.x); }
+template <typename T>
+inline T from_float(float v) { return static_cast<T>(v); }
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
+  c10::BFloat16 b;
+  b.x = float_to_bf16(v);
+  return b;
+}
+
 // Batches of at least this many rows take the bfloat16 products (weights.h) when the dtype is
 // bfloat16; a single row is bound by reading the weights, not by the products, and keeps float32.
 constexpr int64_t kBF16MinRows = 4;
@@ -101,6 +114,77 @@ at::Tensor dequantize(const at::Tensor& data, int64_t type, int64_t n, int64_t k
   return out;
 }
 
+// RMSNorm of each row as transformers computes it: in float32, x * rsqrt(mean(x^2) + eps),
+// rounded to x's dtype, then times the weight in that dtype. One pass over the rows, where the
+// op-by-op version made eight (a 2560-token prefill spent 0.15 s in its norms).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "rms_norm: x [T, H] and weight [H] of one dtype, float32 or bfloat16");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t T = xc.size(0), H = xc.size(1);
+  auto run = [&](auto* tag) {
+    using E = std::remove_pointer_t<decltype(tag)>;
+    const E* xp = xc.data_ptr<E>();
+    const E* wp = wc.data_ptr<E>();
+    E* op = out.data_ptr<E>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(H);
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t i = 0; i < H; ++i) row[i] = to_float(xp[t * H + i]);
+        fv acc{};
+        int64_t i = 0;
+        for (; i + kLanes <= H; i += kLanes) {
+          const fv v = loadv(row.data() + i);
+          acc += v * v;
+        }
+        float ss = hsum(acc);
+        for (; i < H; ++i) ss += row[i] * row[i];
+        const float r = 1.f / std::sqrt(ss / H + static_cast<float>(eps));
+        for (int64_t j = 0; j < H; ++j) {
+          const float normed = to_float(from_float<E>(row[j] * r));  // rounded to the dtype first
+          op[t * H + j] = from_float<E>(to_float(wp[j]) * normed);
+        }
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
+  else run(static_cast<c10::BFloat16*>(nullptr));
+  return out;
+}
+
+// SiLU(gate) * up for x = [gate | up] ([T, 2I] -> [T, I]), rounding as torch's two ops do: the
+// SiLU to x's dtype, then the product. One pass instead of three.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "silu_and_mul: x [T, 2I], float32 or bfloat16");
+  const at::Tensor xc = x.contiguous();
+  const int64_t T = xc.size(0), I = xc.size(1) / 2;
+  at::Tensor out = at::empty({T, I}, xc.options());
+  auto run = [&](auto* tag) {
+    using E = std::remove_pointer_t<decltype(tag)>;
+    const E* xp = xc.data_ptr<E>();
+    E* op = out.data_ptr<E>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> e(I);
+      for (int64_t t = begin; t < end; ++t) {
+        const E* g = xp + t * 2 * I;
+        for (int64_t i = 0; i < I; ++i) e[i] = -to_float(g[i]);
+        exp_inplace(e.data(), I);
+        for (int64_t i = 0; i < I; ++i) {
+          const float silu = to_float(from_float<E>(to_float(g[i]) / (1.f + e[i])));
+          op[t * I + i] = from_float<E>(silu * to_float(g[I + i]));
+        }
+      }
+    });
+  };
+  if (x.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
+  else run(static_cast<c10::BFloat16*>(nullptr));
+  return out;
+}
+
 // Prefill attention over the pool, for the Python path: q [T, heads, head_dim] holds the new
 // tokens of B requests one after another; request r's KV slots are rows[r, :prefix_lens[r] +
 // extend_lens[r]] (its new tokens' K and V already written), and its new token j (absolute
@@ -172,19 +256,6 @@ struct Layer {
   const float* norm_in;
   const float* norm_post;
 };
-
-template <typename T>
-inline float to_float(T v) { return static_cast<float>(v); }
-template <>
-inline float to_float<c10::BFloat16>(c10::BFloat16 v) { return bf16_to_float(v.x); }
-template <typename T>
-inline T from_float(float v) { return static_cast<T>(v); }
-template <>
-inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
-  c10::BFloat16 b;
-  b.x = float_to_bf16(v);
-  return b;
-}
 
 class DecodeStep {
  public:
@@ -497,6 +568,8 @@ class DecodeStep {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &bsgl::linear, "x times a stored (possibly quantized) weight, float32 accumulation (CPU)");
   m.def("dequantize", &bsgl::dequantize, "rows of a stored weight as float32 (CPU)");
+  m.def("rms_norm", &bsgl::rms_norm, "RMSNorm of each row, rounding as transformers does (CPU)");
+  m.def("silu_and_mul", &bsgl::silu_and_mul, "SiLU(gate) * up of [gate | up] rows (CPU)");
   m.def("extend_attention", &bsgl::extend_attention, "prefill attention of new tokens over the paged KV pool (CPU)");
   py::class_<bsgl::DecodeStep>(m, "DecodeStep")
       .def(py::init<py::dict, py::list, py::tuple, py::tuple, const at::Tensor&, const at::Tensor&, const at::Tensor&,

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baby_sgl.layers.activation import silu_and_mul
 from baby_sgl.layers.layernorm import RMSNorm, rms_norm
 from baby_sgl.layers.linear import Linear, linear, set_quantized
 from baby_sgl.layers.quantization import QuantizedWeight
@@ -35,14 +36,13 @@ def attention_in(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch
 
 
 def attention_out_mlp(attn: torch.Tensor, x: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                      gate_up_w: torch.Tensor, down_w: torch.Tensor, inter: int,
+                      gate_up_w: torch.Tensor, down_w: torch.Tensor,
                       lin: Callable = linear, reduce: Callable | None = None) -> torch.Tensor:
     """A layer's work after attention: output projection, residual, norm, MLP, residual. With
     tensor parallelism o_proj and down_proj give partial sums, which reduce completes."""
     o = lin(attn.reshape(attn.shape[0], -1), o_w)
     x = x + (o if reduce is None else reduce(o))
-    gate, up = lin(rms_norm(x, norm_w, eps), gate_up_w).split(inter, dim=-1)
-    down = lin(F.silu(gate) * up, down_w)
+    down = lin(silu_and_mul(lin(rms_norm(x, norm_w, eps), gate_up_w)), down_w)
     return x + (down if reduce is None else reduce(down))
 
 
@@ -69,9 +69,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)
-        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
 
 class DecoderLayer(nn.Module):
@@ -95,7 +94,7 @@ class DecoderLayer(nn.Module):
     def dense_out(self, attn: torch.Tensor, x: torch.Tensor, dense: DenseFns) -> torch.Tensor:
         a, m, norm = self.self_attn, self.mlp, self.post_attention_layernorm
         return dense.attention_out_mlp(attn, x, a.o_proj.weight, norm.weight, norm.eps, m.gate_up_proj.weight,
-                                       m.down_proj.weight, m.inter)
+                                       m.down_proj.weight)
 
 
 @dataclass(frozen=True)
