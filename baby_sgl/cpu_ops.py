@@ -1,7 +1,8 @@
 """Our compiled CPU ops (csrc/): the linear layer over stored weights (float32, bfloat16 or GGUF's
-quantized blocks) and the one-call decode step. Built once per CPU by toolchain.build_extension;
-None without a compiler, and then quantized weights are dequantized at load and the step runs
-op by op in Python."""
+quantized blocks), one-pass RMSNorm and SiLU-and-mul, prefill attention over the paged pool
+(ops.cpp) and the one-call decode step (cpu_step.cpp). Built once per CPU by
+toolchain.build_extension; None without a compiler, and then quantized weights are dequantized at
+load and everything runs op by op in torch."""
 
 from __future__ import annotations
 
@@ -17,6 +18,6 @@ _loaded: dict[str, ModuleType | None] = {}
 def cpu_ops() -> ModuleType | None:
     if "ops" not in _loaded:
         _loaded["ops"] = toolchain.build_extension(
-            "baby_sgl_cpu_ops", (_DIR / "cpu_step.cpp",),
+            "baby_sgl_cpu_ops", (_DIR / "cpu_step.cpp", _DIR / "ops.cpp"),
             "quantized weights and the decode step")
     return _loaded["ops"]

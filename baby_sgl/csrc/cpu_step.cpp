@@ -1,4 +1,4 @@
-// The CPU's decode step in one call, and the quantized linear layer the Python path uses.
+// The CPU's decode step in one call (the Python path's ops are in ops.cpp).
 //
 // DecodeStep::run computes a whole decode pass of a Llama-family model (Llama, Qwen2) for a few
 // requests: embedding, every layer (RMSNorm, q/k/v, rope, KV write, attention over the request's
@@ -21,235 +21,13 @@
 #include <vector>
 
 #include "attention.h"
+#include "ops.h"
 #include "spin_pool.h"
+#include "torch_glue.h"
 #include "weights.h"
 
 namespace bsgl {
 namespace {
-
-template <typename T>
-inline float to_float(T v) { return static_cast<float>(v); }
-template <>
-inline float to_float<c10::BFloat16>(c10::BFloat16 v) { return bf16_to_float(v.x); }
-template <typename T>
-inline T from_float(float v) { return static_cast<T>(v); }
-template <>
-inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
-  c10::BFloat16 b;
-  b.x = float_to_bf16(v);
-  return b;
-}
-
-// Batches of at least this many rows take the bfloat16 products (weights.h) when the dtype is
-// bfloat16; a single row is bound by reading the weights, not by the products, and keeps float32.
-constexpr int64_t kBF16MinRows = 4;
-
-Weight make_weight(const at::Tensor& data, int64_t type, int64_t n, int64_t k, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(data.device().is_cpu() && data.dim() == 2 && data.size(0) == n && data.stride(1) == 1,
-              "weight data must be a CPU [n, row] tensor with unit inner stride");
-  TORCH_CHECK(type >= kF32 && type <= kQ4_1, "unknown weight type ", type);
-  TORCH_CHECK(type <= kBF16 || k % 32 == 0, "quantized rows must hold whole 32-value blocks");
-  const int64_t bytes = data.size(1) * data.element_size();
-  TORCH_CHECK(bytes == row_bytes(static_cast<int>(type), k), "weight rows hold ", bytes, " bytes, expected ",
-              row_bytes(static_cast<int>(type), k));
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
-              "bias must be a contiguous float32 [n] tensor");
-  Weight w;
-  w.type = static_cast<int>(type);
-  w.n = n;
-  w.k = k;
-  w.stride = data.stride(0) * data.element_size();
-  w.data = static_cast<const uint8_t*>(data.data_ptr());
-  w.bias = bias ? bias->data_ptr<float>() : nullptr;
-  return w;
-}
-
-// x [M, K] (float32 or bfloat16) times the weight's rows: [M, N] in x's dtype. A bfloat16 x of
-// at least kBF16MinRows rows on a CPU with AVX512_BF16 takes bfloat16 products (what torch's
-// bfloat16 GEMM computes); otherwise the products are float32.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& data, int64_t type, int64_t n, int64_t k,
-                  const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, ", k, "]");
-  const Weight w = make_weight(data, type, n, k, bias);
-  const int64_t rows = x.size(0);
-  at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
-  float* op = out.data_ptr<float>();
-#if defined(__AVX512BF16__)
-  if (x.scalar_type() == at::kBFloat16 && rows >= kBF16MinRows && k % 32 == 0) {
-    const at::Tensor xc = x.contiguous();
-    const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { product_bf16(w, xb, rows, op, n, begin, end); });
-    return out.to(at::kBFloat16);
-  }
-#endif
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { product(w, xp, k, rows, op, n, begin, end); });
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
-}
-
-// Rows `ids` of the weight (or all rows) as float32 or bfloat16: embedding lookups, and whole
-// matrices for large batches.
-at::Tensor dequantize(const at::Tensor& data, int64_t type, int64_t n, int64_t k, const c10::optional<at::Tensor>& ids,
-                      at::ScalarType dtype) {
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize gives float32 or bfloat16");
-  const Weight w = make_weight(data, type, n, k, c10::nullopt);
-  at::Tensor idx = ids ? ids->to(at::kLong).contiguous() : at::Tensor();
-  const int64_t rows = ids ? idx.numel() : n;
-  const int64_t* ip = ids ? idx.data_ptr<int64_t>() : nullptr;
-  for (int64_t r = 0; ip && r < rows; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "row id ", ip[r], " out of range");
-  at::Tensor out = at::empty({rows, k}, data.options().dtype(dtype));
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(dtype == at::kFloat ? 0 : k);
-    for (int64_t r = begin; r < end; ++r) {
-      if (dtype == at::kFloat) {
-        dequantize_row(w, ip ? ip[r] : r, out.data_ptr<float>() + r * k);
-        continue;
-      }
-      dequantize_row(w, ip ? ip[r] : r, row.data());
-      uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + r * k;
-      for (int64_t i = 0; i < k; ++i) dst[i] = float_to_bf16(row[i]);
-    }
-  });
-  return out;
-}
-
-// RMSNorm of each row as transformers computes it: in float32, x * rsqrt(mean(x^2) + eps),
-// rounded to x's dtype, then times the weight in that dtype. One pass over the rows, where the
-// op-by-op version made eight (a 2560-token prefill spent 0.15 s in its norms).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1) &&
-                  weight.scalar_type() == x.scalar_type() &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "rms_norm: x [T, H] and weight [H] of one dtype, float32 or bfloat16");
-  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  at::Tensor out = at::empty_like(xc);
-  const int64_t T = xc.size(0), H = xc.size(1);
-  auto run = [&](auto* tag) {
-    using E = std::remove_pointer_t<decltype(tag)>;
-    const E* xp = xc.data_ptr<E>();
-    const E* wp = wc.data_ptr<E>();
-    E* op = out.data_ptr<E>();
-    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(H);
-      for (int64_t t = begin; t < end; ++t) {
-        for (int64_t i = 0; i < H; ++i) row[i] = to_float(xp[t * H + i]);
-        fv acc{};
-        int64_t i = 0;
-        for (; i + kLanes <= H; i += kLanes) {
-          const fv v = loadv(row.data() + i);
-          acc += v * v;
-        }
-        float ss = hsum(acc);
-        for (; i < H; ++i) ss += row[i] * row[i];
-        const float r = 1.f / std::sqrt(ss / H + static_cast<float>(eps));
-        for (int64_t j = 0; j < H; ++j) {
-          const float normed = to_float(from_float<E>(row[j] * r));  // rounded to the dtype first
-          op[t * H + j] = from_float<E>(to_float(wp[j]) * normed);
-        }
-      }
-    });
-  };
-  if (x.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
-  else run(static_cast<c10::BFloat16*>(nullptr));
-  return out;
-}
-
-// SiLU(gate) * up for x = [gate | up] ([T, 2I] -> [T, I]), rounding as torch's two ops do: the
-// SiLU to x's dtype, then the product. One pass instead of three.
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "silu_and_mul: x [T, 2I], float32 or bfloat16");
-  const at::Tensor xc = x.contiguous();
-  const int64_t T = xc.size(0), I = xc.size(1) / 2;
-  at::Tensor out = at::empty({T, I}, xc.options());
-  auto run = [&](auto* tag) {
-    using E = std::remove_pointer_t<decltype(tag)>;
-    const E* xp = xc.data_ptr<E>();
-    E* op = out.data_ptr<E>();
-    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> e(I);
-      for (int64_t t = begin; t < end; ++t) {
-        const E* g = xp + t * 2 * I;
-        for (int64_t i = 0; i < I; ++i) e[i] = -to_float(g[i]);
-        exp_inplace(e.data(), I);
-        for (int64_t i = 0; i < I; ++i) {
-          const float silu = to_float(from_float<E>(to_float(g[i]) / (1.f + e[i])));
-          op[t * I + i] = from_float<E>(silu * to_float(g[I + i]));
-        }
-      }
-    });
-  };
-  if (x.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
-  else run(static_cast<c10::BFloat16*>(nullptr));
-  return out;
-}
-
-// Prefill attention over the pool, for the Python path: q [T, heads, head_dim] holds the new
-// tokens of B requests one after another; request r's KV slots are rows[r, :prefix_lens[r] +
-// extend_lens[r]] (its new tokens' K and V already written), and its new token j (absolute
-// position prefix + j) sees its slots 0 .. prefix + j. Returns [T, heads, head_dim] in q's dtype.
-at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                            const at::Tensor& rows, const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
-                            double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && k_buf.sizes() == v_buf.sizes() && k_buf.is_contiguous() &&
-                  v_buf.is_contiguous() && k_buf.scalar_type() == v_buf.scalar_type() && q.size(2) == k_buf.size(2),
-              "q [T, heads, D] and contiguous K/V buffers [slots, kv_heads, D] of one dtype");
-  TORCH_CHECK(k_buf.scalar_type() == at::kFloat || k_buf.scalar_type() == at::kBFloat16, "KV must be float32 or bfloat16");
-  const int64_t T = q.size(0), heads = q.size(1), kv_heads = k_buf.size(1), D = q.size(2), slots = k_buf.size(0);
-  TORCH_CHECK(heads % kv_heads == 0 && D % 16 == 0 && D <= 1024, "heads must be a multiple of kv_heads, head_dim of 16");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.is_contiguous(), "rows: int64 [B, W]");
-  const int64_t B = rows.size(0), W = rows.size(1);
-  for (const auto* t : {&prefix_lens, &extend_lens})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == B, "int64 lengths, one per request");
-  const int64_t* pre = prefix_lens.data_ptr<int64_t>();
-  const int64_t* ext = extend_lens.data_ptr<int64_t>();
-  const int64_t* table = rows.data_ptr<int64_t>();
-  // Tasks: runs of up to kTokens new tokens of one request, for one KV head.
-  constexpr int64_t kTokens = 16;
-  struct Task {
-    int64_t req, first, count, kvh;  // first: the run's first token in q
-  };
-  std::vector<Task> tasks;
-  std::vector<int64_t> token_len(T);
-  int64_t first = 0;
-  for (int64_t r = 0; r < B; ++r) {
-    TORCH_CHECK(pre[r] >= 0 && ext[r] >= 1 && pre[r] + ext[r] <= W, "request lengths out of range");
-    for (int64_t i = 0; i < pre[r] + ext[r]; ++i)
-      TORCH_CHECK(table[r * W + i] >= 0 && table[r * W + i] < slots, "KV slot out of range");
-    TORCH_CHECK(first + ext[r] <= T, "q holds ", T, " tokens, the lengths more");
-    for (int64_t j = 0; j < ext[r]; ++j) token_len[first + j] = pre[r] + j + 1;
-    for (int64_t j = 0; j < ext[r]; j += kTokens)
-      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({r, first + j, std::min(kTokens, ext[r] - j), h});
-    first += ext[r];
-  }
-  TORCH_CHECK(first == T, "q holds ", T, " tokens, the lengths ", first);
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({T, heads, D}, q.options().dtype(at::kFloat));
-  const int64_t G = heads / kv_heads;
-  const int nthreads = at::get_num_threads();
-  const int64_t ntasks = static_cast<int64_t>(tasks.size());
-  // Tasks go round-robin: a causal prefill's later tokens see more slots, so contiguous shares
-  // would load the last thread most. (Which thread computes a token changes nothing in it.)
-  auto run = [&](auto* tag) {
-    using Elem = std::remove_pointer_t<decltype(tag)>;
-    const KVPool<Elem> kv{k_buf.data_ptr<Elem>(), v_buf.data_ptr<Elem>(), kv_heads, D};
-    at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
-      const FlushDenormals flush;
-      PrefillScratch ws;
-      for (int64_t tid = begin; tid < end; ++tid)
-        for (int64_t t = tid; t < ntasks; t += nthreads) {
-          const Task& k = tasks[t];
-          const int64_t offset = (k.first * heads + k.kvh * G) * D;
-          attend_prefill(kv, qf.data_ptr<float>() + offset, heads * D, static_cast<float>(scale), table + k.req * W,
-                         token_len.data() + k.first, k.count, k.kvh, G, out.data_ptr<float>() + offset, ws);
-        }
-    });
-  };
-  if (k_buf.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
-  else run(static_cast<c10::BFloat16*>(nullptr));
-  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
-}
 
 struct Layer {
   Weight qkv, o, gate_up, down;
@@ -566,11 +344,7 @@ class DecodeStep {
 }  // namespace bsgl
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &bsgl::linear, "x times a stored (possibly quantized) weight, float32 accumulation (CPU)");
-  m.def("dequantize", &bsgl::dequantize, "rows of a stored weight as float32 (CPU)");
-  m.def("rms_norm", &bsgl::rms_norm, "RMSNorm of each row, rounding as transformers does (CPU)");
-  m.def("silu_and_mul", &bsgl::silu_and_mul, "SiLU(gate) * up of [gate | up] rows (CPU)");
-  m.def("extend_attention", &bsgl::extend_attention, "prefill attention of new tokens over the paged KV pool (CPU)");
+  bsgl::register_ops(m);
   py::class_<bsgl::DecodeStep>(m, "DecodeStep")
       .def(py::init<py::dict, py::list, py::tuple, py::tuple, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                     std::vector<at::Tensor>, std::vector<at::Tensor>>())

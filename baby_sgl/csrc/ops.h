@@ -1,0 +1,10 @@
+// The Python path's CPU ops (ops.cpp), registered into the extension module by cpu_step.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+namespace bsgl {
+
+void register_ops(pybind11::module& m);
+
+}  // namespace bsgl

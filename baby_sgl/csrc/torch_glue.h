@@ -1,0 +1,47 @@
+// What the kernels need from torch: its bfloat16 type, and weights given as tensors.
+#pragma once
+
+#include <torch/extension.h>
+
+#include "weights.h"
+
+namespace bsgl {
+
+template <typename T>
+inline float to_float(T v) { return static_cast<float>(v); }
+template <>
+inline float to_float<c10::BFloat16>(c10::BFloat16 v) { return bf16_to_float(v.x); }
+template <typename T>
+inline T from_float(float v) { return static_cast<T>(v); }
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
+  c10::BFloat16 b;
+  b.x = float_to_bf16(v);
+  return b;
+}
+
+// Batches of at least this many rows take the bfloat16 products (weights.h) when the dtype is
+// bfloat16; a single row is bound by reading the weights, not by the products, and keeps float32.
+constexpr int64_t kBF16MinRows = 4;
+
+inline Weight make_weight(const at::Tensor& data, int64_t type, int64_t n, int64_t k, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(data.device().is_cpu() && data.dim() == 2 && data.size(0) == n && data.stride(1) == 1,
+              "weight data must be a CPU [n, row] tensor with unit inner stride");
+  TORCH_CHECK(type >= kF32 && type <= kQ4_1, "unknown weight type ", type);
+  TORCH_CHECK(type <= kBF16 || k % 32 == 0, "quantized rows must hold whole 32-value blocks");
+  const int64_t bytes = data.size(1) * data.element_size();
+  TORCH_CHECK(bytes == row_bytes(static_cast<int>(type), k), "weight rows hold ", bytes, " bytes, expected ",
+              row_bytes(static_cast<int>(type), k));
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
+              "bias must be a contiguous float32 [n] tensor");
+  Weight w;
+  w.type = static_cast<int>(type);
+  w.n = n;
+  w.k = k;
+  w.stride = data.stride(0) * data.element_size();
+  w.data = static_cast<const uint8_t*>(data.data_ptr());
+  w.bias = bias ? bias->data_ptr<float>() : nullptr;
+  return w;
+}
+
+}  // namespace bsgl
