@@ -32,6 +32,7 @@ from baby_sgl.constrained.grammar import GrammarCache
 from baby_sgl.sampling.logprobs import with_texts
 from baby_sgl.sampling.sampling_params import SamplingParams
 from baby_sgl.server_args import ServerArgs
+from baby_sgl.threads import run_in_own_thread
 from baby_sgl.validation import validate, validate_text
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,12 @@ class Engine:
     """`Engine(model_path=None, **kwargs)`: keyword names are the CLI flags (see ServerArgs)."""
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
-        self.server_args = args = ServerArgs(model_path=model_path, **kwargs)
+        self.server_args = ServerArgs(model_path=model_path, **kwargs)
+        # On a thread of its own, which ends before the engine serves (see threads.py).
+        run_in_own_thread(self._build)
+
+    def _build(self) -> None:
+        args = self.server_args
         self.device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
         args.chunked_prefill_size = self._chunk_size()
         loaded = load_model(args.model_path, quantized=self._serve_quantized())

@@ -16,6 +16,7 @@ from baby_sgl.bench.workloads import Workload, one_batch_workload, random_worklo
 from baby_sgl.engine import Engine
 from baby_sgl.mem_cache.memory_pool import KVPool
 from baby_sgl.server_args import ServerArgs, engine_kwargs
+from baby_sgl.threads import run_in_own_thread
 
 
 def peak_rss_mb() -> float:
@@ -154,7 +155,7 @@ def main(argv: list[str]) -> int:
         report_rss = peak_rss_mb()
         if args.compare == "json-schema":
             report_constrained = run(engine, wl, {"json_schema": json.dumps(BENCH_SCHEMA)})
-        roofs = measure_roofs(engine)
+        roofs = run_in_own_thread(lambda: measure_roofs(engine))  # see threads.py
         model_path, dtype = engine.model_path, engine.dtype
         memory = memory_budget(engine)
     report = {"workload": wl.name, "num_prompts": len(wl.prompts), "input_tokens": wl.input_tokens,

@@ -1,0 +1,40 @@
+"""Keeping torch's parallel CPU work on one thread of the process at a time.
+
+torch's CPU ops run their parallel loops on OpenMP (libgomp), which gives every thread that
+starts a parallel region a team of worker threads of its own, kept until that thread ends. Once
+the process holds more of them than it has cores, libgomp stops letting idle workers spin and puts
+them to sleep after every region, and every later parallel op waits for them to be woken. On a
+2-core machine a [64, 576] bfloat16 add took 50 us instead of 6 on the scheduler's thread when the
+thread that had loaded the model had also run parallel ops, and a 64-token prefill 86 ms instead of
+56. So the engine loads on a thread that ends before it serves, leaving the scheduler's thread
+the only one with workers, and work done beside a running engine (the bench's roof measurement)
+runs on a short-lived thread as well. (The one-call decode step has a pool of its own and is not
+affected.)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def run_in_own_thread(fn: Callable[[], T], name: str = "baby-sgl-setup") -> T:
+    """fn() on a new thread that ends when it returns (its OpenMP workers with it): its result,
+    or its exception re-raised here."""
+    box: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=target, name=name, daemon=True)  # Ctrl-C while loading still exits
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["result"]  # type: ignore[return-value]
