@@ -47,14 +47,14 @@ def find_shared_prefixes(rows: torch.Tensor, seq_lens: list[int], dtype: torch.d
         return None
     width = max(len(m) for m, _ in groups)
     longest = max(n for _, n in groups)
-    kv_indices = torch.zeros(len(groups), longest, dtype=rows.dtype)
-    mask = torch.full((len(groups), 1, 1, longest), float("-inf"), dtype=dtype)
-    members_t = torch.zeros(len(groups), width, dtype=torch.int64)
+    kv_indices = torch.zeros(len(groups), longest, dtype=rows.dtype, device="cpu")  # built here, then moved
+    mask = torch.full((len(groups), 1, 1, longest), float("-inf"), dtype=dtype, device="cpu")
+    members_t = torch.zeros(len(groups), width, dtype=torch.int64, device="cpu")
     flat_rows, flat, lens = [], [], [0] * len(seq_lens)
     for g, (members, n) in enumerate(groups):
         kv_indices[g, :n] = rows[members[0], :n]
         mask[g, ..., :n] = 0
-        members_t[g] = torch.tensor(members + [members[0]] * (width - len(members)))
+        members_t[g] = torch.tensor(members + [members[0]] * (width - len(members)), device="cpu")
         for m, b in enumerate(members):
             flat_rows.append(b)
             flat.append(g * width + m)

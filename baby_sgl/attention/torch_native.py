@@ -77,7 +77,7 @@ class _ExtendMeta:
     def kernel_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The lengths as int64 CPU tensors for the kernel, made once per batch."""
         if self._kernel_lens is None:
-            self._kernel_lens = (torch.tensor(self.prefix_lens), torch.tensor(self.extend_lens))
+            self._kernel_lens = (torch.tensor(self.prefix_lens, device="cpu"), torch.tensor(self.extend_lens, device="cpu"))
         return self._kernel_lens
 
     def portable(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:

@@ -202,7 +202,7 @@ class GrammarCache:
                 # it here also warms the tables the scheduler's first mask would build.
                 probe = matcher.deep_copy()
                 llguidance.torch.fill_next_token_bitmask(probe, torch.zeros(1, (self.vocab_size + 31) // 32,
-                                                                            dtype=torch.int32))
+                                                                            dtype=torch.int32, device="cpu"))
                 if probe.is_error():
                     return ValueError(f"invalid {kind}: {_short(probe.get_error())}")
         except Exception as e:  # the library's own words for what is wrong with the grammar
@@ -252,7 +252,7 @@ def apply_grammar_masks(logits: torch.Tensor, reqs: list) -> torch.Tensor:
     if not rows:
         return logits
     vocab = logits.shape[1]
-    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32)
+    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32, device="cpu")  # the matchers fill it
     for j, i in enumerate(rows):
         reqs[i].grammar.fill_mask(bitmask, j)
     # Bit b of word w allows token 32 w + b. Unpacked to 0/1, then to a bias of 0 or -inf

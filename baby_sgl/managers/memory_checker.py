@@ -23,7 +23,7 @@ def _owned(sched: Scheduler, reqs: list) -> list[torch.Tensor]:
         if r.req_pool_idx is not None and r.alloc_len > r.cache_protected_len:
             start = table[r.req_pool_idx, r.cache_protected_len : r.alloc_len].cpu()
             pages = start[::page] // page
-            owned.append((pages[:, None] * page + torch.arange(page)).flatten())
+            owned.append((pages[:, None] * page + torch.arange(page, device="cpu")).flatten())
     return owned
 
 
@@ -65,11 +65,11 @@ def check_memory(sched: Scheduler) -> dict[str, int]:
     locked tree nodes must be those of streaming sessions between turns."""
     alloc, cache = sched.allocator, sched.tree_cache
     page = alloc.page_size
-    free = torch.tensor(alloc.free_pages, dtype=torch.long)
-    free_slots = (free[:, None] * page + torch.arange(page)).flatten()
+    free = torch.tensor(alloc.free_pages, dtype=torch.long, device="cpu")  # the check runs on the host
+    free_slots = (free[:, None] * page + torch.arange(page, device="cpu")).flatten()
     held = sched.sessions.held_reqs()
     counts, by_reqs, by_sessions = _ownership(sched)
-    every = torch.cat([free_slots, cache.all_slots()] + by_reqs + by_sessions)
+    every = torch.cat([free_slots, cache.all_slots().cpu()] + by_reqs + by_sessions)
     if len(every) != alloc.size or len(torch.unique(every)) != alloc.size:
         raise MemoryLeakError(f"KV slot ownership broken: {counts}, owned {len(every)}, distinct {len(torch.unique(every))}")
     if sum(v for k, v in counts.items() if k != "total") != alloc.size:

@@ -100,11 +100,11 @@ class ScheduleBatch:
     def get_model_worker_batch(self) -> ModelWorkerBatch:
         if self.mode == ForwardMode.DECODE:
             input_ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in self.reqs]
-            positions = torch.tensor(self.prefix_lens, dtype=torch.long)
+            positions = torch.tensor(self.prefix_lens, dtype=torch.long, device="cpu")
             ext = [1] * len(self.reqs)
         else:  # EXTEND, or MIXED (a decoding request's one new token is the last of its fill_ids)
             input_ids = [t for r, a, b in zip(self.reqs, self.prefix_lens, self.seq_lens) for t in r.fill_ids[a:b]]
-            positions = torch.cat([torch.arange(a, b) for a, b in zip(self.prefix_lens, self.seq_lens)])
+            positions = torch.cat([torch.arange(a, b, device="cpu") for a, b in zip(self.prefix_lens, self.seq_lens)])
             ext = [b - a for a, b in zip(self.prefix_lens, self.seq_lens)]
         logprob_rows = None
         if self.mode != ForwardMode.DECODE:

@@ -38,13 +38,14 @@ class PagedTokenAllocator:
         for prefix, seq, last in zip(prefix_lens, seq_lens, last_locs):
             tail = min(seq, (prefix + p - 1) // p * p) - prefix  # room left in the last page
             if tail > 0:
-                out.append(torch.arange(last + 1, last + 1 + tail))
+                out.append(torch.arange(last + 1, last + 1 + tail, device="cpu"))
             n = self.pages_needed(prefix, seq)
             if n:
-                mine = torch.tensor(pages[used : used + n])
-                slots = (mine[:, None] * p + torch.arange(p)[None, :]).flatten()
+                mine = torch.tensor(pages[used : used + n], device="cpu")
+                slots = (mine[:, None] * p + torch.arange(p, device="cpu")[None, :]).flatten()
                 out.append(slots[: seq - prefix - tail])
                 used += n
+        # Built on the CPU, moved in one copy.
         return torch.cat(out).to(self.device) if out else torch.empty(0, dtype=torch.int64, device=self.device)
 
     def free(self, slots: torch.Tensor) -> None:

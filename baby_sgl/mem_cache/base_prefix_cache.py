@@ -27,6 +27,10 @@ class BasePrefixCache(ABC):
         self.allocator = allocator
         self.page_size = allocator.page_size
 
+    def no_slots(self) -> torch.Tensor:
+        """An empty list of KV slots, on the pool's device."""
+        return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+
     # ---- lookup and locks ----------------------------------------------------------------
     @abstractmethod
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, Any]:

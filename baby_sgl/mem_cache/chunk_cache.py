@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 class ChunkCache(BasePrefixCache):
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, None]:
-        return torch.empty(0, dtype=torch.int64), None
+        return self.no_slots(), None
 
     def inc_lock_ref(self, node: None) -> None:
         pass
@@ -32,7 +32,7 @@ class ChunkCache(BasePrefixCache):
         return 0
 
     def all_slots(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.int64)
+        return self.no_slots()
 
     def reset(self) -> None:
         pass

@@ -57,7 +57,7 @@ class RadixCache(BasePrefixCache):
         self.reset()
 
     def reset(self) -> None:
-        self.root = TreeNode([], torch.empty(0, dtype=torch.int64), None)
+        self.root = TreeNode([], self.no_slots(), None)
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size_ = 0
         self.protected_size_ = 0
@@ -77,7 +77,7 @@ class RadixCache(BasePrefixCache):
             child.last_access_time = now
             values.append(child.value)
             node, key = child, key[n:]
-        slots = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        slots = torch.cat(values) if values else self.no_slots()
         return slots, node
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
@@ -164,7 +164,7 @@ class RadixCache(BasePrefixCache):
 
     def all_slots(self) -> torch.Tensor:
         values = [n.value for n in self._nodes()]
-        return torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+        return torch.cat(values) if values else self.no_slots()
 
     # ---- request lifecycle ----------------------------------------------------------------
     def _row(self, req: Req) -> torch.Tensor:

@@ -76,7 +76,7 @@ def record_input_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor]
             n = min(_LOGITS_SLICE_ROWS, span.count - lo)
             logprobs = _finite(torch.log_softmax(compute_logits(hidden[row + lo : row + lo + n]), dim=-1))
             targets = ids[span.first_pos + lo + 1 : span.first_pos + lo + 1 + n]
-            picked = logprobs.gather(1, torch.tensor(targets)[:, None]).squeeze(1).tolist()
+            picked = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
             req.input_token_logprobs.extend([lp, t, None] for lp, t in zip(picked, targets))
             _record_extras(logprobs, req, req.input_top_logprobs, req.input_token_ids_logprobs)
         row += span.count
@@ -88,7 +88,7 @@ def record_output_logprobs(logprobs: torch.Tensor, reqs: list[Req], ids: list[in
     if not rows:
         return
     logprobs = _finite(logprobs)
-    picked = logprobs[rows].gather(1, torch.tensor([ids[i] for i in rows])[:, None]).squeeze(1).tolist()
+    picked = logprobs[rows].gather(1, torch.tensor([ids[i] for i in rows], device=logprobs.device)[:, None]).squeeze(1).tolist()
     for j, i in enumerate(rows):
         req = reqs[i]
         req.output_token_logprobs.append([picked[j], ids[i], None])

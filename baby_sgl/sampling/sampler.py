@@ -23,7 +23,7 @@ class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int], random_seed: int) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.generator = torch.Generator().manual_seed(random_seed)
+        self.generator = torch.Generator(device="cpu").manual_seed(random_seed)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
         logits = logits[:, : self.vocab_size]
@@ -38,19 +38,19 @@ class Sampler:
         next_ids = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
         if sampled:
-            rows = torch.tensor(sampled)
+            rows = torch.tensor(sampled, device=logits.device)
             next_ids[rows] = self._sample(logits[rows], [reqs[i] for i in sampled])
         ids = next_ids.tolist()
         if any(r.return_logprob for r in reqs):
             # As SGLang: the distribution the token came from, temperature included when sampled.
             temps = torch.tensor([1.0 if r.sampling_params.is_greedy else r.sampling_params.temperature
-                                  for r in reqs], dtype=logits.dtype)
+                                  for r in reqs], dtype=logits.dtype, device=logits.device)
             record_output_logprobs(torch.log_softmax(logits / temps[:, None], dim=-1), reqs, ids)
         return ids
 
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         params = [r.sampling_params for r in reqs]
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device).unsqueeze(1)
         probs = torch.softmax(logits / temps, dim=-1)
         top_ks = [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params]
         kmax = max(top_ks)
@@ -65,11 +65,12 @@ class Sampler:
             top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=probs.device)
             if not bool((probs_sort.sum(dim=-1) >= top_p).all()) or any(k < self.vocab_size for k in top_ks):
                 probs_sort, idx = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(probs_sort.shape[1])
-        drop = ranks[None, :] >= torch.tensor(top_ks)[:, None]
-        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)[:, None]
+        dev = probs.device
+        ranks = torch.arange(probs_sort.shape[1], device=dev)
+        drop = ranks[None, :] >= torch.tensor(top_ks, device=dev)[:, None]
+        top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=dev)[:, None]
         drop |= (probs_sort.cumsum(dim=-1) - probs_sort) > top_p  # keep the smallest set reaching top_p
-        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)[:, None]
+        min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=dev)[:, None]
         drop |= probs_sort < probs_sort[:, :1] * min_p
         probs_sort = probs_sort.masked_fill(drop, 0.0)
         return idx.gather(1, self._draw(probs_sort, reqs)[:, None]).squeeze(1)
@@ -81,7 +82,7 @@ class Sampler:
         for i, r in enumerate(reqs):
             seed = r.sampling_params.seed
             if seed is not None:
-                g = torch.Generator().manual_seed((seed * 1_000_003 + len(r.output_ids)) % (2**63))
+                g = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + len(r.output_ids)) % (2**63))
                 u[i] = torch.rand(1, generator=g, dtype=probs.dtype, device="cpu")
         u = u.to(probs.device)
         cdf = probs.cumsum(dim=-1)
@@ -96,11 +97,12 @@ class Sampler:
             if not p.has_penalties:
                 continue
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.origin_input_ids) | set(r.output_ids)), dtype=torch.long)
+                seen = torch.tensor(sorted(set(r.origin_input_ids) | set(r.output_ids)), dtype=torch.long,
+                                    device=logits.device)
                 row = logits[i, seen]
                 logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             if r.output_ids and (p.frequency_penalty or p.presence_penalty):
-                counts = torch.bincount(torch.tensor(r.output_ids), minlength=logits.shape[1])[: logits.shape[1]]
+                counts = torch.bincount(torch.tensor(r.output_ids, device=logits.device), minlength=logits.shape[1])[: logits.shape[1]]
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         return logits
 
@@ -117,6 +119,6 @@ class Sampler:
         for i, r in enumerate(reqs):
             bias = r.sampling_params.logit_bias
             if bias:
-                ids = torch.tensor([int(k) for k in bias])
-                logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype))
+                ids = torch.tensor([int(k) for k in bias], device=logits.device)
+                logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device))
         return logits
