@@ -5,12 +5,14 @@ Without a compiler, or if a build fails, the caller keeps its portable path and 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import platform
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -53,6 +55,30 @@ def target_arch() -> str:
     return os.environ.get("BABY_SGL_CPU_ARCH", "native")
 
 
+@contextlib.contextmanager
+def _build_lock(build: Path) -> Iterator[None]:
+    """One builder of `build` at a time across processes, by a lock the OS drops when its holder
+    dies. torch's loader has its own lock, a file that a killed builder leaves behind (a server
+    stopped while it loads, a daemon thread ended at exit), after which every later load waits
+    for it forever. Whoever holds ours is the only builder, so a torch lock file found then is
+    stale and is removed."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock only
+        yield
+        return
+    with open(build / "build.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def build_extension(name: str, sources: tuple[Path, ...], purpose: str) -> ModuleType | None:
     """The extension built from `sources` for target_arch(), or None (the reason logged): then
     `purpose` takes its portable path. Callers keep the result, so each build is tried once per
@@ -69,9 +95,10 @@ def build_extension(name: str, sources: tuple[Path, ...], purpose: str) -> Modul
         build = kernel_cache_dir() / name
         build.mkdir(parents=True, exist_ok=True)
         logger.info("loading the CPU kernels for %s (built once into %s)", purpose, build)
-        return load(name, [str(s) for s in sources], build_directory=str(build),
-                    extra_include_paths=sorted({str(s.parent) for s in sources}),
-                    extra_cflags=["-O3", f"-march={arch}", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        with _build_lock(build):
+            return load(name, [str(s) for s in sources], build_directory=str(build),
+                        extra_include_paths=sorted({str(s.parent) for s in sources}),
+                        extra_cflags=["-O3", f"-march={arch}", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # a missing ninja, an old compiler: run, slower, rather than fail
         logger.warning("could not build the CPU kernels for %s (%s); it takes the portable path", purpose,
                        str(e).splitlines()[0] if str(e) else repr(e))
