@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from baby_sgl.server_args import ServerArgs, engine_kwargs
+from baby_sgl.server_args import EngineArgs, engine_kwargs
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -66,26 +66,33 @@ _DELEGATED = {
 }
 
 
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="warning", help="logging level: debug, info, warning or error "
+                                                               "(default: warning)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baby-sgl", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, help="what to run (each has its own --help)")
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
-    gen.add_argument("prompt", nargs="*")
+    gen.add_argument("prompt", nargs="*", help="prompts (one request each)")
     gen.add_argument("--input-file", help="one prompt per line")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer at most (default: 128)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass (default: 1)")
+    gen.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens; -1: all (default)")
+    gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed (same seed, same text)")
     gen.add_argument("--json", action="store_true", help="one JSON line per prompt")
-    ServerArgs.add_cli_args(gen)
+    _add_log_level(gen)
+    EngineArgs.add_cli_args(gen)
     gen.set_defaults(func=_generate)
     demo = sub.add_parser("demo", help="a tour of the engine on the default model")
     from baby_sgl.demo import add_demo_args
 
     add_demo_args(demo)
-    ServerArgs.add_cli_args(demo)
+    _add_log_level(demo)
+    EngineArgs.add_cli_args(demo)
     demo.set_defaults(func=_demo)
     for name, (_, help_) in _DELEGATED.items():
         sub.add_parser(name, help=help_, add_help=False)

@@ -81,5 +81,5 @@ def run_demo(engine_kwargs: dict, comprehensive: bool, seed: int, max_new_tokens
 
 def add_demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--comprehensive", action="store_true", help="run every section, not only the first two")
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=42, help="seed of the sampled section (default: 42)")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per answer (default: 48)")

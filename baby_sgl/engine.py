@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import logging
@@ -31,7 +32,7 @@ from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInpu
 from baby_sgl.constrained.grammar import GrammarCache
 from baby_sgl.sampling.logprobs import with_texts
 from baby_sgl.sampling.sampling_params import SamplingParams
-from baby_sgl.server_args import ServerArgs
+from baby_sgl.server_args import SERVER_ONLY, EngineArgs
 from baby_sgl.threads import run_in_own_thread
 from baby_sgl.validation import validate, validate_text
 
@@ -46,17 +47,23 @@ _OUTPUT_POLL_S = 0.5  # how often a caller waiting for outputs checks that the e
 
 
 class Engine:
-    """`Engine(model_path=None, **kwargs)`: keyword names are the CLI flags (see ServerArgs)."""
+    """`Engine(model_path=None, **kwargs)`: keyword names are the engine's CLI flags (EngineArgs);
+    the HTTP server's own settings (ServerArgs) are refused by name."""
 
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
-        self.server_args = ServerArgs(model_path=model_path, **kwargs)
+        server_only = sorted(set(kwargs) & set(SERVER_ONLY))
+        if server_only:
+            raise TypeError(f"Engine() got {', '.join(server_only)}: settings of the HTTP server (ServerArgs, "
+                            "`baby-sgl serve`), not of the engine")
+        args = EngineArgs(model_path=model_path, **kwargs)
+        self.device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        # The settings as the engine runs them: the prefill chunk resolved (-1: unchunked).
+        self.engine_args = dataclasses.replace(args, chunked_prefill_size=self._chunk_size(args))
         # On a thread of its own, which ends before the engine serves (see threads.py).
         run_in_own_thread(self._build)
 
     def _build(self) -> None:
-        args = self.server_args
-        self.device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-        args.chunked_prefill_size = self._chunk_size()
+        args = self.engine_args
         loaded = load_model(args.model_path, quantized=self._serve_quantized())
         self.model_config = cfg = ModelConfig.from_hf(loaded.hf_config)
         self.dtype = self._pick_dtype(loaded.hf_config)
@@ -88,7 +95,7 @@ class Engine:
     # ---- set-up helpers ------------------------------------------------------------------
     def _start(self, cfg: ModelConfig, loaded) -> None:
         """The model (this rank's shard of it), the KV pools and the scheduler."""
-        args = self.server_args
+        args = self.engine_args
         runner = ModelRunner(cfg, loaded.weights, self.dtype, self.device,
                              compile_max_bs=args.torch_compile_max_bs if args.enable_torch_compile else None,
                              tp=self.tp.group if self.tp else None)
@@ -107,7 +114,7 @@ class Engine:
 
     def _serve_quantized(self) -> bool:
         """Whether a GGUF's quantized matrices stay as they are (see layers/quantization.py)."""
-        args = self.server_args
+        args = self.engine_args
         if args.quantization == "none" or args.tp_size > 1 or args.enable_torch_compile:
             return False
         if not is_gguf(resolve_model_path(args.model_path)):
@@ -121,30 +128,30 @@ class Engine:
         return True
 
     def _pick_dtype(self, hf_config: dict) -> torch.dtype:
-        if self.server_args.dtype != "auto":
-            return _DTYPES[self.server_args.dtype]
+        if self.engine_args.dtype != "auto":
+            return _DTYPES[self.engine_args.dtype]
         if self.device.type == "cpu":
             # bfloat16 halves the bytes every step reads, but only CPUs with bf16 units compute
             # it fast; elsewhere float32 is both faster and exact.
             return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         return _DTYPES.get(str(hf_config.get("torch_dtype") or hf_config.get("dtype")), torch.bfloat16)
 
-    def _chunk_size(self) -> int | None:
-        """Tokens per prefill pass (None: unchunked). With --enable-mixed-chunk every chunk delays
+    def _chunk_size(self, args: EngineArgs) -> int:
+        """Tokens per prefill pass (-1: unchunked). With --enable-mixed-chunk every chunk delays
         the running streams' next token, so on CPU it is small: 64 tokens kept their inter-token
         p99 within 4x the median with a 4000-token prompt arriving (96: 4.6x, 256: 12x; see
         docs/benchmarks.md). Otherwise 2048, as SGLang on a small GPU."""
-        size = self.server_args.chunked_prefill_size
+        size = args.chunked_prefill_size
         if size is None:
-            return CPU_MIXED_CHUNK_SIZE if self.device.type == "cpu" and self.server_args.enable_mixed_chunk else 2048
-        return None if size <= 0 else size  # SGLang: -1 disables chunking
+            return CPU_MIXED_CHUNK_SIZE if self.device.type == "cpu" and args.enable_mixed_chunk else 2048
+        return -1 if size <= 0 else size  # SGLang: -1 disables chunking
 
     def _eos_ids(self, gen: dict, cfg: ModelConfig) -> list[int]:
         eos = gen.get("eos_token_id", cfg.eos_token_ids or self.tokenizer.eos_token_id)
         return sorted({eos} if isinstance(eos, int) else set(eos or []))
 
     def _pool_size(self, cfg: ModelConfig) -> int:
-        args = self.server_args
+        args = self.engine_args
         if args.max_total_tokens:
             size = args.max_total_tokens
         else:
@@ -423,7 +430,7 @@ class Engine:
         return self.scheduler.call(flush)
 
     def get_server_info(self) -> dict[str, Any]:
-        info = {k: v for k, v in vars(self.server_args).items() if k != "api_key"}
+        info = dataclasses.asdict(self.engine_args)
         info.update(max_total_tokens=self.max_total_tokens, context_len=self.context_len, dtype=str(self.dtype),
                     model_path=self.model_path)
         info.update(self.scheduler.call(self.scheduler.load_info))

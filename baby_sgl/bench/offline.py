@@ -15,7 +15,7 @@ from baby_sgl.bench.roofline import measure_roofs
 from baby_sgl.bench.workloads import Workload, one_batch_workload, random_workload, shared_prefix_workload
 from baby_sgl.engine import Engine
 from baby_sgl.mem_cache.memory_pool import KVPool
-from baby_sgl.server_args import ServerArgs, engine_kwargs
+from baby_sgl.server_args import EngineArgs, engine_kwargs
 from baby_sgl.threads import run_in_own_thread
 
 
@@ -112,35 +112,40 @@ def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
     return one_batch_workload(args.batch, args.input_len, args.output_len, vocab, args.seed)
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", choices=["random", "shared-prefix", "one-batch"], default="random")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-min", type=int, default=32)
-    p.add_argument("--input-max", type=int, default=512)
-    p.add_argument("--output-min", type=int, default=32)
-    p.add_argument("--output-max", type=int, default=256)
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--prompts-per-group", type=int, default=8)
-    p.add_argument("--system-len", type=int, default=1024)
-    p.add_argument("--question-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--input-len", type=int, default=128)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="baby-sgl bench offline",
+                                description="the engine in-process on a synthetic workload, against the machine's "
+                                            "roofs and, with --compare, another engine")
+    p.add_argument("--workload", choices=["random", "shared-prefix", "one-batch"], default="random",
+                   help="random prompts, groups sharing a system prompt, or one batch at once (default: random)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the prompts (default: 1)")
+    p.add_argument("--num-prompts", type=int, default=64, help="random: prompts (default: 64)")
+    p.add_argument("--input-min", type=int, default=32, help="random: shortest prompt, tokens (default: 32)")
+    p.add_argument("--input-max", type=int, default=512, help="random: longest prompt, tokens (default: 512)")
+    p.add_argument("--output-min", type=int, default=32, help="random: fewest output tokens (default: 32)")
+    p.add_argument("--output-max", type=int, default=256, help="random: most output tokens (default: 256)")
+    p.add_argument("--groups", type=int, default=8, help="shared-prefix: groups, one system prompt each (default: 8)")
+    p.add_argument("--prompts-per-group", type=int, default=8, help="shared-prefix: prompts per group (default: 8)")
+    p.add_argument("--system-len", type=int, default=1024, help="shared-prefix: system prompt tokens (default: 1024)")
+    p.add_argument("--question-len", type=int, default=64, help="shared-prefix: question tokens (default: 64)")
+    p.add_argument("--output-len", type=int, default=64,
+                   help="shared-prefix and one-batch: output tokens per prompt (default: 64)")
+    p.add_argument("--batch", type=int, default=1, help="one-batch: prompts in the batch (default: 1)")
+    p.add_argument("--input-len", type=int, default=128, help="one-batch: tokens per prompt (default: 128)")
     p.add_argument("--compare", choices=["hf", "vllm", "llama.cpp", "float32", "bfloat16", "json-schema"],
                    default=None,
                    help="hf: also run transformers on the same prompts; vllm, llama.cpp: that engine on the same "
                         "prompts (scripts/setup_peers.sh installs them); a dtype: also run baby-sgl in that dtype "
                         "and report how many greedy outputs match; json-schema: run again with every request "
                         "constrained to a JSON schema (the cost of constrained decoding)")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
-    ServerArgs.add_cli_args(p)
+    EngineArgs.add_cli_args(p)
+    return p
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="baby-sgl bench offline")
-    add_args(p)
+    p = build_parser()
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

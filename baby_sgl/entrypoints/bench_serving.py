@@ -240,35 +240,41 @@ def print_summary(s: dict, args: argparse.Namespace) -> None:
         print(f"error: {e}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="baby-sgl bench serving")
-    p.add_argument("--base-url", default="http://127.0.0.1:30000")
-    p.add_argument("--backend", choices=["sglang", "openai"], default="sglang")
-    p.add_argument("--model", default=None)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="baby-sgl bench serving",
+                                description="load a running server with concurrent requests (SGLang's bench_serving)")
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="the server (default: http://127.0.0.1:30000)")
+    p.add_argument("--backend", choices=["sglang", "openai"], default="sglang",
+                   help="sglang: POST /generate; openai: POST /v1/completions (default: sglang)")
+    p.add_argument("--model", default=None, help="model name sent with --backend openai (default: the server's)")
     p.add_argument("--dataset", choices=["random", "shared-prefix", "generated-shared-prefix"], default="random",
                    help="random token prompts, or groups of prompts sharing a system prompt")
     p.add_argument("--tokenizer", default=None, help="for random token text (default: the server's)")
     p.add_argument("--no-tokenizer", action="store_true", help="random words instead of random tokens")
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--random-input-min", type=int, default=32)
-    p.add_argument("--random-input-max", type=int, default=256)
-    p.add_argument("--random-output-min", type=int, default=16)
-    p.add_argument("--random-output-max", type=int, default=64)
-    p.add_argument("--gsp-num-groups", type=int, default=4)
-    p.add_argument("--gsp-prompts-per-group", type=int, default=8)
-    p.add_argument("--gsp-system-prompt-len", type=int, default=512)
-    p.add_argument("--gsp-question-len", type=int, default=32)
-    p.add_argument("--gsp-output-len", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=32, help="requests of the random dataset (default: 32)")
+    p.add_argument("--random-input-min", type=int, default=32, help="random dataset: shortest prompt, tokens")
+    p.add_argument("--random-input-max", type=int, default=256, help="random dataset: longest prompt, tokens")
+    p.add_argument("--random-output-min", type=int, default=16, help="random dataset: fewest output tokens")
+    p.add_argument("--random-output-max", type=int, default=64, help="random dataset: most output tokens")
+    p.add_argument("--gsp-num-groups", type=int, default=4, help="shared-prefix dataset: groups (one system prompt each)")
+    p.add_argument("--gsp-prompts-per-group", type=int, default=8, help="shared-prefix dataset: prompts per group")
+    p.add_argument("--gsp-system-prompt-len", type=int, default=512, help="shared-prefix dataset: system prompt tokens")
+    p.add_argument("--gsp-question-len", type=int, default=32, help="shared-prefix dataset: question tokens")
+    p.add_argument("--gsp-output-len", type=int, default=32, help="shared-prefix dataset: output tokens")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
-    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
     p.add_argument("--long-prompt-len", type=int, default=0,
                    help="also send one prompt of this many tokens while the others stream")
     p.add_argument("--long-prompt-delay", type=float, default=3.0, help="seconds after the start it is sent")
     p.add_argument("--long-prompt-output", type=int, default=8, help="tokens it generates")
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--output-file", default=None)
-    args = p.parse_args(argv)
+    p.add_argument("--timeout", type=float, default=600, help="seconds a request may take (default: 600)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the prompts and arrivals (default: 1)")
+    p.add_argument("--output-file", default=None, help="append the results as one JSON line")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     summary = asyncio.run(run(args))
     print_summary(summary, args)
     if args.output_file:

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from baby_sgl.server_args import ServerArgs, engine_kwargs
+from baby_sgl.server_args import EngineArgs, engine_kwargs
 
 if TYPE_CHECKING:  # the engine (and torch) load only when chatting locally
     from baby_sgl.engine import Engine
@@ -57,15 +57,19 @@ def _print_reply(stream: Iterator[str]) -> str | None:
     return reply
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="baby-sgl chat")
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="baby-sgl chat", description="interactive chat in the terminal")
     p.add_argument("--base-url", default=None, help="talk to a running server instead of a local engine")
     p.add_argument("--model", default="default", help="model name sent to the server (with --base-url)")
     p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.7)
-    ServerArgs.add_cli_args(p)
-    args = p.parse_args(argv)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply, in tokens (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default: 0.7)")
+    EngineArgs.add_cli_args(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     engine = None
     if not args.base_url:
         from baby_sgl.engine import Engine

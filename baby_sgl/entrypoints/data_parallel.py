@@ -28,7 +28,6 @@ from baby_sgl.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 _WORKER_START_TIMEOUT_S = 600.0  # a first start may build the decode kernel (~40 s on 2 cores)
 _STOP_TIMEOUT_S = 10.0
 _ROUTER_HEALTH_FLAGS = ("--health-check-interval-secs", "2", "--health-failure-threshold", "2",

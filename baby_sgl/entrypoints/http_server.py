@@ -30,7 +30,7 @@ from baby_sgl.entrypoints.openai_api import add_openai_routes
 from baby_sgl.entrypoints.protocol import (AbortRequest, CloseSessionRequest, ConcateAndAppendRequest, GenerateRequest,
                                           OpenSessionRequest)
 from baby_sgl.entrypoints.responses import SSE_DONE, error_response, first_item, sse
-from baby_sgl.server_args import ServerArgs
+from baby_sgl.server_args import SERVER_ONLY, ServerArgs
 from baby_sgl.validation import describe_error, field_path
 
 logger = logging.getLogger(__name__)
@@ -42,10 +42,12 @@ GRACEFUL_SHUTDOWN_S = 3  # SIGTERM: open requests get this long, then the server
 
 def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI:
     """The app over a running engine; server_args gives the server's limits and API key
-    (the engine's own settings when None)."""
-    args = server_args or engine.server_args
+    (the defaults when None)."""
+    args = server_args or ServerArgs()
     app = FastAPI(title="baby-sgl")
     app.state.engine = engine
+    # What /get_server_info reports of the server's own settings (never the key).
+    app.state.server_settings = {name: getattr(args, name) for name in SERVER_ONLY if name != "api_key"}
     app.state.model_name = os.path.basename(engine.model_path.rstrip("/"))
     app.state.metrics = Metrics(app.state.model_name)
     app.state.async_engine = AsyncEngine(engine, app.state.metrics, args.max_queued_requests)
@@ -163,7 +165,7 @@ def _add_native_routes(app: FastAPI) -> None:
     @app.get("/get_server_info")
     async def server_info() -> dict:
         info = await asyncio.to_thread(engine.get_server_info)
-        return info | getattr(app.state, "listen", {})  # where this server really listens
+        return info | app.state.server_settings | getattr(app.state, "listen", {})  # where this server really listens
 
     @app.get("/get_load")
     async def get_load() -> list[dict]:

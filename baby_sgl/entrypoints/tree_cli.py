@@ -53,13 +53,17 @@ def render(body: dict, width: int = 48) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="baby-sgl tree", description="print a running server's radix tree")
-    p.add_argument("--base-url", default="http://127.0.0.1:30000")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="the server (default: http://127.0.0.1:30000)")
+    p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     p.add_argument("--max-nodes", type=int, default=200, help="show at most this many nodes (the hottest paths)")
     p.add_argument("--json", action="store_true", help="the raw JSON of GET /dashboard/tree")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         r = httpx.get(args.base_url.rstrip("/") + "/dashboard/tree", params={"max_nodes": args.max_nodes},

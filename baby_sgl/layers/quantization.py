@@ -18,8 +18,6 @@ import torch.nn.functional as F
 
 from baby_sgl.cpu_ops import cpu_ops
 
-QUANTIZATION_CHOICES = ("gguf", "none")
-
 
 class WeightType(enum.IntEnum):
     """Row formats the CPU kernel reads (the codes of csrc/weights.h)."""

@@ -29,7 +29,6 @@ def match_prefix(req: Req, tree_cache, sessions: SessionController) -> None:
         req.prefix_indices, req.last_node = tree_cache.match_prefix(req.fill_ids[:limit])
 
 
-SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # need the radix tree; fcfs without it, as SGLang
 # lpm sorts only queues up to this long; a longer one is served in arrival order (as SGLang).
 LPM_MAX_QUEUE = 128

@@ -33,7 +33,7 @@ from baby_sgl.model_executor.model_runner import ModelRunner
 from baby_sgl.sampling.logprobs import record_input_logprobs
 from baby_sgl.sampling.sampler import Sampler
 from baby_sgl.sampling.sampling_params import stop_regex_matcher
-from baby_sgl.server_args import ServerArgs
+from baby_sgl.server_args import EngineArgs
 from baby_sgl.managers.activity import Activity
 from baby_sgl.trace import Tracer
 
@@ -50,7 +50,7 @@ INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.0
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, runner: ModelRunner, tokenizer, eos_token_ids: list[int],
+    def __init__(self, args: EngineArgs, runner: ModelRunner, tokenizer, eos_token_ids: list[int],
                  max_total_tokens: int, context_len: int, max_input_len: int) -> None:
         self.args, self.runner, self.tokenizer = args, runner, tokenizer
         self.eos_token_ids = set(eos_token_ids)
@@ -77,7 +77,8 @@ class Scheduler:
         self.init_ratio, self.min_ratio = min(INIT_NEW_TOKEN_RATIO * c, 1.0), min(MIN_NEW_TOKEN_RATIO * c, 1.0)
         self.new_token_ratio = self.init_ratio
         # As SGLang: mixing needs chunked prefill, whose chunk size bounds each mixed step.
-        self.mixed_chunk = args.enable_mixed_chunk and args.chunked_prefill_size is not None
+        self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None  # None: unchunked
+        self.mixed_chunk = args.enable_mixed_chunk and args.chunked_prefill_size > 0
         self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
                       "forward_steps": 0, "mixed_steps": 0, "num_failed_reqs": 0}
         self.inbox: queue.Queue[Message] = queue.Queue()
@@ -293,7 +294,7 @@ class Scheduler:
         if not self.waiting and self.chunked_req is None:
             return None, False
         adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
-                             self.args.max_prefill_tokens, self.args.chunked_prefill_size, self.sessions,
+                             self.args.max_prefill_tokens, self.chunk_size, self.sessions,
                              mixed_decode_tokens=len(self.running) if self.mixed_chunk else 0)
         if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
             return None, False

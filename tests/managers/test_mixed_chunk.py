@@ -52,6 +52,6 @@ def test_mixing_needs_chunked_prefill(tiny_llama):
 
 def test_cpu_default_chunk_is_small_only_when_mixing(tiny_llama):
     with Engine(tiny_llama, dtype="float32", enable_mixed_chunk=True) as engine:
-        assert engine.server_args.chunked_prefill_size == 64
+        assert engine.engine_args.chunked_prefill_size == 64
     with Engine(tiny_llama, dtype="float32") as engine:
-        assert engine.server_args.chunked_prefill_size == 2048
+        assert engine.engine_args.chunked_prefill_size == 2048
