@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from baby_sgl.managers.memory_checker import check_memory
 from baby_sgl.managers.scheduler_view import scheduler_view
 from baby_sgl.managers.req import Req
-from baby_sgl.managers.scheduler import Scheduler
+from baby_sgl.managers.scheduler import Progress, Scheduler
 from baby_sgl.mem_cache.memory_pool import KVPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.model_runner import ModelRunner
@@ -59,6 +59,7 @@ class Engine:
         self.device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
         # The settings as the engine runs them: the prefill chunk resolved (-1: unchunked).
         self.engine_args = dataclasses.replace(args, chunked_prefill_size=self._chunk_size(args))
+        self._token_texts: dict[int, str] = {}
         # On a thread of its own, which ends before the engine serves (see threads.py).
         run_in_own_thread(self._build)
 
@@ -267,13 +268,19 @@ class Engine:
             ["token_ids_logprobs"] * (req.token_ids_logprob is not None)
         fields = {f"{side}_{kind}": getattr(req, f"{side}_{kind}") for kind in kinds for side in sides}
         if req.return_text_in_logprobs:
-            return {k: with_texts(v, self.token_text) for k, v in fields.items()}
-        return {k: list(v) for k, v in fields.items()}
+            out = {k: with_texts(v, self.token_text) for k, v in fields.items()}
+        else:
+            out = {k: list(v) for k, v in fields.items()}
+        # as SGLang: how many output logprobs there are so far (streamed events carry them all)
+        return out | {"output_token_logprobs_length": len(out["output_token_logprobs"])}
 
-    @functools.lru_cache(maxsize=65536)  # noqa: B019 - one engine, its tokens' texts
     def token_text(self, token: int) -> str:
-        """One token's text, special tokens included (return_text_in_logprobs)."""
-        return self.tokenizer.decode([token], skip_special_tokens=False)
+        """One token's text, special tokens included (return_text_in_logprobs); kept per engine
+        (at most one per vocabulary entry), so nothing outlives the engine."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
 
     @staticmethod
     def _error_result(err: ValueError) -> dict[str, Any]:
@@ -412,6 +419,15 @@ class Engine:
         self.scheduler.call(lambda: self.scheduler.sessions.close(params.session_id))
 
     # ---- control -------------------------------------------------------------------------
+    def progress(self) -> Progress:
+        """Running and waiting requests and the last forward pass's time, as of the scheduler
+        loop's last turn: any thread may ask, and it never waits for the loop."""
+        return self.scheduler.progress
+
+    def num_queued(self) -> int:
+        """Requests not yet admitted (waiting or still being handed over); any thread."""
+        return self.scheduler.num_queued()
+
     def abort_request(self, rid: str) -> None:
         self.scheduler.abort(rid)
 

@@ -116,6 +116,8 @@ class ServerArgs(EngineArgs):
     dp_size: int = _setting(1, "this many engine processes behind SGLang's router (sglang-router) on the one port")
     router_policy: str = _setting("cache_aware", "the router's choice of worker with --dp-size: "
                                                  + ", ".join(ROUTER_POLICIES))
+    dp_rank: int = _setting(0, "this server's rank among the workers of --dp-size (the front process sets it); "
+                               "/get_load reports it")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -125,6 +127,8 @@ class ServerArgs(EngineArgs):
             raise ValueError("request_body_timeout must be > 0 seconds")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.dp_rank < 0:
+            raise ValueError(f"dp_rank must be >= 0, got {self.dp_rank}")
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.router_policy!r}")
         if self.max_queued_requests is not None and self.max_queued_requests <= 0:

@@ -1,6 +1,6 @@
 """The machine's C++ toolchain, which torch.compile's CPU backend and our CPU kernels need, and the
 one way our kernels are built: once per CPU with the machine's compiler through torch's extension
-loader (-O3 -march=native, OpenMP from torch's own runtime), kept in ~/.cache/baby-sgl/kernels.
+loader (-O3 -march=native, OpenMP from torch's own runtime), kept in the cache's kernels/ (cache_dirs.py).
 Without a compiler, or if a build fails, the caller keeps its portable path and says so once."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from baby_sgl.cache_dirs import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +46,7 @@ def cpu_has_native_bf16() -> bool:
 
 
 def kernel_cache_dir() -> Path:
-    root = Path(os.environ.get("BABY_SGL_CACHE", Path.home() / ".cache" / "baby-sgl"))
-    return root / "kernels" / f"torch-{torch.__version__}-{cpu_fingerprint()}"
+    return cache_root() / "kernels" / f"torch-{torch.__version__}-{cpu_fingerprint()}"
 
 
 def target_arch() -> str:

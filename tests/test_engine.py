@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from baby_sgl import Engine
-from helpers import GREEDY, random_prompts
+from helpers import GREEDY, random_prompts, wait_until
 
 
 def test_result_shape(engine):
@@ -65,20 +65,26 @@ def test_stop_conditions(engine):
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": token}
     assert stopped["output_ids"] == out["output_ids"][: out["output_ids"].index(token) + 1]
     text = out["text"]
-    stop = text[4:6]
-    if stop and "\ufffd" not in stop:
-        by_str = engine.generate("abc", {"max_new_tokens": 20, **GREEDY, "stop": stop})
-        assert by_str["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-        assert by_str["text"] == text[: text.index(stop)]
+    # a stop string: the first two whole characters of the output after its first few
+    stop = next((text[i:i + 2] for i in range(2, len(text) - 1) if "\ufffd" not in text[i:i + 2]), None)
+    assert stop, f"no two clean characters to stop at in {text!r}"
+    by_str = engine.generate("abc", {"max_new_tokens": 20, **GREEDY, "stop": stop})
+    assert by_str["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert by_str["text"] == text[: text.index(stop)]
 
 
 def test_eos_ends_generation_unless_ignored(engine):
     eos = engine.eos_token_ids[0]
-    out = engine.generate("xyz", {"max_new_tokens": 10, "temperature": 0, "min_new_tokens": 0,
-                                  "stop_token_ids": [], "repetition_penalty": 1.0})
-    assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length")
-    forced = engine.generate("xyz", {"max_new_tokens": 10, **GREEDY, "min_new_tokens": 10})
-    assert eos not in forced["output_ids"]
+    to_eos = {"max_new_tokens": 10, "temperature": 0, "logit_bias": {str(eos): 100.0}}  # EOS is the likeliest
+    out = engine.generate("xyz", to_eos)
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+    assert out["meta_info"]["completion_tokens"] == 1 and out["output_ids"] == [eos]
+    ignored = engine.generate("xyz", to_eos | {"ignore_eos": True})
+    assert ignored["meta_info"]["finish_reason"]["type"] == "length" and ignored["output_ids"] == [eos] * 10
+    held = engine.generate("xyz", to_eos | {"min_new_tokens": 4})  # EOS masked for the first four
+    assert held["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+    assert held["output_ids"][4:] == [eos] and eos not in held["output_ids"][:4]
+    engine.check_memory()
 
 
 def test_abort_running_request(engine):
@@ -94,19 +100,22 @@ def test_abort_running_request(engine):
     t = threading.Thread(target=consume)
     t.start()
     t.join(timeout=60)
+    assert not t.is_alive(), "the aborted stream never ended"
     assert results[-1]["meta_info"]["finish_reason"]["type"] == "abort"
     assert results[-1]["meta_info"]["completion_tokens"] < 500
+    info = engine.get_server_info()
+    assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+    engine.check_memory()
 
 
 def test_stopping_a_stream_early_frees_the_request(engine):
-    stream = engine.generate("abandon", {"max_new_tokens": 300, **GREEDY}, stream=True)
+    stream = engine.generate("abandon", {"max_new_tokens": 300, **GREEDY}, stream=True, rid="abandoned")
     next(stream)
     stream.close()
-    for _ in range(100):  # the abort reaches the scheduler at its next step
-        if engine.get_server_info()["num_running_reqs"] == 0:
-            break
-        threading.Event().wait(0.05)
-    engine.check_memory()
+    # the abort reaches the scheduler at its next step; the request is then gone, unfinished
+    wait_until(lambda: engine.get_server_info()["num_running_reqs"] == 0, what="the abandoned request to end")
+    assert engine.get_server_info()["num_waiting_reqs"] == 0
+    engine.check_memory()  # its request slot and KV are back (or with the prefix cache)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from baby_sgl import Engine
-from helpers import GREEDY, hf_greedy
+from helpers import GREEDY, hf_greedy, wait_until
 
 # Turn lengths chosen so the conversation is almost never page-aligned.
 TURN_LENS = [37, 13, 22, 5, 29]
@@ -129,19 +128,14 @@ def test_normal_session_offset_replace_and_drop_previous_output(session_engine, 
     _idle_clean(engine)
 
 
-def _wait_until(cond, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
-
 
 def test_invalid_session_operations_are_refused(session_engine):
     engine = session_engine
     with pytest.raises(ValueError, match="is not open"):
         _gen(engine, [5, 6], 2, id="no-such-session")
     with pytest.raises(ValueError, match="capacity_of_str_len"):
-        engine.open_session(0)
+        engine.open_session(-1)
+    engine.close_session(engine.open_session(0))  # SGLang's own client sends 0: accepted, as SGLang
     sid = engine.open_session(100, session_id="s-invalid", streaming=True)
     with pytest.raises(ValueError, match="already open"):
         engine.open_session(100, session_id="s-invalid")
@@ -226,7 +220,7 @@ def test_idle_session_times_out_and_releases_its_kv(session_engine):
     sid = engine.open_session(1000, streaming=True, timeout=0.5)
     _gen(engine, [13] * 21, 5, id=sid)
     assert engine.check_memory()["session_held"] > 0
-    _wait_until(lambda: engine.check_memory()["session_held"] == 0, timeout=10)
+    wait_until(lambda: engine.check_memory()["session_held"] == 0, "the idle session to give its KV back")
     with pytest.raises(ValueError, match="is not open"):
         _gen(engine, [5], 2, id=sid)
     _idle_clean(engine)
@@ -243,7 +237,7 @@ def test_streaming_session_alongside_retraction(tiny_llama, hf_model):
             done = threading.Event()
             got = {}
             engine.submit(input_ids=turn, sampling_params={**GREEDY, "max_new_tokens": 12},
-                          on_output=lambda c: c["finished"] and (got.update(c), done.set()),
+                          on_output=lambda c, got=got, done=done: c["finished"] and (got.update(c), done.set()),
                           session_params={"id": sid})
             others = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 16})
             assert done.wait(60)

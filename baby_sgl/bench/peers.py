@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from baby_sgl.bench.workloads import Workload
+from baby_sgl.cache_dirs import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +36,10 @@ def peer_python(name: str) -> Path:
 
 def hf_dir_for(model_source: str) -> str:
     """A Hugging Face directory of the model: the source itself, or its GGUF dequantized once
-    (float32 safetensors, config, tokenizer) into ~/.cache/baby-sgl/hf-from-gguf/."""
+    (float32 safetensors, config, tokenizer) into the cache's hf-from-gguf/ (cache_dirs.py)."""
     if not model_source.endswith(".gguf"):
         return model_source
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "baby-sgl" / "hf-from-gguf"
+    cache = cache_root() / "hf-from-gguf"
     out = cache / Path(model_source).stem
     if not (out / "config.json").exists():
         from safetensors.torch import save_file

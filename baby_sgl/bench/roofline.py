@@ -38,9 +38,9 @@ def measure_roofs(engine: Engine) -> dict[str, float]:
     flop_per_token = 2 * matmul_params
     # Read a buffer as large as the weights (within 64 MB .. 2 GB): a smaller one would be served
     # partly from a large last-level cache and overstate what a decode step can stream.
-    big = torch.ones(min(max(weight_bytes, 64 << 20), 2 << 30) // 4, dtype=torch.float32)
-    read_gb_s = big.numel() * 4 / _best_of(lambda: big.sum()) / 1e9
-    del big
+    buffer = torch.ones(min(max(weight_bytes, 64 << 20), 2 << 30) // 4, dtype=torch.float32)
+    read_gb_s = buffer.numel() * 4 / _best_of(buffer.sum) / 1e9
+    del buffer
     return {
         "gflops": gflops, "read_gb_s": read_gb_s, "gflop_per_token": flop_per_token / 1e9,
         "compute_roof_tok_s": gflops * 1e9 / flop_per_token,

@@ -8,7 +8,9 @@ import ctypes
 import os
 import signal
 import socket
+import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -49,3 +51,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def reap(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Waits up to `timeout` seconds in all for procs to exit, then kills those still running."""
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -19,13 +19,12 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from baby_sgl.distributed.processes import child_setup, free_port, split_cores
+from baby_sgl.distributed.processes import child_setup, free_port, reap, split_cores
 
 logger = logging.getLogger(__name__)
 
@@ -142,21 +141,12 @@ class TensorParallel:
                 self.group.send(Stop())
             except Exception as e:  # noqa: BLE001 - a rank already gone: kill the rest below
                 logger.warning("tensor parallel: could not tell the ranks to stop: %r", e)
-        deadline = time.monotonic() + _STOP_TIMEOUT_S
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        reap(self.procs, _STOP_TIMEOUT_S)
         self._destroy()
         torch.set_num_threads(self._threads)
 
     def _kill(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        reap(self.procs, 0)
 
     def _destroy(self) -> None:
         # destroy_process_group may wait on ranks that died; do not let it hold up shutdown.

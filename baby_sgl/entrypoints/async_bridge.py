@@ -126,7 +126,7 @@ class AsyncEngine:
         if self.max_queued is not None and len(items) > self.max_queued:
             raise ValueError(f"this call holds {len(items)} requests; at most {self.max_queued} can wait at once "
                              f"(--max-queued-requests)")
-        if self.max_queued is not None and self.engine.scheduler.num_queued() + len(items) > self.max_queued:
+        if self.max_queued is not None and self.engine.num_queued() + len(items) > self.max_queued:
             raise ServerBusyError(f"the request queue is full ({self.max_queued} requests wait); try again later")
         given = [item["rid"] for item in items if item.get("rid") is not None]
         planned = {item["rid"]: self._engine_rids(item) for item in items if item.get("rid") is not None}

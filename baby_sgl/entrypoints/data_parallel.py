@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.request
 
-from baby_sgl.distributed.processes import child_setup, free_port, split_cores
+from baby_sgl.distributed.processes import child_setup, free_port, reap, split_cores
 from baby_sgl.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -34,13 +34,14 @@ _ROUTER_HEALTH_FLAGS = ("--health-check-interval-secs", "2", "--health-failure-t
                         "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
                         "--disable-circuit-breaker")
 # Settings the front process keeps: each worker gets its own port on loopback and dp_size 1.
-_FRONT_ONLY = ("host", "port", "dp_size", "router_policy")
+_FRONT_ONLY = ("host", "port", "dp_size", "router_policy", "dp_rank")
 
 
-def worker_argv(args: ServerArgs, port: int) -> list[str]:
+def worker_argv(args: ServerArgs, port: int, rank: int) -> list[str]:
     """The `baby-sgl serve` flags of one worker: every setting that differs from the default,
-    except the front's own, plus its loopback port."""
-    argv = [sys.executable, "-m", "baby_sgl.launch_server", "--host", "127.0.0.1", "--port", str(port)]
+    except the front's own, plus its loopback port and its rank."""
+    argv = [sys.executable, "-m", "baby_sgl.launch_server", "--host", "127.0.0.1", "--port", str(port),
+            "--dp-rank", str(rank)]
     for f in dataclasses.fields(ServerArgs):
         value = getattr(args, f.name)
         if f.name in _FRONT_ONLY or value == f.default or value is None:
@@ -56,7 +57,7 @@ def worker_argv(args: ServerArgs, port: int) -> list[str]:
 def router_executable() -> str:
     exe = shutil.which("sglang-router") or os.path.join(os.path.dirname(sys.executable), "sglang-router")
     if not os.path.exists(exe):
-        raise SystemExit("--dp-size needs SGLang's router: pip install sglang-router")
+        raise SystemExit("--dp-size needs SGLang's router: pip install 'baby-sgl[router]' (or sglang-router)")
     return exe
 
 
@@ -80,7 +81,7 @@ class DataParallelServer:
         for i, cores in enumerate(split_cores(self.args.dp_size)):
             port = free_port()
             env = dict(os.environ, OMP_NUM_THREADS=str(len(cores)))
-            proc = subprocess.Popen(worker_argv(self.args, port), env=env, preexec_fn=child_setup(cores, die_with_parent=True))
+            proc = subprocess.Popen(worker_argv(self.args, port, i), env=env, preexec_fn=child_setup(cores, die_with_parent=True))
             self.workers.append(proc)
             self.urls.append(f"http://127.0.0.1:{port}")
             logger.info("worker %d: pid %d, %s, cores %s", i, proc.pid, self.urls[-1], cores)
@@ -114,13 +115,7 @@ class DataParallelServer:
         for proc in procs:
             if proc.poll() is None:
                 proc.terminate()
-        deadline = time.monotonic() + _STOP_TIMEOUT_S
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        reap(procs, _STOP_TIMEOUT_S)
 
     def run(self) -> int:
         """Serves until SIGTERM/SIGINT (0) or until the router exits (1)."""

@@ -24,12 +24,13 @@ from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.async_bridge import AsyncEngine
 from baby_sgl.entrypoints.request_guard import RequestGuard
 from baby_sgl.errors import EngineDeadError, ServerBusyError
+from baby_sgl.managers.io_struct import LogprobOptions
 from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.entrypoints.dashboard import add_dashboard_routes
 from baby_sgl.entrypoints.openai_api import add_openai_routes
 from baby_sgl.entrypoints.protocol import (AbortRequest, CloseSessionRequest, ConcateAndAppendRequest, GenerateRequest,
                                           OpenSessionRequest)
-from baby_sgl.entrypoints.responses import SSE_DONE, error_response, first_item, sse
+from baby_sgl.entrypoints.responses import error_response, first_item, sse, sse_stream
 from baby_sgl.server_args import SERVER_ONLY, ServerArgs
 from baby_sgl.validation import describe_error, field_path
 
@@ -112,9 +113,7 @@ def _native_items(body: GenerateRequest) -> tuple[list[dict], bool]:
     if len(params) != len(prompts) or len(rids) != len(prompts):
         raise ValueError("sampling_params and rid lists must have one entry per prompt")
     key = "prompt" if body.text is not None else "input_ids"
-    logprobs = {"return_logprob": body.return_logprob, "top_logprobs_num": body.top_logprobs_num,
-                "logprob_start_len": body.logprob_start_len, "token_ids_logprob": body.token_ids_logprob,
-                "return_text_in_logprobs": body.return_text_in_logprobs}
+    logprobs = {name: getattr(body, name) for name in LogprobOptions.model_fields}
     items = [{key: p, "sampling_params": sp, "rid": r, **logprobs} for p, sp, r in zip(prompts, params, rids)]
     if body.session_params is not None:
         if len(items) != 1:
@@ -138,8 +137,9 @@ def _add_native_routes(app: FastAPI) -> None:
     async def health_generate() -> Response:
         if not engine.is_alive():
             return error_response("the engine has stopped", 503)
-        sched = engine.scheduler
-        if (sched.running or sched.num_queued()) and time.monotonic() - sched.last_forward < HEALTH_GENERATE_TIMEOUT_S:
+        progress = engine.progress()
+        if (progress.running or engine.num_queued()) and \
+                time.monotonic() - progress.last_forward < HEALTH_GENERATE_TIMEOUT_S:
             return Response(status_code=200)  # busy and making progress: a probe would only queue behind
 
         async def one_token() -> dict:
@@ -169,10 +169,10 @@ def _add_native_routes(app: FastAPI) -> None:
 
     @app.get("/get_load")
     async def get_load() -> list[dict]:
-        """SGLang's load report, one entry per data-parallel rank (this process is one): what
-        the router's power_of_two policy and /get_loads read."""
+        """SGLang's load report, one entry per data-parallel rank (this process is one, --dp-rank):
+        what the router's power_of_two policy and /get_loads read."""
         load = await asyncio.to_thread(engine.get_server_info)
-        return [{"dp_rank": 0, "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+        return [{"dp_rank": app.state.server_settings["dp_rank"], "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
                  "num_waiting_reqs": load["num_waiting_reqs"], "num_tokens": load["kv_used_tokens"]}]
 
     @app.get("/flush_cache")
@@ -242,26 +242,23 @@ def _public(result: dict, with_prompt_ids: bool) -> dict:
     return out | ({"prompt_token_ids": result["prompt_token_ids"]} if with_prompt_ids else {})
 
 
-async def _native_sse(first: tuple | None, chunks: AsyncIterator, with_prompt_ids: bool) -> AsyncIterator[str]:
+def _native_sse(first: tuple | None, chunks: AsyncIterator, with_prompt_ids: bool) -> AsyncIterator[str]:
     """SGLang streams the cumulative text and ids so far in every event (and the cumulative
-    logprob lists in meta_info)."""
+    logprob lists in meta_info). An event whose text would be unchanged (a token that ends inside
+    a character, a stop string held back) is held until the text grows or the request ends:
+    SGLang's frontend refuses an event without new text, and the next one carries everything."""
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
 
-    def event(i: int, chunk: dict) -> str:
+    def event(i: int, chunk: dict) -> str | None:
         texts[i] = texts.get(i, "") + chunk["text"]
         ids[i] = ids.get(i, []) + chunk["output_ids"]
+        if not chunk["text"] and not chunk["finished"]:
+            return None
         out = {"text": texts[i], "output_ids": ids[i], "meta_info": chunk["meta_info"], "index": i}
         return sse(out | ({"prompt_token_ids": chunk["prompt_token_ids"]} if with_prompt_ids else {}))
 
-    try:
-        if first is not None:
-            yield event(*first)
-        async for i, chunk in chunks:
-            yield event(i, chunk)
-        yield SSE_DONE
-    finally:
-        await chunks.aclose()  # a cancelled stream (client gone) aborts its requests here
+    return sse_stream(first, chunks, event)
 
 
 def launch_server(server_args: ServerArgs) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,7 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from baby_sgl.entrypoints.responses import SSE_DONE, first_item, sse
+from baby_sgl.entrypoints.responses import first_item, sse, sse_stream
 
 
 def _finish_reason(meta: dict) -> str | None:
@@ -29,32 +30,35 @@ def _usage(metas: list[dict], n: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _token_str(engine: Engine, token: int) -> str:
-    return engine.tokenizer.decode([token])
-
-
 def _chat_logprobs(engine: Engine, meta: dict, start: int) -> dict:
     tops = meta.get("output_top_logprobs") or [[]] * len(meta["output_token_logprobs"])
     content = []
     for (lp, tok, _), top in list(zip(meta["output_token_logprobs"], tops))[start:]:
-        s = _token_str(engine, tok)
+        s = engine.token_text(tok)
         content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                        "top_logprobs": [{"token": _token_str(engine, t), "logprob": v,
-                                          "bytes": list(_token_str(engine, t).encode())} for v, t, _ in top]})
+                        "top_logprobs": [{"token": engine.token_text(t), "logprob": v,
+                                          "bytes": list(engine.token_text(t).encode())} for v, t, _ in top]})
     return {"content": content}
 
 
 def _completion_logprobs(engine: Engine, meta: dict, start: int, echo: bool) -> dict:
     """OpenAI's completion logprobs of the output from token `start` on; with echo, the prompt's
-    come first (in the first piece only), the first prompt token's logprob null."""
-    tokens = meta["output_token_logprobs"][start:]
-    tops = (meta.get("output_top_logprobs") or [[]] * len(meta["output_token_logprobs"]))[start:]
+    come first (in the first piece only), the first prompt token's logprob null. text_offset: where
+    each token's text starts in the choice's text (the echoed prompt included), counting token
+    texts as vLLM does."""
+    outputs, prompt = meta["output_token_logprobs"], meta["input_token_logprobs"] if echo else []
+    tokens, before = outputs[start:], outputs[:start]
+    tops = (meta.get("output_top_logprobs") or [[]] * len(outputs))[start:]
     if echo and start == 0:
-        tokens = meta["input_token_logprobs"] + tokens
-        tops = (meta.get("input_top_logprobs") or [None] * len(meta["input_token_logprobs"])) + tops
-    return {"tokens": [_token_str(engine, t) for _, t, _ in tokens], "token_logprobs": [lp for lp, _, _ in tokens],
-            "top_logprobs": [None if top is None else {_token_str(engine, t): v for v, t, _ in top} for top in tops],
-            "text_offset": [-1] * len(tokens)}  # as SGLang: offsets are not computed
+        tokens = prompt + tokens
+        tops = (meta.get("input_top_logprobs") or [None] * len(prompt)) + tops
+    else:
+        before = prompt + before
+    texts = [engine.token_text(t) for _, t, _ in tokens]
+    base = sum(len(engine.token_text(t)) for _, t, _ in before)
+    return {"tokens": texts, "token_logprobs": [lp for lp, _, _ in tokens],
+            "top_logprobs": [None if top is None else {engine.token_text(t): v for v, t, _ in top} for top in tops],
+            "text_offset": list(itertools.accumulate(map(len, texts), initial=base))[:len(texts)]}
 
 
 def _copies(item: dict, n: int) -> list[dict]:
@@ -72,10 +76,11 @@ def _wrap_int64(x: int) -> int:
 
 def add_openai_routes(app: FastAPI) -> None:
     engine: Engine = app.state.engine
+    created = int(time.time())  # the model's card: when this server started serving it
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": app.state.model_name, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": app.state.model_name, "object": "model", "created": created,
                                             "owned_by": "baby-sgl", "max_model_len": engine.context_len}]}
 
     @app.post("/v1/completions")
@@ -129,8 +134,8 @@ async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind
     return {**head, "object": kind, "choices": choices, "usage": _usage(metas, body.n)}
 
 
-async def _openai_sse(first, chunks: AsyncIterator, head: dict, kind: str, n: int, include_usage: bool,
-                      logprobs, echoed: list[str] | None) -> AsyncIterator[str]:
+def _openai_sse(first, chunks: AsyncIterator, head: dict, kind: str, n: int, include_usage: bool,
+                logprobs, echoed: list[str] | None) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     sent: dict[int, int] = {}  # tokens already reported per choice (for logprobs)
     metas: dict[int, dict] = {}
@@ -147,13 +152,8 @@ async def _openai_sse(first, chunks: AsyncIterator, head: dict, kind: str, n: in
             metas[i] = meta
         return sse({**head, "object": obj, "choices": [choice]})
 
-    try:
-        if first is not None:
-            yield event(*first)
-        async for i, chunk in chunks:
-            yield event(i, chunk)
-        if include_usage:
-            yield sse({**head, "object": obj, "choices": [], "usage": _usage([metas[i] for i in sorted(metas)], n)})
-        yield SSE_DONE
-    finally:
-        await chunks.aclose()  # a cancelled stream (client gone) aborts its requests here
+    def usage() -> list[str]:
+        return [sse({**head, "object": obj, "choices": [], "usage": _usage([metas[i] for i in sorted(metas)], n)})
+                ] if include_usage else []
+
+    return sse_stream(first, chunks, event, usage)

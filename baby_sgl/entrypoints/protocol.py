@@ -9,7 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from baby_sgl.managers.io_struct import MAX_TOKEN_IDS_LOGPROB, CloseSessionReqInput, OpenSessionReqInput, SessionParams
+from baby_sgl.managers.io_struct import (CloseSessionReqInput, LogprobOptions, OpenSessionReqInput,
+                                         SessionParams)
 from baby_sgl.sampling.sampling_params import GRAMMAR_KINDS, Grammar, LogitBias, SamplingParams, StopString
 from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_BATCH, MAX_ID_LEN, MAX_N, MAX_STOP, Id, Int32,
                                  NonNegInt32, StrictModel, Text, TokenId, TopLogprobsNum, SGLangInput)
@@ -43,7 +44,7 @@ _GENERATE_DEFAULT_ONLY = {
 } | {"routed_experts_start_len": 0, "custom_labels": (None, {})}
 
 
-class GenerateRequest(SGLangInput):
+class GenerateRequest(SGLangInput, LogprobOptions):
     default_only = _GENERATE_DEFAULT_ONLY
 
     text: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_BATCH)] | None = None
@@ -51,11 +52,6 @@ class GenerateRequest(SGLangInput):
     sampling_params: SamplingParams | Annotated[list[SamplingParams], Field(max_length=MAX_BATCH)] | None = None
     stream: bool = False
     rid: Id | Annotated[list[Id], Field(max_length=MAX_BATCH)] | None = None
-    return_logprob: bool = False
-    top_logprobs_num: TopLogprobsNum = 0
-    logprob_start_len: Int32 = -1
-    token_ids_logprob: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS_LOGPROB)] | None = None
-    return_text_in_logprobs: bool = False
     return_prompt_token_ids: bool = False
     session_params: SessionParams | None = None
     log_metrics: bool = True  # false: the request is left out of /metrics (health probes)

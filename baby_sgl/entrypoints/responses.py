@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -26,6 +26,25 @@ def sse(payload: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_stream(first: tuple | None, chunks: AsyncIterator, event: Callable[[int, dict], str | None],
+                     trailer: Callable[[], list[str]] = list) -> AsyncIterator[str]:
+    """The body of a streamed response over (index, chunk) pairs, `first` (already awaited) and
+    then the rest: event(i, chunk) per chunk (None: nothing for it), the trailer's events, then
+    [DONE]. Closing it early (the client gone) closes chunks, which aborts their requests."""
+    try:
+        for i, chunk in [first] if first is not None else []:
+            if (ev := event(i, chunk)) is not None:
+                yield ev
+        async for i, chunk in chunks:
+            if (ev := event(i, chunk)) is not None:
+                yield ev
+        for ev in trailer():
+            yield ev
+        yield SSE_DONE
+    finally:
+        await chunks.aclose()
 
 
 async def first_item(items: AsyncIterator) -> Any | None:

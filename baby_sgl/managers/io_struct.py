@@ -7,22 +7,27 @@ from typing import Annotated
 
 from pydantic import Field
 
-from baby_sgl.validation import INT32_MAX, Id, Int32, NonNegInt32, SGLangInput, StrictModel, TokenId, TopLogprobsNum
+from baby_sgl.validation import Id, Int32, NonNegInt32, SGLangInput, StrictModel, TokenId, TopLogprobsNum
 
 MAX_SESSION_TIMEOUT_S = 30 * 24 * 3600.0
 MAX_TOKEN_IDS_LOGPROB = 256
 
 
-class ReqOptions(StrictModel):
-    """What one request asks for besides its prompt and sampling parameters."""
+class LogprobOptions(StrictModel):
+    """The logprobs a request asks for, with SGLang's names (the HTTP body has the same fields)."""
 
-    rid: Id | None = None
     return_logprob: bool = False
     top_logprobs_num: TopLogprobsNum = 0
     # Prompt logprobs from this position (-1: none); only with return_logprob.
     logprob_start_len: Int32 = -1
     token_ids_logprob: Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS_LOGPROB)] | None = None
     return_text_in_logprobs: bool = False
+
+
+class ReqOptions(LogprobOptions):
+    """What one request asks for besides its prompt and sampling parameters."""
+
+    rid: Id | None = None
 
 
 class SessionParams(SGLangInput):
@@ -36,7 +41,9 @@ class SessionParams(SGLangInput):
 
 
 class OpenSessionReqInput(SGLangInput):
-    capacity_of_str_len: int = Field(ge=1, le=INT32_MAX)
+    # As SGLang: recorded, not enforced (its own client sends 0); a session's context is bounded by
+    # the model's context length, and each turn's output by its max_new_tokens.
+    capacity_of_str_len: NonNegInt32
     session_id: Id | None = None
     streaming: bool = False
     # An idle session closes by itself after this many seconds.

@@ -9,6 +9,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +50,16 @@ _SHUTDOWN_JOIN_S = 5.0
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.002
 
 
+@dataclass(frozen=True)
+class Progress:
+    """The scheduler as of its loop's last turn, readable from any thread: health checks must
+    not wait for a loop that may be stuck, and the event loop must not touch its lists."""
+
+    running: int
+    waiting: int
+    last_forward: float  # time.monotonic() when the last forward pass ended
+
+
 class Scheduler:
     def __init__(self, args: EngineArgs, runner: ModelRunner, tokenizer, eos_token_ids: list[int],
                  max_total_tokens: int, context_len: int, max_input_len: int) -> None:
@@ -86,7 +97,8 @@ class Scheduler:
         self.error: BaseException | None = None  # the last failure the loop survived
         self.dead: BaseException | None = None  # what stopped the loop, if it stopped on its own
         self.on_death: list[Callable[[BaseException], None]] = []
-        self.last_forward = time.monotonic()  # when the last forward pass ended (read by health checks)
+        self.last_forward = time.monotonic()  # when the last forward pass ended
+        self.progress = Progress(0, 0, self.last_forward)
         self.thread = threading.Thread(target=self._loop, name="baby-sgl-scheduler", daemon=True)
         self.thread.start()
 
@@ -103,8 +115,9 @@ class Scheduler:
         self.inbox.put(NewReq(req))
 
     def num_queued(self) -> int:
-        """Requests not yet admitted: waiting, or still in the inbox (approximate, any thread)."""
-        return len(self.waiting) + self.inbox.qsize()
+        """Requests not yet admitted: waiting, or still in the inbox (any thread; as of the loop's
+        last turn)."""
+        return self.progress.waiting + self.inbox.qsize()
 
     def add_session_req(self, req: Req, session_params: SessionParams) -> None:
         """In the scheduler thread (through `call`): makes req a turn of its session and queues
@@ -156,9 +169,11 @@ class Scheduler:
                 # none could be scheduled): poll at a low rate instead of spinning a core.
                 self._drain_inbox(block=stalled or not self.has_work(),
                                   max_wait=_STALLED_POLL_S if stalled else _IDLE_WAKE_S)
+                self._publish()
                 if self._stop.is_set():
                     break
                 stalled = not self.step() and self.has_work()
+                self._publish()
             except Exception as e:  # a bug, not bad input: fail what was in flight, keep serving
                 logger.exception("scheduler step failed")
                 self.error, stalled = e, False
@@ -170,6 +185,11 @@ class Scheduler:
                     logger.error("memory check failed after a step: %s", e)
                     self.error = e
                     self._fail_all(f"internal error: {e}")
+
+    def _publish(self) -> None:
+        """What other threads may read without a call (one object, replaced whole)."""
+        self.progress = Progress(len(self.running) + (self.chunked_req is not None), len(self.waiting),
+                                 self.last_forward)
 
     def _die(self, e: BaseException) -> None:
         """The loop itself failed: answer everyone who waits, then tell the owners (a server

@@ -6,7 +6,7 @@ requests is padded to the next batch-size bucket, so a few static shapes cover e
 graph per bucket and part, shared by all layers (the parts take the weights as inputs). Padded
 rows are computed and dropped; they never reach the KV pool or the logits. Prefill runs eager.
 Graphs are compiled at start-up (a progress bar), and inductor's cache lives in
-~/.cache/baby-sgl/inductor, so a second start with the same model and buckets compiles little.
+the cache's inductor/ (cache_dirs.py), so a second start with the same model and buckets compiles little.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from __future__ import annotations
 import functools
 import os
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from baby_sgl.cache_dirs import cache_root
 from baby_sgl.models.llama import DenseFns, attention_in, attention_out_mlp
 
 _BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -35,7 +35,7 @@ def device_needs_cxx(device: torch.device) -> bool:
 
 class CompiledDense:
     def __init__(self, model: torch.nn.Module, max_bs: int) -> None:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "baby-sgl" / "inductor"))
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
         self.model = model
         self.buckets = decode_buckets(max_bs)
         # One graph per bucket and part, all alive at once.

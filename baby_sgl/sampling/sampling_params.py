@@ -71,7 +71,7 @@ class SamplingParams(StrictModel):
     json_schema: Grammar | None = None
     regex: Grammar | None = None
     ebnf: Grammar | None = None
-    # Generation stops where the output text matches one of these (Python `re.search`).
+    # Generation stops where the output text matches one of these (searched by RE2, see stop_regex_matcher).
     stop_regex: list[Annotated[Text, Field(min_length=1)]] = Field(default_factory=list, max_length=MAX_STOP_REGEX)
     # token id (as a string, SGLang's JSON form) -> added to its logit before sampling
     logit_bias: dict[str, LogitBias] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -19,6 +18,7 @@ import uvicorn
 from baby_sgl import Engine
 from baby_sgl.entrypoints.http_server import create_app
 from baby_sgl.server_args import ServerArgs
+from helpers import wait_until
 
 
 def free_port() -> int:
@@ -36,17 +36,20 @@ def start_server(model: str, *flags: str, script: list[str] | None = None, ready
                                                                            *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def up() -> bool:
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else "the server exited while starting"
         try:
-            if httpx.get(base + ready, timeout=2).status_code == 200:
-                return proc, base
+            return httpx.get(base + ready, timeout=2).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    pytest.fail(f"the server did not answer {ready} in {timeout:.0f} s")
+            return False
+
+    try:
+        wait_until(up, f"the server to answer {ready}", timeout=timeout, interval=0.1)
+    except AssertionError:
+        proc.kill()
+        raise
+    return proc, base
 
 
 def child_pids(pid: int) -> list[int]:
@@ -62,13 +65,11 @@ def all_gone(pids: list[int]) -> bool:
 def wait_idle(base: str, timeout: float = 10.0) -> dict:
     """Waits until no request runs or waits (aborts land at the scheduler's next step), then
     returns the memory check's counts; fails if either never happens."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def idle() -> bool:
         info = httpx.get(base + "/server_info").json()
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
-            break
-        assert time.monotonic() < deadline, f"requests still running: {info}"
-        time.sleep(0.05)
+        return info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+
+    wait_until(idle, "no request to run or wait", timeout=timeout, interval=0.05)
     r = httpx.get(base + "/debug/check_memory")
     assert r.status_code == 200, r.text
     return r.json()
@@ -84,12 +85,14 @@ def serve_in_thread(engine: Engine, server_args: ServerArgs | None = None) -> It
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
-    for _ in range(400):
+
+    def up() -> bool:
         try:
-            if httpx.get(base + "/health").status_code == 200:
-                break
+            return httpx.get(base + "/health").status_code == 200
         except httpx.HTTPError:
-            time.sleep(0.05)
+            return False
+
+    wait_until(up, "the server to answer /health", interval=0.05)
     try:
         yield base
     finally:

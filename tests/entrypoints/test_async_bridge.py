@@ -11,6 +11,7 @@ import pytest
 from baby_sgl import Engine
 from baby_sgl.entrypoints.async_bridge import AsyncEngine
 from baby_sgl.entrypoints.metrics import Metrics
+from helpers import wait_until
 
 
 def test_turn_cancelled_during_submission_is_aborted_and_forgotten(tiny_llama):
@@ -37,9 +38,7 @@ def test_turn_cancelled_during_submission_is_aborted_and_forgotten(tiny_llama):
 
         asyncio.run(leave_during_submission())
         assert not bridge.active, "the rid of a cancelled turn stayed registered"
-        deadline = time.monotonic() + 10
-        while engine.get_server_info()["num_running_reqs"] and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: engine.get_server_info()["num_running_reqs"] == 0, "the cancelled turn to end")
         info = engine.get_server_info()
         assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
         engine.close_session(sid)

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from helpers import wait_until
 from entrypoints.conftest import all_gone, child_pids, free_port, start_server, wait_idle
 from baby_sgl.entrypoints.data_parallel import router_executable
 
@@ -36,15 +37,13 @@ def _workers(base: str) -> list[str]:
 
 def _wait_ready(base: str, healthy: int, timeout: float = 60) -> None:
     """Until the router counts this many healthy workers (and no more)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def counted() -> bool:
         try:
-            if httpx.get(base + "/readiness", timeout=5).json().get("healthy_workers") == healthy:
-                return
+            return httpx.get(base + "/readiness", timeout=5).json().get("healthy_workers") == healthy
         except (httpx.HTTPError, ValueError):
-            pass
-        assert time.monotonic() < deadline, f"the router never counted {healthy} healthy workers"
-        time.sleep(0.2)
+            return False
+
+    wait_until(counted, f"the router to count {healthy} healthy workers", timeout=timeout, interval=0.2)
 
 
 def _check_workers_idle(base: str) -> None:
@@ -59,13 +58,20 @@ def test_requests_through_the_router(dp_server):
     assert all(r.status_code == 200 for r in outs), [r.text for r in outs]
     assert len({r.json()["text"] for r in outs}) == 1  # greedy: the same answer whichever worker served it
     client = openai.OpenAI(base_url=base + "/v1", api_key="none")
-    chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-    assert chat.choices[0].message.content is not None
-    done = client.completions.create(model="m", prompt="hello", max_tokens=3, temperature=0)
-    assert done.usage.completion_tokens <= 3
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True) if c.choices)
-    assert isinstance(streamed, str)
+    kw = dict(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+              extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(**kw)
+    assert chat.usage.completion_tokens == 4 and chat.choices[0].finish_reason == "length"
+    # greedy: the streamed reply is the same text, whichever worker serves it
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                       if c.choices)
+    assert streamed == chat.choices[0].message.content
+    done = client.completions.create(model="m", prompt="hello", max_tokens=3, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 3 and done.choices[0].finish_reason == "length"
+    # each worker reports its own rank in SGLang's load report
+    ranks = sorted(httpx.get(url + "/get_load", timeout=10).json()[0]["dp_rank"] for url in _workers(base))
+    assert ranks == [0, 1]
     _check_workers_idle(base)
 
 
@@ -189,10 +195,8 @@ def test_killed_worker_is_routed_around(dp_server):
         for text, stream in kinds:
             before = {u: _prompt_tokens(u) for u in urls}
             future = pool.submit(_long_request, base, text, stream)
-            deadline = time.monotonic() + 30
-            while not (landed := [u for u in urls if _prompt_tokens(u) > before[u]]):
-                assert time.monotonic() < deadline, "a request never reached a worker"
-                time.sleep(0.02)
+            landed = wait_until(lambda before=before: [u for u in urls if _prompt_tokens(u) > before[u]],
+                                "the request to reach a worker")
             assert not future.done(), future.result()
             placed[landed[0]].append((stream, future))
         victim = next(u for u in urls if {s for s, _ in placed[u]} == {True, False})
@@ -226,10 +230,7 @@ def test_no_child_outlives_a_killed_front(tiny_llama):
     finally:
         proc.kill()
         proc.wait()
-    deadline = time.monotonic() + 30
-    while not all_gone(children):
-        assert time.monotonic() < deadline, "a worker or the router outlived the front process"
-        time.sleep(0.5)
+    wait_until(lambda: all_gone(children), "the workers and the router to exit with the front process", interval=0.5)
 
 
 def test_sigterm_stops_router_and_workers(dp_server):

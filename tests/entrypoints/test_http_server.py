@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 from conftest import serve_in_thread, wait_idle
+from helpers import wait_until
 
 from baby_sgl import Engine
 
@@ -153,7 +154,7 @@ def test_stream_disconnect_aborts_the_request(long_server_clean):
         for i, _ in enumerate(r.iter_lines()):
             if i > 4:
                 break
-    _wait_for(lambda: _aborted(server) == before + 1)  # then the autouse fixture checks memory
+    wait_until(lambda: _aborted(server) == before + 1, "the abort")  # then the autouse fixture checks memory
 
 
 def test_non_stream_disconnect_aborts_the_request(long_server_clean):
@@ -161,7 +162,7 @@ def test_non_stream_disconnect_aborts_the_request(long_server_clean):
     before = _aborted(server)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server + "/generate", json={"text": "go on", "sampling_params": LONG}, timeout=0.3)
-    _wait_for(lambda: _aborted(server) == before + 1)
+    wait_until(lambda: _aborted(server) == before + 1, "the abort")
 
 
 def _aborted(server: str) -> float:
@@ -171,15 +172,6 @@ def _aborted(server: str) -> float:
         if family.name == "sglang:num_aborted_requests":
             return family.samples[0].value
     raise AssertionError("no abort counter")
-
-
-def _wait_for(condition, timeout: float = 5.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("path, body, fragment", [
@@ -223,19 +215,23 @@ def test_unknown_route_is_404(server):
     assert httpx.get(server + "/generate").status_code == 405
 
 
-def test_health_answers_while_busy(server):
+def test_health_answers_while_busy(long_server_clean):
+    server = long_server_clean
+
     async def scenario():
         async with httpx.AsyncClient(timeout=60) as c:
             work = [asyncio.create_task(c.post(server + "/generate", json={
-                "text": f"busy {i}", "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}})) for i in range(8)]
-            while (await c.get(server + "/server_info")).json()["num_running_reqs"] == 0:
+                "text": f"busy {i}", "rid": f"busy-{i}", "sampling_params": LONG})) for i in range(8)]
+            while (await c.get(server + "/server_info")).json()["num_running_reqs"] < 8:
                 await asyncio.sleep(0.02)
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
-            r = await c.get(server + "/health")
-            elapsed = loop.time() - t0
-            await asyncio.gather(*work)
-            return r.status_code, elapsed
+            health = await c.get(server + "/health")
+            # answered while all eight still run: the event loop is not waiting on the engine
+            running = (await c.get(server + "/server_info")).json()["num_running_reqs"]
+            for i in range(8):
+                await c.post(server + "/abort_request", json={"rid": f"busy-{i}"})
+            outs = [r.json() for r in await asyncio.gather(*work)]
+            return health.status_code, running, outs
 
-    status, elapsed = asyncio.run(scenario())
-    assert status == 200 and elapsed < 1.0  # a step of the tiny model takes ms; a blocked loop would take seconds
+    status, running, outs = asyncio.run(scenario())
+    assert status == 200 and running == 8
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort"] * 8

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -17,6 +19,7 @@ def client(server):
 def test_models(client):
     models = client.models.list().data
     assert len(models) == 1 and models[0].id
+    assert abs(models[0].created - time.time()) < 24 * 3600  # a real time (when the server started)
 
 
 def test_completion_usage_and_cached_tokens(client):
@@ -55,6 +58,12 @@ def test_completion_logprobs(client):
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 3 and all(len(top) >= 1 for top in lp.top_logprobs)
     assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+    # streamed: each piece's offsets go on from the text before it
+    pieces = [p.choices[0] for p in client.completions.create(model="m", prompt="lp", max_tokens=3, temperature=0,
+                                                               logprobs=2, stream=True, extra_body={"ignore_eos": True})
+              if p.choices and p.choices[0].logprobs and p.choices[0].logprobs.tokens]
+    assert [o for p in pieces for o in p.logprobs.text_offset] == lp.text_offset
 
 
 def test_chat_n2_usage(client):

@@ -103,6 +103,22 @@ def test_streamed_logprobs_are_cumulative(server):
     assert events[-1]["text"].startswith(events[0]["text"])
 
 
+def test_every_streamed_event_has_new_text(server):
+    """A token that ends inside a character (the tiny tokenizer has one token per byte, so "é"
+    takes two) adds no text: its event is held and the next one carries it, as SGLang's frontend
+    refuses an event without new text. meta_info counts the output logprobs as SGLang's does."""
+    body = {"text": "accent:", "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0, "regex": "(é){3}"}}
+    with httpx.stream("POST", server + "/generate", json=body) as r:
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:") and line != "data: [DONE]"]
+    texts = [e["text"] for e in events]
+    assert texts[-1] == "ééé" and all(a < b and b.startswith(a) for a, b in zip([""] + texts, texts))
+    assert [len(e["output_ids"]) for e in events] == [2, 4, 6]  # each after the character's second byte
+    for e in events:
+        meta = e["meta_info"]
+        assert meta["output_token_logprobs_length"] == meta["completion_tokens"] == len(meta["output_token_logprobs"])
+
+
 def _bias(model_path: str, char: str, value: float) -> dict[str, float]:
     """logit_bias for one character of the test tokenizer (one token per byte character)."""
     from transformers import AutoTokenizer
@@ -164,6 +180,9 @@ def test_openai_completion_echo_with_logprobs(client):
     assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
     assert lp.top_logprobs[0] is None and all(len(t) >= 1 for t in lp.top_logprobs[1:])
     assert "".join(lp.tokens) == choice.text
+    # each token's text starts where the ones before it end, the echoed prompt counted
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert choice.text[lp.text_offset[-1]:] == lp.tokens[-1]
     plain = client.completions.create(model="m", prompt="echo me", max_tokens=3, temperature=0, echo=True,
                                       extra_body={"ignore_eos": True})
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None

@@ -5,6 +5,7 @@ lost, the memory check must pass afterwards and the RSS must come back near wher
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import httpx
@@ -39,24 +40,36 @@ async def one(client: httpx.AsyncClient, i: int) -> tuple[str, bool]:
             lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
         return kind, r.status_code == 200 and lines[-1] == "data: [DONE]"
     if kind == "chat":
-        r = await client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "hi " * rng.randrange(1, 50)}], "max_tokens": 8,
-            "stream": rng.random() < 0.5})
-        return kind, r.status_code == 200
+        body = {"messages": [{"role": "user", "content": "hi " * rng.randrange(1, 50)}], "max_tokens": 8,
+                "stream": rng.random() < 0.5}
+        if body["stream"]:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+            return kind, r.status_code == 200 and lines[-1] == "data: [DONE]" and len(lines) >= 2
+        r = await client.post("/v1/chat/completions", json=body)
+        return kind, (r.status_code == 200 and 1 <= r.json()["usage"]["completion_tokens"] <= 8
+                      and r.json()["choices"][0]["finish_reason"] in ("stop", "length"))
     if kind == "abort":
         rid = f"soak-{i}"
         task = asyncio.create_task(client.post("/generate", json={
             "input_ids": prompt, "rid": rid, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}))
         await asyncio.sleep(rng.random() * 0.2)
-        await client.post("/abort_request", json={"rid": rid})
+        aborted = await client.post("/abort_request", json={"rid": rid})
         r = await task
-        return kind, r.status_code == 200
+        if aborted.status_code != 200 or r.status_code != 200:
+            return kind, False
+        meta = r.json()["meta_info"]
+        # cut short by the abort, or (the abort came too late) finished whole: never anything else
+        return kind, ((meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 400)
+                      or (meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 400))
     if kind == "disconnect":
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}, "stream": True}
         async with client.stream("POST", "/generate", json=body) as r:
-            async for _ in r.aiter_lines():
-                break  # leave after the first event
-        return kind, r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    first = json.loads(line[6:])
+                    break  # leave after the first event: the server aborts the request (checked after the soak)
+        return kind, r.status_code == 200 and first["meta_info"]["completion_tokens"] >= 1
     if kind == "session":
         sid = (await client.post("/open_session", json={"capacity_of_str_len": 1000,
                                                         "streaming": rng.random() < 0.5})).json()

@@ -3,12 +3,16 @@ and a property test against a plain-dictionary model of the cache."""
 
 from __future__ import annotations
 
+import itertools
+from unittest import mock
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.mem_cache.memory_pool import ReqToTokenPool
+from baby_sgl.mem_cache import radix_cache
 from baby_sgl.mem_cache.radix_cache import RadixCache
 
 
@@ -96,30 +100,54 @@ keys = st.lists(st.integers(0, 3), min_size=0, max_size=12)
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["insert", "match", "evict"]), keys), max_size=30),
+@given(ops=st.lists(st.tuples(st.sampled_from(["insert", "match", "evict", "lock", "unlock"]), keys), max_size=30),
        page_size=st.sampled_from([1, 2, 4]))
 def test_matches_reference_model(ops, page_size):
-    """The tree answers like a set of cached page-aligned sequences, and never loses a slot."""
-    cache = make_cache(page_size=page_size, slots=512)
-    model: dict[tuple, list[int]] = {}  # every cached page-aligned prefix -> slots of its last page
-    for op, key in ops:
-        key = key[: len(key) // page_size * page_size]
-        if op == "insert" and key:
-            slots = put(cache, key)
-            for i in range(page_size, len(key) + 1, page_size):
-                model.setdefault(tuple(key[:i]), slots[i - page_size : i].tolist())
-        elif op == "match":
-            got, _ = cache.match_prefix(key)
-            n = 0
-            while n + page_size <= len(key) and tuple(key[: n + page_size]) in model:
-                n += page_size
-            assert got.tolist() == [s for i in range(page_size, n + 1, page_size) for s in model[tuple(key[:i])]]
-        elif op == "evict":
-            cache.evict(len(key) + 1)
-            alive = {tuple(seq) for seq in _cached_sequences(cache)}
-            model = {k: v for k, v in model.items() if k in alive}
-        assert accounted(cache) == 512
-        assert cache.evictable_size() == sum(len(n.key) for n in cache._nodes())
+    """The tree answers like a set of cached page-aligned sequences and never loses a slot; an
+    eviction frees what it says, never a locked sequence, and least recently used leaves first."""
+    clock = itertools.count()
+    with mock.patch.object(radix_cache.time, "monotonic", lambda: next(clock)):  # a logical clock: no ties
+        cache = make_cache(page_size=page_size, slots=512)
+        model: dict[tuple, list[int]] = {}  # every cached page-aligned prefix -> slots of its last page
+        used: dict[tuple, int] = {}  # prefix -> the last op whose lookup or insert went through it
+        locks: list[tuple] = []  # (node, the sequence it holds), as a running request holds its prefix
+        for now, (op, key) in enumerate(ops):
+            key = key[: len(key) // page_size * page_size]
+            prefixes = [tuple(key[:i]) for i in range(page_size, len(key) + 1, page_size)]
+            if op == "insert" and key:
+                slots = put(cache, key)
+                for i, prefix in zip(range(page_size, len(key) + 1, page_size), prefixes):
+                    model.setdefault(prefix, slots[i - page_size : i].tolist())
+                    used[prefix] = now
+            elif op in ("match", "lock"):
+                got, node = cache.match_prefix(list(key))
+                hit = list(itertools.takewhile(model.__contains__, prefixes))
+                assert got.tolist() == [s for p in hit for s in model[p]]
+                used.update({p: now for p in hit})
+                if op == "lock" and hit:
+                    cache.inc_lock_ref(node)
+                    locks.append((node, hit[-1]))
+            elif op == "unlock" and locks:
+                cache.dec_lock_ref(locks.pop(0)[0])
+            elif op == "evict":
+                locked = {held[: i] for _, held in locks for i in range(page_size, len(held) + 1, page_size)}
+                leaves = {p for p in model if not any(q[: len(p)] == p and len(q) > len(p) for q in model)}
+                freed = cache.evict(len(key) + 1)
+                alive = {tuple(seq) for seq in _cached_sequences(cache)}
+                evicted = set(model) - alive
+                assert freed == len(evicted) * page_size
+                assert not evicted & locked, "a locked sequence was evicted"
+                kept_leaves = [used[p] for p in leaves - locked - evicted]
+                if evicted and kept_leaves:  # each victim was the least recently used leaf of its turn
+                    assert max(used[p] for p in evicted) <= min(kept_leaves)
+                if freed < len(key) + 1:  # short: nothing else could go
+                    assert not leaves - locked - evicted
+                model = {k: v for k, v in model.items() if k in alive}
+            assert accounted(cache) == 512
+            assert cache.evictable_size() + cache.protected_size() == sum(len(n.key) for n in cache._nodes())
+        for node, _ in locks:
+            cache.dec_lock_ref(node)
+        assert cache.protected_size() == 0 and accounted(cache) == 512
 
 
 def _cached_sequences(cache: RadixCache) -> list[list[int]]:

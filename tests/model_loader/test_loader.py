@@ -49,3 +49,24 @@ def test_hub_id_resolves_from_local_cache_only(tiny_llama, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "baby_sgl.cli", "generate", "hi", "--model-path", "no-org/absent"],
                              env=env, capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "neither a local path nor in the local HF cache" in missing.stderr
+
+
+def test_one_cache_directory_holds_what_is_built_once(tiny_llama, tmp_path, monkeypatch):
+    # A converted GGUF's tokenizer and weights, the kernels and compiled graphs: all under
+    # $BABY_SGL_CACHE (else ~/.cache/baby-sgl), never in a second directory.
+    from gguf import GGMLQuantizationType
+
+    from baby_sgl import toolchain
+    from baby_sgl.model_loader.gguf_loader import load_gguf
+    from gguf_writer import write_tiny_gguf
+
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_gguf(tiny_llama, path, GGMLQuantizationType.Q8_0)
+    monkeypatch.setenv("BABY_SGL_CACHE", str(tmp_path / "cache"))
+    _, _, tokenizer_dir = load_gguf(path)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tokenizers", "weights"]
+    assert tokenizer_dir.startswith(str(tmp_path / "cache" / "tokenizers"))
+    assert toolchain.kernel_cache_dir().parent == tmp_path / "cache" / "kernels"
+    monkeypatch.delenv("BABY_SGL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert toolchain.kernel_cache_dir().parent == tmp_path / "xdg" / "baby-sgl" / "kernels"

@@ -90,7 +90,7 @@ def test_bfloat16_stays_close_to_float32(reference, token):
         ref = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
     same_context = [(o, r) for o, r in zip(outs, ref) if o["output_ids"][:token] == r["output_ids"][:token]]
     agree = [o["output_ids"][token] == r["output_ids"][token] for o, r in same_context]
-    for (o, r), ok in zip(same_context, agree):
+    for (_, r), ok in zip(same_context, agree):
         top = r["meta_info"]["output_top_logprobs"][token]
         assert ok or top[0][0] - top[1][0] <= BF16_MAX_LOGPROB_DIFF, f"bfloat16 left a clear float32 choice: {top}"
     diffs = [abs(o["meta_info"]["output_token_logprobs"][token][0] - r["meta_info"]["output_token_logprobs"][token][0])

@@ -6,6 +6,7 @@ import collections
 import math
 
 import pytest
+import torch
 
 from baby_sgl import SamplingParams
 
@@ -45,14 +46,37 @@ def test_filters_keep_tokens_inside_the_allowed_set(engine):
     assert {o["output_ids"][0] for o in outs} == {top[0][1]}
 
 
-def test_penalties_change_repetition(engine):
-    base = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
-    plain = engine.generate("aaaa", base)["output_ids"]
-    penalised = engine.generate("aaaa", {**base, "frequency_penalty": 2.0})["output_ids"]
-    assert len(set(penalised)) >= len(set(plain))
-    rep = engine.generate("aaaa", {**base, "repetition_penalty": 2.0})["output_ids"]
-    pres = engine.generate("aaaa", {**base, "presence_penalty": 2.0})["output_ids"]
-    assert rep != plain or pres != plain or penalised != plain
+def _penalised_greedy(hf, prompt: list[int], steps: int, repetition: float = 1.0, frequency: float = 0.0,
+                      presence: float = 0.0) -> list[int]:
+    """transformers' float32 logits, penalised as SGLang and OpenAI define it, argmax: repetition
+    divides positive logits (multiplies negative ones) of every token in the prompt or output;
+    frequency subtracts per occurrence in the output, presence once per token that occurred."""
+    out: list[int] = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1].float()
+        seen = sorted(set(prompt) | set(out))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / repetition, logits[seen] * repetition)
+        if out:
+            counts = torch.bincount(torch.tensor(out), minlength=logits.numel()).float()
+            logits -= frequency * counts + presence * (counts > 0).float()
+        out.append(int(logits.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("penalty", [{"repetition_penalty": 1.8}, {"frequency_penalty": 1.5},
+                                     {"presence_penalty": 1.5}, {"frequency_penalty": -0.5, "presence_penalty": 0.7}])
+def test_each_penalty_is_applied_as_defined(engine, tiny_llama, penalty):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    prompt, steps = [7, 7, 7, 7, 9, 7], 24
+    expected = _penalised_greedy(hf, prompt, steps, penalty.get("repetition_penalty", 1.0),
+                                 penalty.get("frequency_penalty", 0.0), penalty.get("presence_penalty", 0.0))
+    assert expected != _penalised_greedy(hf, prompt, steps), "the penalty changes nothing here: a useless case"
+    out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": steps, "temperature": 0,
+                                                             "ignore_eos": True, **penalty})
+    assert out["output_ids"] == expected
 
 
 def test_min_new_tokens_blocks_stop_tokens(engine):
