@@ -8,7 +8,6 @@ import gc
 import logging
 import os
 import queue
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ from baby_sgl.managers.memory_checker import check_memory
 from baby_sgl.managers.scheduler_view import scheduler_view
 from baby_sgl.managers.req import Req
 from baby_sgl.managers.scheduler import Progress, Scheduler
+from baby_sgl.managers.tokenizer_manager import TokenizerManager
 from baby_sgl.mem_cache.memory_pool import KVPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.model_runner import ModelRunner
@@ -28,13 +28,12 @@ from baby_sgl.model_loader.loader import is_gguf, load_model, resolve_model_path
 from baby_sgl.distributed import tp_plan
 from baby_sgl.distributed.tp_group import GroupBroken, TensorParallel
 from baby_sgl.errors import EngineDeadError
-from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, ReqOptions, SessionParams
+from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams
 from baby_sgl.constrained.grammar import GrammarCache
-from baby_sgl.sampling.logprobs import with_texts
 from baby_sgl.sampling.sampling_params import SamplingParams
 from baby_sgl.server_args import SERVER_ONLY, EngineArgs
 from baby_sgl.threads import run_in_own_thread
-from baby_sgl.validation import validate, validate_text
+from baby_sgl.validation import validate
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +58,6 @@ class Engine:
         self.device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
         # The settings as the engine runs them: the prefill chunk resolved (-1: unchunked).
         self.engine_args = dataclasses.replace(args, chunked_prefill_size=self._chunk_size(args))
-        self._token_texts: dict[int, str] = {}
         # On a thread of its own, which ends before the engine serves (see threads.py).
         run_in_own_thread(self._build)
 
@@ -106,10 +104,10 @@ class Engine:
         self.max_total_tokens = self._pool_size(cfg)
         # The longest prompt: its first output token must fit the context and the KV pool.
         self.max_input_len = min(self.context_len, self.max_total_tokens - args.page_size) - 1
-        # No token is longer than this many characters, so a longer text is refused untokenized.
-        self.max_prompt_chars = self.max_input_len * max(map(len, self.tokenizer.get_vocab()), default=1)
         # Compiled constraints (regex, JSON schema, EBNF) over this tokenizer, by their text.
         self.grammars = GrammarCache(args.grammar_backend, self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+        self.tokenizer_manager = TokenizerManager(self.tokenizer, cfg.vocab_size, self.sampling_defaults, self.grammars,
+                                                  self.context_len, self.max_total_tokens, self.max_input_len)
         self.scheduler = Scheduler(args, runner, self.tokenizer, self.eos_token_ids, self.max_total_tokens,
                                    self.context_len, self.max_input_len)
 
@@ -172,121 +170,6 @@ class Engine:
         return size
 
     # ---- requests ------------------------------------------------------------------------
-    def _make_reqs(self, prompt, input_ids, sampling_params, rid, **options: Any) -> tuple[list[Req | ValueError], bool]:
-        """One Req per prompt (n per prompt sampled n times), or the ValueError that refused it.
-        options: the ReqOptions fields besides rid (logprobs)."""
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt or input_ids")
-        single = isinstance(prompt, str) if prompt is not None else (not input_ids or isinstance(input_ids[0], int))
-        items = ([prompt] if single else list(prompt)) if prompt is not None else ([input_ids] if single else list(input_ids))
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
-        rids = rid if isinstance(rid, list) else [rid] * len(items)
-        if len(params) != len(items) or len(rids) != len(items):
-            raise ValueError(f"got {len(items)} prompts but {len(params)} sampling_params / {len(rids)} rids")
-        reqs: list[Req | ValueError] = []
-        for i, (item, sp, r) in enumerate(zip(items, params, rids)):
-            try:
-                reqs.extend(self._make_req(item, sp, r, options))
-            except ValueError as e:
-                reqs.append(ValueError(f"request {i}: {e}" if not single else str(e)))
-        return reqs, single
-
-    def _make_req(self, item: str | list[int], sampling_params: dict | SamplingParams | None, rid: str | None,
-                  options: dict[str, Any]) -> list[Req]:
-        params = SamplingParams.from_dict(sampling_params, self.sampling_defaults)
-        params.check_vocab(self.model_config.vocab_size)
-        opts = validate(ReqOptions, {"rid": rid, **{k: v for k, v in options.items() if v is not None}})
-        ids = self._prompt_ids(item)
-        if len(ids) > self.max_input_len:
-            raise ValueError(f"prompt is too long: {len(ids)} tokens, the limit is {self.max_input_len} "
-                             f"(context length {self.context_len}, KV pool {self.max_total_tokens})")
-        return_logprob = opts.return_logprob or opts.top_logprobs_num > 0 or opts.token_ids_logprob is not None
-        start = None  # SGLang's -1: no prompt logprobs (the same as starting at the prompt's end)
-        if return_logprob and opts.logprob_start_len >= 0:
-            if opts.logprob_start_len > len(ids):
-                raise ValueError(f"logprob_start_len={opts.logprob_start_len} is beyond the prompt's "
-                                 f"{len(ids)} tokens")
-            start = opts.logprob_start_len
-        bad = [t for t in opts.token_ids_logprob or [] if t >= self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"token_ids_logprob holds token ids outside the vocabulary: {bad[:5]}")
-        grammar = self.grammars.get(params.grammar) if params.grammar else None  # compiles here, off the scheduler
-        reqs = [Req(r, ids, params) for r in self.copy_rids(opts.rid or uuid.uuid4().hex, params.n)]
-        for req in reqs:
-            req.return_logprob, req.top_logprobs_num = return_logprob, opts.top_logprobs_num
-            req.token_ids_logprob = opts.token_ids_logprob or None
-            req.return_text_in_logprobs, req.logprob_start_len = opts.return_text_in_logprobs, start
-            req.grammar = grammar.matcher() if grammar is not None else None
-        return reqs
-
-    @staticmethod
-    def copy_rids(rid: str, n: int) -> list[str]:
-        """The engine requests' rids of one prompt sampled n times."""
-        return [rid] if n == 1 else [f"{rid}-{k}" for k in range(n)]
-
-    def _prompt_ids(self, item: Any) -> list[int]:
-        """A prompt's token ids; a text is bounded before it is tokenized."""
-        if isinstance(item, str):
-            if not item:
-                raise ValueError("prompt is empty")
-            if len(item) > self.max_prompt_chars:
-                raise ValueError(f"prompt is too long: {len(item)} characters, more than {self.max_input_len} "
-                                 f"tokens can hold")
-            validate_text(item, "prompt")
-            return self.tokenizer.encode(item)
-        if not isinstance(item, (list, tuple)):
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(item).__name__}")
-        if not item:
-            raise ValueError("input_ids is empty")
-        if len(item) > self.max_input_len:
-            raise ValueError(f"prompt is too long: {len(item)} tokens, the limit is {self.max_input_len}")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in item if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"input_ids holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        return list(item)
-
-    def _result(self, req: Req, with_logprobs: bool = True) -> dict[str, Any]:
-        ts = req.time_stats
-        meta = {
-            "id": req.rid,
-            "prompt_tokens": len(req.origin_input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
-            "finish_reason": req.finished_reason,
-            "e2e_latency": (ts.finished or ts.created) - ts.created,
-            "ttft": (ts.first_token - ts.created) if ts.first_token else None,
-        }
-        if req.return_logprob and with_logprobs:
-            meta.update(self._logprobs(req))
-        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
-
-    def _logprobs(self, req: Req) -> dict[str, list]:
-        """SGLang's logprob fields of meta_info; prompt ones once they are all computed."""
-        sides = ("output",) if req.input_logprobs_pending() else ("output", "input")
-        kinds = ["token_logprobs"] + ["top_logprobs"] * bool(req.top_logprobs_num) + \
-            ["token_ids_logprobs"] * (req.token_ids_logprob is not None)
-        fields = {f"{side}_{kind}": getattr(req, f"{side}_{kind}") for kind in kinds for side in sides}
-        if req.return_text_in_logprobs:
-            out = {k: with_texts(v, self.token_text) for k, v in fields.items()}
-        else:
-            out = {k: list(v) for k, v in fields.items()}
-        # as SGLang: how many output logprobs there are so far (streamed events carry them all)
-        return out | {"output_token_logprobs_length": len(out["output_token_logprobs"])}
-
-    def token_text(self, token: int) -> str:
-        """One token's text, special tokens included (return_text_in_logprobs); kept per engine
-        (at most one per vocabulary entry), so nothing outlives the engine."""
-        text = self._token_texts.get(token)
-        if text is None:
-            text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
-        return text
-
-    @staticmethod
-    def _error_result(err: ValueError) -> dict[str, Any]:
-        return {"text": "", "output_ids": [], "error": str(err),
-                "meta_info": {"finish_reason": {"type": "abort", "message": str(err)}}}
-
     def submit(self, prompt: str | None = None, sampling_params: dict | None = None,
                input_ids: list[int] | None = None, rid: str | None = None, stream: bool = False,
                on_output: Callable[[dict], None] | None = None, session_params: dict | None = None,
@@ -296,21 +179,15 @@ class Engine:
         only the final result; chunk["finished"] tells which. partial_logprobs=False leaves the
         logprob lists out of every piece but the last (for a consumer that only keeps the end).
         logprob_options: as `generate`. Raises ValueError on bad input."""
-        self._check_session_logprobs(session_params, logprob_options)
-        reqs, _ = self._make_reqs(prompt, input_ids, sampling_params, rid, **logprob_options)
+        self.tokenizer_manager.check_session_logprobs(session_params, logprob_options)
+        reqs, _ = self.tokenizer_manager.make_reqs(prompt, input_ids, sampling_params, rid, **logprob_options)
         if isinstance(reqs[0], ValueError):
             raise reqs[0]
         for req in reqs:
             req.stream = stream
-            req.on_output = lambda out, cb=on_output: cb(self._chunk(out, partial_logprobs or out["finished"]))
+            req.on_output = lambda out, cb=on_output: cb(self.tokenizer_manager.chunk(out, partial_logprobs or out["finished"]))
         self._enqueue(reqs, session_params)
         return reqs
-
-    @staticmethod
-    def _check_session_logprobs(session_params: Any, options: dict[str, Any]) -> None:
-        start = options.get("logprob_start_len")
-        if session_params is not None and start is not None and start >= 0 and options.get("return_logprob"):
-            raise ValueError("prompt logprobs (logprob_start_len >= 0) are not available for session turns")
 
     def _enqueue(self, reqs: list[Req], session_params: dict | SessionParams | None) -> None:
         if session_params is None:
@@ -321,13 +198,6 @@ class Engine:
         if len(reqs) != 1:
             raise ValueError("a session turn is one request: give one prompt and n = 1")
         self.scheduler.call(lambda: self.scheduler.add_session_req(reqs[0], params))
-
-    def _chunk(self, out: dict, with_logprobs: bool = True) -> dict:
-        """A scheduler output as the API shows it: the new text and ids, meta_info so far."""
-        chunk = self._result(out["req"], with_logprobs)
-        chunk.update(text=out["text"], output_ids=out["output_ids"], finished=out["finished"],
-                     prompt_token_ids=out["req"].origin_input_ids)
-        return chunk
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
@@ -344,8 +214,8 @@ class Engine:
         options = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
                    "logprob_start_len": logprob_start_len, "token_ids_logprob": token_ids_logprob,
                    "return_text_in_logprobs": return_text_in_logprobs}
-        self._check_session_logprobs(session_params, options)
-        reqs, single = self._make_reqs(prompt, input_ids, sampling_params, rid, **options)
+        self.tokenizer_manager.check_session_logprobs(session_params, options)
+        reqs, single = self.tokenizer_manager.make_reqs(prompt, input_ids, sampling_params, rid, **options)
         if single and len(reqs) == 1 and isinstance(reqs[0], ValueError):
             raise reqs[0]
         outputs: queue.Queue = queue.Queue()
@@ -358,14 +228,14 @@ class Engine:
             return chunks
         for _ in chunks:
             pass
-        results = [self._error_result(r) if isinstance(r, ValueError) else self._result(r) for r in reqs]
+        results = [self.tokenizer_manager.error_result(r) if isinstance(r, ValueError) else self.tokenizer_manager.result(r) for r in reqs]
         return results[0] if single and len(results) == 1 else results
 
     def _stream(self, reqs: list, live: list[Req], outputs: queue.Queue) -> Iterator[dict]:
         index = {id(r): i for i, r in enumerate(reqs)}
         for i, r in enumerate(reqs):
             if isinstance(r, ValueError):
-                yield {"index": i, **self._error_result(r)}
+                yield {"index": i, **self.tokenizer_manager.error_result(r)}
         pending = len(live)
         try:
             while pending:
@@ -378,7 +248,7 @@ class Engine:
                 if out["finished"] and self.scheduler.dead is not None:
                     raise EngineDeadError(out["finish_reason"].get("message", "the engine has stopped"))
                 pending -= out["finished"]
-                yield {**self._chunk(out), "index": index[id(out["req"])]}
+                yield {**self.tokenizer_manager.chunk(out), "index": index[id(out["req"])]}
         finally:
             for req in live:  # a consumer that stops early must not leave requests running
                 if not req.finished:
@@ -389,19 +259,12 @@ class Engine:
                              stream=stream, **kw)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        chars = 0
-        for i, m in enumerate(messages):
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, str):
-                validate_text(content, f"messages[{i}].content")
-                chars += len(content)
-        if chars > self.max_prompt_chars:
-            raise ValueError(f"prompt is too long: the messages hold {chars} characters, more than "
-                             f"{self.max_input_len} tokens can hold")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        """The chat template applied to messages and tokenized, ending where the answer starts."""
+        return self.tokenizer_manager.apply_chat_template(messages)
+
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens included."""
+        return self.tokenizer_manager.token_text(token)
 
     # ---- sessions ------------------------------------------------------------------------
     def open_session(self, capacity_of_str_len: int, session_id: str | None = None, streaming: bool = False,

@@ -10,3 +10,8 @@ class ServerBusyError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The scheduler thread has stopped; the engine serves nothing more."""
+
+
+class MemoryLeakError(AssertionError):
+    """A memory structure's integrity check failed (a KV slot or request slot lost or owned
+    twice): a bug, never the client's doing."""

@@ -1,4 +1,4 @@
-"""The asyncio face of an Engine for the HTTP server (the role of SGLang's TokenizerManager).
+"""The asyncio face of an Engine for the HTTP server.
 
 Results come back from the scheduler thread through call_soon_threadsafe. Every request is
 streamed from the engine, even when the client wants one response: the time of each piece is
@@ -19,6 +19,7 @@ from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.errors import EngineDeadError, ServerBusyError
 from baby_sgl.managers.req import Req
+from baby_sgl.managers.tokenizer_manager import TokenizerManager
 from baby_sgl.sampling.sampling_params import SamplingParams
 
 # How often a waiting request checks that its client is still there (SGLang: every 4 s).
@@ -160,7 +161,7 @@ class AsyncEngine:
     def _engine_rids(self, item: dict[str, Any]) -> list[str]:
         """The rids the engine will give this item's requests (n > 1 makes copies)."""
         params = SamplingParams.from_dict(item.get("sampling_params"), self.engine.sampling_defaults)
-        return Engine.copy_rids(item["rid"], params.n)
+        return TokenizerManager.copy_rids(item["rid"], params.n)
 
     def _forget(self, keys: list[str]) -> None:
         with self._lock:

@@ -1,5 +1,8 @@
 """The scheduler: an event loop that admits requests, forms extend and decode batches, runs them
-and hands results back. It runs in its own thread; everything it owns is touched only there."""
+and hands results back. It runs in its own thread; everything it owns is touched only there.
+This module holds the loop, its inbox and what other threads may call; forming batches is in
+scheduler_batches.py, handling a pass's results (sampling, stops, streaming) in
+scheduler_output.py."""
 
 from __future__ import annotations
 
@@ -14,16 +17,15 @@ from typing import Any
 
 import torch
 
-from baby_sgl.detokenizer import detokenize_step
-from baby_sgl.constrained.grammar import ConstraintError
 from baby_sgl.errors import EngineDeadError
 from baby_sgl.managers.io_struct import SessionParams
 from baby_sgl.managers.memory_checker import check_memory
 from baby_sgl.managers.messages import AbortReq, Call, Message, NewReq, Stop
 from baby_sgl.managers.req import Req
 from baby_sgl.managers.schedule_batch import ScheduleBatch
-from baby_sgl.managers.schedule_policy import (CACHE_AWARE_POLICIES, AddResult, PrefillAdder, match_prefix,
-                                               shares_uncached_prefix, sort_waiting)
+from baby_sgl.managers.scheduler_batches import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, BatchFormation
+from baby_sgl.managers.scheduler_output import OutputProcessing
+from baby_sgl.managers.schedule_policy import CACHE_AWARE_POLICIES
 from baby_sgl.managers.session_controller import SessionController
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
@@ -33,7 +35,6 @@ from baby_sgl.model_executor.forward_batch import ForwardMode
 from baby_sgl.model_executor.model_runner import ModelRunner
 from baby_sgl.sampling.logprobs import record_input_logprobs
 from baby_sgl.sampling.sampler import Sampler
-from baby_sgl.sampling.sampling_params import stop_regex_matcher
 from baby_sgl.server_args import EngineArgs
 from baby_sgl.managers.activity import Activity
 from baby_sgl.trace import Tracer
@@ -45,9 +46,6 @@ _STALLED_POLL_S = 0.02
 _IDLE_WAKE_S = 60.0  # an idle scheduler wakes at least this often, whatever session timeouts say
 _CALL_POLL_S = 0.25  # how often a caller waiting on the scheduler checks that it is alive
 _SHUTDOWN_JOIN_S = 5.0
-# Fraction of their remaining max_new_tokens that running requests are assumed to still need:
-# starts high, decays while decode goes well, is reset by a retraction (as SGLang does).
-INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.002
 
 
 @dataclass(frozen=True)
@@ -60,7 +58,7 @@ class Progress:
     last_forward: float  # time.monotonic() when the last forward pass ended
 
 
-class Scheduler:
+class Scheduler(BatchFormation, OutputProcessing):
     def __init__(self, args: EngineArgs, runner: ModelRunner, tokenizer, eos_token_ids: list[int],
                  max_total_tokens: int, context_len: int, max_input_len: int) -> None:
         self.args, self.runner, self.tokenizer = args, runner, tokenizer
@@ -226,6 +224,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req)
 
+    def active_reqs(self) -> list[Req]:
+        """The requests holding KV now: the running ones and the one whose prompt is mid-chunk."""
+        return self.running + ([self.chunked_req] if self.chunked_req is not None else [])
+
     def _drain_inbox(self, block: bool, max_wait: float) -> None:
         while True:
             wait = None
@@ -294,257 +296,6 @@ class Scheduler:
             logger.exception("prompt logprobs failed")
             for span in batch.input_logprob_spans:
                 span.req.to_abort = f"internal error while computing prompt logprobs: {e!r}"
-
-    # ---- forming batches -----------------------------------------------------------------
-    def _new_schedule_batch(self, reqs: list[Req], mode: ForwardMode) -> ScheduleBatch:
-        self.cur_batch = ScheduleBatch(reqs, mode, self.req_to_token_pool, self.allocator, self.tree_cache)
-        return self.cur_batch
-
-    def _get_new_batch_prefill(self) -> ScheduleBatch | None:
-        while True:
-            batch, short_of_memory = self._try_prefill()
-            # Nothing fits and nothing runs: idle streaming sessions give their KV back, one at
-            # a time, before anyone waits on them forever.
-            if batch is not None or not short_of_memory or self.running \
-                    or not self.sessions.release_idle_row(self.waiting):
-                return batch
-
-    def _try_prefill(self) -> tuple[ScheduleBatch | None, bool]:
-        """The next prefill batch, or None and whether memory (KV or request rows) was short."""
-        if not self.waiting and self.chunked_req is None:
-            return None, False
-        adder = PrefillAdder(self.tree_cache, self.allocator, self.running, self.new_token_ratio,
-                             self.args.max_prefill_tokens, self.chunk_size, self.sessions,
-                             mixed_decode_tokens=len(self.running) if self.mixed_chunk else 0)
-        if self.chunked_req is not None and not adder.add_chunked_req(self.chunked_req):
-            return None, False
-        short_of_memory = False
-        if adder.new_chunked_req is None:
-            self._match_waiting()
-            sort_waiting(self.waiting, self.schedule_policy, self.rng, self.tree_cache.root)
-            room = self.args.max_running_requests - len(self.running) - len(adder.can_run)
-            free_rows = len(self.req_to_token_pool.free_slots)
-            share = not self.args.disable_radix_cache
-            for req in list(self.waiting):
-                if share and shares_uncached_prefix(req, adder.can_run):
-                    continue
-                if room <= 0:
-                    break
-                needs_row = req.session is None or req.session.held is None  # else it resumes its session's row
-                if needs_row and free_rows <= 0:
-                    short_of_memory = True  # idle sessions hold the rows
-                    continue
-                if adder.add_one_req(req) == AddResult.NO_ROOM:
-                    short_of_memory = not adder.can_run
-                    break
-                room, free_rows = room - 1, free_rows - needs_row
-        if not adder.can_run:
-            return None, short_of_memory
-        for req in adder.can_run:
-            if req in self.waiting:
-                self.waiting.remove(req)
-        self.chunked_req = adder.new_chunked_req
-        batch = self._new_schedule_batch(adder.can_run, ForwardMode.EXTEND)
-        batch.prepare_for_extend()
-        return batch, False
-
-    def _match_waiting(self) -> None:
-        """Finds each waiting request's cached prefix; one that fails ends alone."""
-        for req in list(self.waiting):
-            try:
-                match_prefix(req, self.tree_cache, self.sessions)
-            except Exception as e:
-                logger.exception("request %s failed", req.rid)
-                self.waiting.remove(req)
-                self._fail_req(req, f"internal error while handling this request: {e!r}")
-
-    def _mix_running(self, batch: ScheduleBatch) -> None:
-        """--enable-mixed-chunk: the running requests decode in the same pass as the prefill, so
-        a long prompt arriving does not stall their streams. Admission kept room for their next
-        token; if the pool is short anyway they wait for this step (retraction is left to decode
-        batches)."""
-        decoding = ScheduleBatch(list(self.running), ForwardMode.DECODE, self.req_to_token_pool, self.allocator,
-                                 self.tree_cache)
-        if decoding.can_decode():
-            decoding.prepare_for_decode()
-            batch.mix_with_running(decoding)
-
-    def _get_decode_batch(self) -> ScheduleBatch | None:
-        batch = self._new_schedule_batch(self.running, ForwardMode.DECODE)
-        while not batch.can_decode() and self.sessions.release_idle_row(self.waiting):
-            pass  # idle sessions' KV goes before any running request is retracted
-        if not batch.can_decode():
-            retracted = batch.retract_decode()
-            self.stats["num_retractions"] += len(retracted)
-            self.new_token_ratio = self.init_ratio
-            for req in retracted:
-                if self.tracer:
-                    self.tracer.event("retract", rid=req.rid, output_len=len(req.output_ids))
-            self.waiting[:0] = retracted  # resume before newer arrivals
-            self.running = batch.reqs
-            if not batch.can_decode():  # one request alone outgrew the pool
-                self._finish(batch.reqs[0], {"type": "abort", "message": "KV cache pool is too small for this request"})
-                self.running = []
-                return None
-        else:
-            self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, self.min_ratio)
-        batch.prepare_for_decode()
-        return batch
-
-    # ---- results -------------------------------------------------------------------------
-    def _process_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
-        """Each request's share of the pass, one at a time: an error in one (sampling, the
-        detokenizer, a stop check, its session) ends that request alone."""
-        tokens = self._sample(logits, batch.reqs)
-        still_running = []
-        num_extend = 0 if batch.mode == ForwardMode.DECODE else len(batch.reqs) - batch.num_decode_reqs
-        for i, (req, seq_len, token) in enumerate(zip(batch.reqs, batch.seq_lens, tokens)):
-            req.kv_len = seq_len
-            try:
-                if isinstance(token, Exception):
-                    raise token
-                if self._advance(req, i < num_extend, token):
-                    still_running.append(req)
-            except ConstraintError as e:  # the request's own constraint, not our error
-                logger.warning("request %s: %s", req.rid, e)
-                self._finish(req, {"type": "abort", "message": str(e)})
-            except Exception as e:
-                logger.exception("request %s failed", req.rid)
-                self._fail_req(req, f"internal error while handling this request: {e!r}")
-        if batch.mode == ForwardMode.EXTEND:
-            self.running.extend(still_running)
-        else:  # a decode or mixed batch held every running request
-            self.running = still_running
-
-    def _needs_token(self, req: Req) -> bool:
-        return not req.is_chunked and not req.to_abort and req.sampling_params.max_new_tokens > 0
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int | Exception | None]:
-        """The next token of every request that gets one (None for the others). Sampling is
-        batched; if the batch fails, each row is sampled alone so one bad row fails one request."""
-        rows = [i for i, r in enumerate(reqs) if self._needs_token(r)]
-        out: list[int | Exception | None] = [None] * len(reqs)
-        if not rows:
-            return out
-        try:
-            batch_logits = logits if len(rows) == len(reqs) else logits[rows]
-            for i, token in zip(rows, self.sampler(batch_logits, [reqs[i] for i in rows])):
-                out[i] = token
-            return out
-        except Exception:
-            logger.exception("batched sampling failed; sampling row by row")
-        for i in rows:
-            try:
-                out[i] = self.sampler(logits[i : i + 1], [reqs[i]])[0]
-            except Exception as e:
-                out[i] = e
-        return out
-
-    def _advance(self, req: Req, extended: bool, token: int | None) -> bool:
-        """Applies one pass to one request (`extended`: the pass computed part of its prompt
-        rather than one decode step); True if it keeps decoding."""
-        if req.is_chunked:  # more of its prompt to come; it stays the chunked request
-            self.tree_cache.cache_unfinished_req(req)
-            return False
-        if req.to_abort:
-            self._finish(req, {"type": "abort", "message": req.to_abort})
-            return False
-        ts = req.time_stats
-        if ts.first_token is None:  # prefill complete: its first token; its prompt counted once
-            ts.first_token = time.perf_counter()
-            self.stats["prompt_tokens"] += len(req.origin_input_ids)
-            self.stats["cached_tokens"] += req.cached_tokens
-            self.activity.record_ttft(ts.first_token - ts.created)
-        if token is None:  # max_new_tokens == 0: prefill only, the prompt stays in the cache
-            self._finish(req, {"type": "length", "length": 0})
-            return False
-        self._append_token(req, token)
-        if req.finished:
-            self._release(req)
-        elif extended:
-            self.tree_cache.cache_unfinished_req(req)
-        self._emit(req)
-        return not req.finished
-
-    def _append_token(self, req: Req, token: int) -> None:
-        if req.grammar is not None:  # raises ConstraintError if the token breaks the constraint
-            req.grammar.accept_token(token)
-        req.output_ids.append(token)
-        self.stats["generation_tokens"] += 1
-        p = req.sampling_params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            req.finished_reason = {"type": "stop", "matched": token}
-        elif len(req.output_ids) >= p.max_new_tokens or req.seqlen >= self.context_len:
-            req.finished_reason = {"type": "length", "length": len(req.output_ids)}
-        elif req.grammar is not None and req.grammar.is_terminated():
-            req.finished_reason = {"type": "stop", "matched": token}
-        text_before = len(req.text)
-        detokenize_step(self.tokenizer, req, final=req.finished)
-        if not req.finished and p.stop:
-            self._check_stop_strings(req, max(0, text_before - max(map(len, p.stop)) + 1))
-        if not req.finished and p.stop_regex:
-            self._check_stop_regex(req)
-
-    def _check_stop_strings(self, req: Req, start: int) -> None:
-        """Looks for a stop string in the text that could contain one only now."""
-        hits = [(pos, s) for s in req.sampling_params.stop if (pos := req.text.find(s, start)) >= 0]
-        if hits:
-            pos, matched = min(hits)
-            if not req.sampling_params.no_stop_trim:
-                req.text = req.text[:pos]
-            req.finished_reason = {"type": "stop", "matched": matched}
-
-    @staticmethod
-    def _check_stop_regex(req: Req) -> None:
-        """As SGLang: a search over the output text, which is kept whole (RE2: linear time)."""
-        for pattern in req.sampling_params.stop_regex:
-            if stop_regex_matcher(pattern).search(req.text):
-                req.finished_reason = {"type": "stop", "matched": pattern}
-                return
-
-    def _finish(self, req: Req, reason: dict) -> None:
-        req.finished_reason = reason
-        self._release(req)
-        self._emit(req)
-
-    def _release(self, req: Req) -> None:
-        """A finished request's KV goes back through the cache layer, unless its streaming
-        session keeps the row for the next turn."""
-        if not self.sessions.keep_row(req):
-            self.tree_cache.release_req(req)
-        self.sessions.turn_ended(req)
-
-    def _emit(self, req: Req) -> None:
-        """Sends the new text and ids to whoever waits for this request (stream) or the whole
-        result when it finishes."""
-        interval = req.sampling_params.stream_interval
-        if req.finished:
-            req.time_stats.finished = time.perf_counter()
-        elif not req.stream:
-            return
-        elif interval and req.sent_ids_len and len(req.output_ids) - req.sent_ids_len < interval:
-            return  # stream_interval: a piece every `interval` tokens (the first at once)
-        text_end = len(req.text)
-        if not req.finished and req.sampling_params.stop:
-            # Hold back what could still become the start of a stop string.
-            text_end = max(req.sent_text_len, text_end - max(map(len, req.sampling_params.stop)) + 1)
-        out = {
-            "rid": req.rid,
-            "text": req.text[req.sent_text_len : text_end],
-            "output_ids": req.output_ids[req.sent_ids_len :],
-            "finished": req.finished,
-            "finish_reason": req.finished_reason,
-            "req": req,
-        }
-        req.sent_text_len, req.sent_ids_len = text_end, len(req.output_ids)
-        if req.on_output is None:
-            return
-        try:
-            req.on_output(out)
-        except Exception as e:  # the consumer's code, not ours: end its request, nothing else
-            logger.exception("output callback of request %s failed", req.rid)
-            if not req.finished:
-                req.to_abort = f"its output callback failed: {e!r}"
 
     # ---- aborts and failures -------------------------------------------------------------
     def _handle_aborts(self) -> None:

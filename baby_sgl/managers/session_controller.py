@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from baby_sgl.errors import ServerBusyError
+from baby_sgl.errors import MemoryLeakError
 from baby_sgl.managers.io_struct import OpenSessionReqInput, SessionParams
 from baby_sgl.managers.req import Req
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
@@ -104,6 +105,14 @@ class SessionController:
 
     def held_reqs(self) -> list[Req]:
         return [s.held for s in self.sessions.values() if s.held is not None]
+
+    def check(self) -> None:
+        """Its own integrity: a held turn keeps its request slot, and no two sessions share one."""
+        held = self.held_reqs()
+        if any(r.req_pool_idx is None for r in held):
+            raise MemoryLeakError("a streaming session holds a turn without its request slot")
+        if len({r.req_pool_idx for r in held}) != len(held):
+            raise MemoryLeakError("two streaming sessions hold one request slot")
 
     # ---- a new turn ----------------------------------------------------------------------
     def attach(self, req: Req, params: SessionParams) -> None:

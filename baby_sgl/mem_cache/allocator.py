@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from baby_sgl.errors import MemoryLeakError
+
 
 class PagedTokenAllocator:
     def __init__(self, num_slots: int, page_size: int, device: torch.device) -> None:
@@ -47,6 +49,19 @@ class PagedTokenAllocator:
                 used += n
         # Built on the CPU, moved in one copy.
         return torch.cat(out).to(self.device) if out else torch.empty(0, dtype=torch.int64, device=self.device)
+
+    def free_slots(self) -> torch.Tensor:
+        """Every free slot (the free pages, whole), on the host."""
+        pages = torch.tensor(self.free_pages, dtype=torch.long, device="cpu")
+        return (pages[:, None] * self.page_size + torch.arange(self.page_size, device="cpu")).flatten()
+
+    def check(self) -> None:
+        """Its own integrity: each free page once, and inside the pool."""
+        num_pages = self.size // self.page_size
+        if len(set(self.free_pages)) != len(self.free_pages):
+            raise MemoryLeakError("a KV page is on the free list twice")
+        if any(not 0 <= p < num_pages for p in self.free_pages):
+            raise MemoryLeakError(f"a free KV page is outside the pool's {num_pages} pages")
 
     def free(self, slots: torch.Tensor) -> None:
         if len(slots) == 0:

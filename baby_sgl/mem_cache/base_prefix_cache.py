@@ -60,6 +60,15 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def reset(self) -> None: ...
 
+    @abstractmethod
+    def check(self) -> None:
+        """Its own integrity; raises MemoryLeakError (the memory checker calls it)."""
+
+    def locked_tokens(self, handles: list[Any]) -> int:
+        """Tokens that locks taken by these handles (match_prefix's) hold, each counted once:
+        none without a tree."""
+        return 0
+
     # ---- request lifecycle ----------------------------------------------------------------
     @abstractmethod
     def cache_unfinished_req(self, req: Req) -> None:

@@ -37,6 +37,9 @@ class ChunkCache(BasePrefixCache):
     def reset(self) -> None:
         pass
 
+    def check(self) -> None:
+        """Nothing of its own to check: it holds no slots."""
+
     def cache_unfinished_req(self, req: Req) -> None:
         """Between chunks the row simply stays with the request."""
 

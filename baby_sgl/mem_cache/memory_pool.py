@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from baby_sgl.errors import MemoryLeakError
+
 
 class ReqToTokenPool:
     """Maps a request slot to the row of KV slot indices holding its tokens, in position order."""
@@ -22,6 +24,15 @@ class ReqToTokenPool:
     def free(self, slot: int) -> None:
         assert slot not in self.free_slots, f"request slot {slot} freed twice"
         self.free_slots.append(slot)
+
+    def used(self) -> int:
+        """Request slots held (by running requests and by sessions between turns)."""
+        return self.size - len(self.free_slots)
+
+    def check(self) -> None:
+        """Its own integrity: each free request slot once, and inside the pool."""
+        if len(set(self.free_slots)) != len(self.free_slots) or any(not 0 <= s < self.size for s in self.free_slots):
+            raise MemoryLeakError(f"the free request slots are broken: {sorted(self.free_slots)[:10]}...")
 
     def write(self, slot: int, start: int, indices: torch.Tensor) -> None:
         self.req_to_token[slot, start : start + len(indices)] = indices

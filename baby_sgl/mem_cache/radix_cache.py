@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from baby_sgl.errors import MemoryLeakError
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 from baby_sgl.mem_cache.memory_pool import ReqToTokenPool
@@ -165,6 +166,30 @@ class RadixCache(BasePrefixCache):
     def all_slots(self) -> torch.Tensor:
         values = [n.value for n in self._nodes()]
         return torch.cat(values) if values else self.no_slots()
+
+    def check(self) -> None:
+        """Its own integrity: each node's slots match its key and appear in no other node; a
+        lock on a node is a lock on its parent too; the two sizes count every node once."""
+        nodes = self._nodes()
+        if any(len(n.key) != len(n.value) or len(n.key) % self.page_size for n in nodes):
+            raise MemoryLeakError("a radix node's slots do not match its key (or are not whole pages)")
+        if any(n.parent is not self.root and n.lock_ref > n.parent.lock_ref for n in nodes):
+            raise MemoryLeakError("a radix node is locked more than its parent")
+        locked = sum(len(n.key) for n in nodes if n.lock_ref > 0)
+        if (self.protected_size_, self.evictable_size_) != (locked, sum(len(n.key) for n in nodes) - locked):
+            raise MemoryLeakError(f"radix sizes {self.protected_size_} protected / {self.evictable_size_} evictable, "
+                                  f"the nodes hold {locked} locked of {sum(len(n.key) for n in nodes)}")
+        slots = self.all_slots()
+        if len(torch.unique(slots)) != len(slots):
+            raise MemoryLeakError("a KV slot is in two radix nodes")
+
+    def locked_tokens(self, handles: list[TreeNode]) -> int:
+        nodes: dict[int, int] = {}
+        for node in handles:
+            while node is not None and node is not self.root:
+                nodes[id(node)] = len(node.key)
+                node = node.parent
+        return sum(nodes.values())
 
     # ---- request lifecycle ----------------------------------------------------------------
     def _row(self, req: Req) -> torch.Tensor:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import itertools
 from unittest import mock
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from baby_sgl.errors import MemoryLeakError
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.mem_cache.memory_pool import ReqToTokenPool
 from baby_sgl.mem_cache import radix_cache
@@ -159,3 +161,30 @@ def _cached_sequences(cache: RadixCache) -> list[list[int]]:
             out.extend(seq[:i] for i in range(1, len(seq) + 1))  # page-aligned ones are all we look up
             stack.append((child, seq))
     return out
+
+
+def test_each_structure_checks_itself():
+    """The allocator, the request-slot pool and the tree each find their own corruption."""
+    cache = make_cache(page_size=2, slots=16)
+    alloc, pool = cache.allocator, cache.req_to_token_pool
+    put(cache, [1, 2, 3, 4])
+    cache.inc_lock_ref(cache.match_prefix([1, 2])[1])
+    for structure in (alloc, pool, cache):
+        structure.check()
+    alloc.free_pages.append(alloc.free_pages[0])
+    with pytest.raises(MemoryLeakError, match="free list twice"):
+        alloc.check()
+    alloc.free_pages[-1] = 99
+    with pytest.raises(MemoryLeakError, match="outside the pool"):
+        alloc.check()
+    pool.free_slots.append(pool.free_slots[0])
+    with pytest.raises(MemoryLeakError, match="free request slots"):
+        pool.check()
+    cache.protected_size_ += 2
+    with pytest.raises(MemoryLeakError, match="radix sizes"):
+        cache.check()
+    cache.protected_size_ -= 2
+    leaf = cache.match_prefix([1, 2, 3, 4])[1]
+    leaf.lock_ref = leaf.parent.lock_ref + 1
+    with pytest.raises(MemoryLeakError, match="locked more than its parent"):
+        cache.check()

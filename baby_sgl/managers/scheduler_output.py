@@ -1,0 +1,180 @@
+"""What the scheduler does with a pass's logits (a part of Scheduler, run in its thread): samples
+each request's next token, advances it (grammar, stop tokens, lengths, detokenizing, stop strings
+and regexes), finishes and releases it, and emits its new text and ids to whoever waits."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from baby_sgl.constrained.grammar import ConstraintError
+from baby_sgl.detokenizer import detokenize_step
+from baby_sgl.model_executor.forward_batch import ForwardMode
+from baby_sgl.sampling.sampling_params import stop_regex_matcher
+
+if TYPE_CHECKING:
+    from baby_sgl.managers.req import Req
+    from baby_sgl.managers.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+
+class OutputProcessing:
+    """Scheduler's handling of results; the state it reads and writes is the Scheduler's."""
+
+    def _process_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
+        """Each request's share of the pass, one at a time: an error in one (sampling, the
+        detokenizer, a stop check, its session) ends that request alone."""
+        tokens = self._sample(logits, batch.reqs)
+        still_running = []
+        num_extend = 0 if batch.mode == ForwardMode.DECODE else len(batch.reqs) - batch.num_decode_reqs
+        for i, (req, seq_len, token) in enumerate(zip(batch.reqs, batch.seq_lens, tokens)):
+            req.kv_len = seq_len
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                if self._advance(req, i < num_extend, token):
+                    still_running.append(req)
+            except ConstraintError as e:  # the request's own constraint, not our error
+                logger.warning("request %s: %s", req.rid, e)
+                self._finish(req, {"type": "abort", "message": str(e)})
+            except Exception as e:
+                logger.exception("request %s failed", req.rid)
+                self._fail_req(req, f"internal error while handling this request: {e!r}")
+        if batch.mode == ForwardMode.EXTEND:
+            self.running.extend(still_running)
+        else:  # a decode or mixed batch held every running request
+            self.running = still_running
+
+    def _needs_token(self, req: Req) -> bool:
+        return not req.is_chunked and not req.to_abort and req.sampling_params.max_new_tokens > 0
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int | Exception | None]:
+        """The next token of every request that gets one (None for the others). Sampling is
+        batched; if the batch fails, each row is sampled alone so one bad row fails one request."""
+        rows = [i for i, r in enumerate(reqs) if self._needs_token(r)]
+        out: list[int | Exception | None] = [None] * len(reqs)
+        if not rows:
+            return out
+        try:
+            batch_logits = logits if len(rows) == len(reqs) else logits[rows]
+            for i, token in zip(rows, self.sampler(batch_logits, [reqs[i] for i in rows])):
+                out[i] = token
+            return out
+        except Exception:
+            logger.exception("batched sampling failed; sampling row by row")
+        for i in rows:
+            try:
+                out[i] = self.sampler(logits[i : i + 1], [reqs[i]])[0]
+            except Exception as e:
+                out[i] = e
+        return out
+
+    def _advance(self, req: Req, extended: bool, token: int | None) -> bool:
+        """Applies one pass to one request (`extended`: the pass computed part of its prompt
+        rather than one decode step); True if it keeps decoding."""
+        if req.is_chunked:  # more of its prompt to come; it stays the chunked request
+            self.tree_cache.cache_unfinished_req(req)
+            return False
+        if req.to_abort:
+            self._finish(req, {"type": "abort", "message": req.to_abort})
+            return False
+        ts = req.time_stats
+        if ts.first_token is None:  # prefill complete: its first token; its prompt counted once
+            ts.first_token = time.perf_counter()
+            self.stats["prompt_tokens"] += len(req.origin_input_ids)
+            self.stats["cached_tokens"] += req.cached_tokens
+            self.activity.record_ttft(ts.first_token - ts.created)
+        if token is None:  # max_new_tokens == 0: prefill only, the prompt stays in the cache
+            self._finish(req, {"type": "length", "length": 0})
+            return False
+        self._append_token(req, token)
+        if req.finished:
+            self._release(req)
+        elif extended:
+            self.tree_cache.cache_unfinished_req(req)
+        self._emit(req)
+        return not req.finished
+
+    def _append_token(self, req: Req, token: int) -> None:
+        if req.grammar is not None:  # raises ConstraintError if the token breaks the constraint
+            req.grammar.accept_token(token)
+        req.output_ids.append(token)
+        self.stats["generation_tokens"] += 1
+        p = req.sampling_params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            req.finished_reason = {"type": "stop", "matched": token}
+        elif len(req.output_ids) >= p.max_new_tokens or req.seqlen >= self.context_len:
+            req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+        elif req.grammar is not None and req.grammar.is_terminated():
+            req.finished_reason = {"type": "stop", "matched": token}
+        text_before = len(req.text)
+        detokenize_step(self.tokenizer, req, final=req.finished)
+        if not req.finished and p.stop:
+            self._check_stop_strings(req, max(0, text_before - max(map(len, p.stop)) + 1))
+        if not req.finished and p.stop_regex:
+            self._check_stop_regex(req)
+
+    def _check_stop_strings(self, req: Req, start: int) -> None:
+        """Looks for a stop string in the text that could contain one only now."""
+        hits = [(pos, s) for s in req.sampling_params.stop if (pos := req.text.find(s, start)) >= 0]
+        if hits:
+            pos, matched = min(hits)
+            if not req.sampling_params.no_stop_trim:
+                req.text = req.text[:pos]
+            req.finished_reason = {"type": "stop", "matched": matched}
+
+    @staticmethod
+    def _check_stop_regex(req: Req) -> None:
+        """As SGLang: a search over the output text, which is kept whole (RE2: linear time)."""
+        for pattern in req.sampling_params.stop_regex:
+            if stop_regex_matcher(pattern).search(req.text):
+                req.finished_reason = {"type": "stop", "matched": pattern}
+                return
+
+    def _finish(self, req: Req, reason: dict) -> None:
+        req.finished_reason = reason
+        self._release(req)
+        self._emit(req)
+
+    def _release(self, req: Req) -> None:
+        """A finished request's KV goes back through the cache layer, unless its streaming
+        session keeps the row for the next turn."""
+        if not self.sessions.keep_row(req):
+            self.tree_cache.release_req(req)
+        self.sessions.turn_ended(req)
+
+    def _emit(self, req: Req) -> None:
+        """Sends the new text and ids to whoever waits for this request (stream) or the whole
+        result when it finishes."""
+        interval = req.sampling_params.stream_interval
+        if req.finished:
+            req.time_stats.finished = time.perf_counter()
+        elif not req.stream:
+            return
+        elif interval and req.sent_ids_len and len(req.output_ids) - req.sent_ids_len < interval:
+            return  # stream_interval: a piece every `interval` tokens (the first at once)
+        text_end = len(req.text)
+        if not req.finished and req.sampling_params.stop:
+            # Hold back what could still become the start of a stop string.
+            text_end = max(req.sent_text_len, text_end - max(map(len, req.sampling_params.stop)) + 1)
+        out = {
+            "rid": req.rid,
+            "text": req.text[req.sent_text_len : text_end],
+            "output_ids": req.output_ids[req.sent_ids_len :],
+            "finished": req.finished,
+            "finish_reason": req.finished_reason,
+            "req": req,
+        }
+        req.sent_text_len, req.sent_ids_len = text_end, len(req.output_ids)
+        if req.on_output is None:
+            return
+        try:
+            req.on_output(out)
+        except Exception as e:  # the consumer's code, not ours: end its request, nothing else
+            logger.exception("output callback of request %s failed", req.rid)
+            if not req.finished:
+                req.to_abort = f"its output callback failed: {e!r}"

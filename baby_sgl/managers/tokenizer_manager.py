@@ -1,0 +1,172 @@
+"""Between the API and the scheduler, as SGLang's tokenizer manager: a request's prompt, sampling
+parameters and options are validated and tokenized into scheduler requests (Req), and the
+scheduler's outputs are formatted as the API returns them (text, ids, meta_info with SGLang's
+logprob fields). Used by Engine, on the caller's threads and the scheduler's output callbacks;
+it holds no scheduler state."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from baby_sgl.constrained.grammar import GrammarCache
+from baby_sgl.managers.io_struct import ReqOptions
+from baby_sgl.managers.req import Req
+from baby_sgl.sampling.logprobs import with_texts
+from baby_sgl.sampling.sampling_params import SamplingParams
+from baby_sgl.validation import validate, validate_text
+
+
+class TokenizerManager:
+    def __init__(self, tokenizer, vocab_size: int, sampling_defaults: dict[str, Any], grammars: GrammarCache,
+                 context_len: int, max_total_tokens: int, max_input_len: int) -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.sampling_defaults, self.grammars = sampling_defaults, grammars
+        self.context_len, self.max_total_tokens, self.max_input_len = context_len, max_total_tokens, max_input_len
+        # No token is longer than this many characters, so a longer text is refused untokenized.
+        self.max_prompt_chars = max_input_len * max(map(len, tokenizer.get_vocab()), default=1)
+        self._token_texts: dict[int, str] = {}
+
+    def make_reqs(self, prompt, input_ids, sampling_params, rid, **options: Any) -> tuple[list[Req | ValueError], bool]:
+        """One Req per prompt (n per prompt sampled n times), or the ValueError that refused it.
+        options: the ReqOptions fields besides rid (logprobs)."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        single = isinstance(prompt, str) if prompt is not None else (not input_ids or isinstance(input_ids[0], int))
+        items = ([prompt] if single else list(prompt)) if prompt is not None else ([input_ids] if single else list(input_ids))
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+        rids = rid if isinstance(rid, list) else [rid] * len(items)
+        if len(params) != len(items) or len(rids) != len(items):
+            raise ValueError(f"got {len(items)} prompts but {len(params)} sampling_params / {len(rids)} rids")
+        reqs: list[Req | ValueError] = []
+        for i, (item, sp, r) in enumerate(zip(items, params, rids)):
+            try:
+                reqs.extend(self.make_req(item, sp, r, options))
+            except ValueError as e:
+                reqs.append(ValueError(f"request {i}: {e}" if not single else str(e)))
+        return reqs, single
+
+    def make_req(self, item: str | list[int], sampling_params: dict | SamplingParams | None, rid: str | None,
+                 options: dict[str, Any]) -> list[Req]:
+        params = SamplingParams.from_dict(sampling_params, self.sampling_defaults)
+        params.check_vocab(self.vocab_size)
+        opts = validate(ReqOptions, {"rid": rid, **{k: v for k, v in options.items() if v is not None}})
+        ids = self.prompt_ids(item)
+        if len(ids) > self.max_input_len:
+            raise ValueError(f"prompt is too long: {len(ids)} tokens, the limit is {self.max_input_len} "
+                             f"(context length {self.context_len}, KV pool {self.max_total_tokens})")
+        return_logprob = opts.return_logprob or opts.top_logprobs_num > 0 or opts.token_ids_logprob is not None
+        start = None  # SGLang's -1: no prompt logprobs (the same as starting at the prompt's end)
+        if return_logprob and opts.logprob_start_len >= 0:
+            if opts.logprob_start_len > len(ids):
+                raise ValueError(f"logprob_start_len={opts.logprob_start_len} is beyond the prompt's "
+                                 f"{len(ids)} tokens")
+            start = opts.logprob_start_len
+        bad = [t for t in opts.token_ids_logprob or [] if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"token_ids_logprob holds token ids outside the vocabulary: {bad[:5]}")
+        grammar = self.grammars.get(params.grammar) if params.grammar else None  # compiles here, off the scheduler
+        reqs = [Req(r, ids, params) for r in self.copy_rids(opts.rid or uuid.uuid4().hex, params.n)]
+        for req in reqs:
+            req.return_logprob, req.top_logprobs_num = return_logprob, opts.top_logprobs_num
+            req.token_ids_logprob = opts.token_ids_logprob or None
+            req.return_text_in_logprobs, req.logprob_start_len = opts.return_text_in_logprobs, start
+            req.grammar = grammar.matcher() if grammar is not None else None
+        return reqs
+
+    @staticmethod
+    def copy_rids(rid: str, n: int) -> list[str]:
+        """The engine requests' rids of one prompt sampled n times."""
+        return [rid] if n == 1 else [f"{rid}-{k}" for k in range(n)]
+
+    def prompt_ids(self, item: Any) -> list[int]:
+        """A prompt's token ids; a text is bounded before it is tokenized."""
+        if isinstance(item, str):
+            if not item:
+                raise ValueError("prompt is empty")
+            if len(item) > self.max_prompt_chars:
+                raise ValueError(f"prompt is too long: {len(item)} characters, more than {self.max_input_len} "
+                                 f"tokens can hold")
+            validate_text(item, "prompt")
+            return self.tokenizer.encode(item)
+        if not isinstance(item, (list, tuple)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(item).__name__}")
+        if not item:
+            raise ValueError("input_ids is empty")
+        if len(item) > self.max_input_len:
+            raise ValueError(f"prompt is too long: {len(item)} tokens, the limit is {self.max_input_len}")
+        vocab = self.vocab_size
+        bad = [t for t in item if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input_ids holds token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return list(item)
+
+    def result(self, req: Req, with_logprobs: bool = True) -> dict[str, Any]:
+        ts = req.time_stats
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": len(req.origin_input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "finish_reason": req.finished_reason,
+            "e2e_latency": (ts.finished or ts.created) - ts.created,
+            "ttft": (ts.first_token - ts.created) if ts.first_token else None,
+        }
+        if req.return_logprob and with_logprobs:
+            meta.update(self.logprobs(req))
+        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+    def logprobs(self, req: Req) -> dict[str, list]:
+        """SGLang's logprob fields of meta_info; prompt ones once they are all computed."""
+        sides = ("output",) if req.input_logprobs_pending() else ("output", "input")
+        kinds = ["token_logprobs"] + ["top_logprobs"] * bool(req.top_logprobs_num) + \
+            ["token_ids_logprobs"] * (req.token_ids_logprob is not None)
+        fields = {f"{side}_{kind}": getattr(req, f"{side}_{kind}") for kind in kinds for side in sides}
+        if req.return_text_in_logprobs:
+            out = {k: with_texts(v, self.token_text) for k, v in fields.items()}
+        else:
+            out = {k: list(v) for k, v in fields.items()}
+        # as SGLang: how many output logprobs there are so far (streamed events carry them all)
+        return out | {"output_token_logprobs_length": len(out["output_token_logprobs"])}
+
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens included (return_text_in_logprobs); kept per engine
+        (at most one per vocabulary entry), so nothing outlives the engine."""
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
+
+    @staticmethod
+    def error_result(err: ValueError) -> dict[str, Any]:
+        return {"text": "", "output_ids": [], "error": str(err),
+                "meta_info": {"finish_reason": {"type": "abort", "message": str(err)}}}
+
+    @staticmethod
+    def check_session_logprobs(session_params: Any, options: dict[str, Any]) -> None:
+        start = options.get("logprob_start_len")
+        if session_params is not None and start is not None and start >= 0 and options.get("return_logprob"):
+            raise ValueError("prompt logprobs (logprob_start_len >= 0) are not available for session turns")
+
+    def chunk(self, out: dict, with_logprobs: bool = True) -> dict:
+        """A scheduler output as the API shows it: the new text and ids, meta_info so far."""
+        chunk = self.result(out["req"], with_logprobs)
+        chunk.update(text=out["text"], output_ids=out["output_ids"], finished=out["finished"],
+                     prompt_token_ids=out["req"].origin_input_ids)
+        return chunk
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        chars = 0
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                validate_text(content, f"messages[{i}].content")
+                chars += len(content)
+        if chars > self.max_prompt_chars:
+            raise ValueError(f"prompt is too long: the messages hold {chars} characters, more than "
+                             f"{self.max_input_len} tokens can hold")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
