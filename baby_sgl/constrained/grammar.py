@@ -67,12 +67,15 @@ class GrammarMatcher:
         import llguidance.torch
 
         llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+        if self._m.is_error():  # the library then allows only EOS: say why instead of ending quietly
+            reason = _library_error(self._m)
+            raise ConstraintError(f"the output cannot continue under its constraint: {reason}")
 
     def accept_token(self, token: int) -> None:
         """Advances past the sampled token; raises ConstraintError if the grammar does not allow it."""
         if not self._m.consume_token(token):
-            reason = _short(self._m.get_error() or "no allowed token was left (min_new_tokens, stop_token_ids "
-                                                   "or logit_bias forbade every token the grammar allows)")
+            reason = _library_error(self._m) or ("no allowed token was left (min_new_tokens, stop_token_ids or "
+                                                 "logit_bias forbade every token the grammar allows)")
             raise ConstraintError(f"the output cannot continue under its constraint: {reason}")
 
     def is_terminated(self) -> bool:
@@ -204,11 +207,11 @@ class GrammarCache:
                 llguidance.torch.fill_next_token_bitmask(probe, torch.zeros(1, (self.vocab_size + 31) // 32,
                                                                             dtype=torch.int32, device="cpu"))
                 if probe.is_error():
-                    return ValueError(f"invalid {kind}: {_short(probe.get_error())}")
+                    return ValueError(f"invalid {kind}: {_library_error(probe)}")
         except Exception as e:  # the library's own words for what is wrong with the grammar
             return ValueError(f"invalid {kind}: {_short(str(e))}")
         if matcher.is_error():
-            return ValueError(f"invalid {kind}: {_short(matcher.get_error())}")
+            return ValueError(f"invalid {kind}: {_library_error(matcher)}")
         return CompiledGrammar(matcher)
 
 
@@ -216,6 +219,11 @@ def _done(value) -> Future:
     future: Future = Future()
     future.set_result(value)
     return future
+
+
+def _library_error(matcher: Any) -> str:
+    """The library's error, its first line only (what follows is the parser's state), cut short."""
+    return _short((matcher.get_error() or "").split("\n")[0])
 
 
 def _short(message: str) -> str:

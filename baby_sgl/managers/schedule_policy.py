@@ -26,7 +26,8 @@ def match_prefix(req: Req, tree_cache, sessions: SessionController) -> None:
         limit = req.seqlen - 1
         if req.input_logprobs_pending():  # prompt logprobs need those positions computed here
             limit = min(limit, req.logprob_start_len)
-        req.prefix_indices, req.last_node = tree_cache.match_prefix(req.fill_ids[:limit])
+        match = tree_cache.match_prefix(req.fill_ids[:limit])
+        req.prefix_indices, req.last_node = match.slots, match.node
 
 
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # need the radix tree; fcfs without it, as SGLang

@@ -8,7 +8,7 @@ leaves it (finish, abort, a failed batch, retraction, a session giving up its ro
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -17,6 +17,14 @@ from baby_sgl.mem_cache.memory_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
     from baby_sgl.managers.req import Req
+
+
+class PrefixMatch(NamedTuple):
+    """What match_prefix found: the KV slots of the longest cached page-aligned prefix, and the
+    handle that locks it (inc_lock_ref/dec_lock_ref; a tree node, or None without a tree)."""
+
+    slots: torch.Tensor
+    node: Any
 
 
 class BasePrefixCache(ABC):
@@ -33,8 +41,8 @@ class BasePrefixCache(ABC):
 
     # ---- lookup and locks ----------------------------------------------------------------
     @abstractmethod
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, Any]:
-        """Longest cached page-aligned prefix of key: (its KV slots, a handle to lock it by)."""
+    def match_prefix(self, key: list[int]) -> PrefixMatch:
+        """The longest cached page-aligned prefix of key."""
 
     @abstractmethod
     def inc_lock_ref(self, node: Any) -> None: ...

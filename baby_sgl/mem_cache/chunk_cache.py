@@ -6,15 +6,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
+from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache, PrefixMatch
 
 if TYPE_CHECKING:
     from baby_sgl.managers.req import Req
 
 
 class ChunkCache(BasePrefixCache):
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, None]:
-        return self.no_slots(), None
+    def match_prefix(self, key: list[int]) -> PrefixMatch:
+        return PrefixMatch(self.no_slots(), None)
 
     def inc_lock_ref(self, node: None) -> None:
         pass

@@ -17,7 +17,7 @@ import torch
 
 from baby_sgl.errors import MemoryLeakError
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
-from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
+from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache, PrefixMatch
 from baby_sgl.mem_cache.memory_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
@@ -67,8 +67,8 @@ class RadixCache(BasePrefixCache):
     def _child_key(self, key: list[int]) -> tuple[int, ...]:
         return tuple(key[: self.page_size])
 
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
-        """Longest cached page-aligned prefix of key: (its KV slots, the node where it ends)."""
+    def match_prefix(self, key: list[int]) -> PrefixMatch:
+        """The longest cached page-aligned prefix of key; its handle is the node where it ends."""
         key = key[: len(key) // self.page_size * self.page_size]
         node, values, now = self.root, [], time.monotonic()
         while key and (child := node.children.get(self._child_key(key))) is not None:
@@ -78,8 +78,7 @@ class RadixCache(BasePrefixCache):
             child.last_access_time = now
             values.append(child.value)
             node, key = child, key[n:]
-        slots = torch.cat(values) if values else self.no_slots()
-        return slots, node
+        return PrefixMatch(torch.cat(values) if values else self.no_slots(), node)
 
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Adds key -> value (page-aligned). Returns how much of key was already cached: the

@@ -14,31 +14,34 @@ from baby_sgl.constrained import grammar as grammar_module
 def test_a_long_ref_chain_compiles_on_a_deep_stack(engine):
     """A chain of 1000 $refs made the grammar library overflow an ordinary 8 MB thread stack
     (a segfault that took the server down); compile threads have room for any grammar the size
-    limits admit."""
+    limits admit, and the request is served under it."""
     defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["x"]}
             for i in range(1000)}
     schema = {"$defs": defs | {"d1000": {"type": "integer", "minimum": 0, "maximum": 9}}, "$ref": "#/$defs/d0"}
-    try:
-        engine.generate("deep", {"json_schema": json.dumps(schema), "max_new_tokens": 4})
-    except ValueError as e:
-        assert "invalid json_schema" in str(e)
+    out = engine.generate("deep", {"json_schema": json.dumps(schema), "max_new_tokens": 4})
+    assert out["meta_info"]["finish_reason"]["type"] == "length" and out["text"].startswith('{"x"')
     assert engine.generate("ok", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
 
 
-@pytest.mark.parametrize("params", [{"regex": "a{1000000}"}, {"regex": "(x{1000}){1000}"},
-                                    {"regex": "|".join(f"w{i:05d}" for i in range(15000)) + "("}])
-def test_a_grammar_too_complex_fails_its_request_clearly(engine, params):
-    """Too complex for the library shows at compile time or at the first masks (the compile
-    computes one to find out); either way the request ends with the library's reason, cut short,
-    never as an internal error."""
-    try:
-        out = engine.generate("x", {**params, "max_new_tokens": 4})
-    except ValueError as e:
-        assert str(e).startswith("invalid regex") and len(str(e)) < 600
-        return
+@pytest.mark.parametrize("regex", ["a{1000000}", "(x{1000}){1000}"])
+def test_a_regex_too_complex_to_run_ends_its_request_with_the_reason(engine, regex):
+    """It compiles, but the library's lexer gives up at the first token: the request ends with
+    the library's reason (one line), never quietly as an empty 'stop', never as an internal error."""
+    out = engine.generate("x", {"regex": regex, "max_new_tokens": 4})
     reason = out["meta_info"]["finish_reason"]
-    assert reason["type"] != "abort" or "cannot continue under its constraint" in reason["message"]
+    assert reason["type"] == "abort" and out["output_ids"] == []
+    assert reason["message"].startswith("the output cannot continue under its constraint: lexer error")
+    assert "\n" not in reason["message"] and len(reason["message"]) < 300
     assert engine.scheduler.stats["num_failed_reqs"] == 0
+
+
+def test_a_regex_the_library_refuses_fails_at_submission(engine):
+    """15000 alternatives and an unclosed group: refused when the request is made, with the
+    library's reason cut short."""
+    regex = "|".join(f"w{i:05d}" for i in range(15000)) + "("
+    with pytest.raises(ValueError, match="^invalid regex") as err:
+        engine.generate("x", {"regex": regex, "max_new_tokens": 4})
+    assert len(str(err.value)) < 600
 
 
 def test_size_limits_name_the_kind(engine):
