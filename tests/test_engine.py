@@ -129,6 +129,9 @@ def test_stopping_a_stream_early_frees_the_request(engine):
     ({"prompt": "x", "sampling_params": {"top_k": 0}}, "top_k"),
     ({"prompt": "x", "sampling_params": {"bogus": 1}}, "unknown field .sampling_params.bogus."),
     ({"prompt": "x", "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
+    ({"prompt": "x", "input_ids": [1]}, "exactly one of prompt or input_ids"),
+    ({"prompt": ["a", "b"], "sampling_params": [{}]}, "got 2 prompts but 1 sampling_params and 2 rids"),
+    ({"prompt": ["a", "b"], "rid": ["r1", "r2", "r3"]}, "got 2 prompts but 2 sampling_params and 3 rids"),
 ])
 def test_bad_input_is_refused_with_a_clear_error(engine, kwargs, message):
     with pytest.raises(ValueError, match=message):

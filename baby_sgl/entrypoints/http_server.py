@@ -25,6 +25,7 @@ from baby_sgl.entrypoints.async_bridge import AsyncEngine
 from baby_sgl.entrypoints.request_guard import RequestGuard
 from baby_sgl.errors import EngineDeadError, ServerBusyError
 from baby_sgl.managers.io_struct import LogprobOptions
+from baby_sgl.managers.tokenizer_manager import split_batch
 from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.entrypoints.dashboard import add_dashboard_routes
 from baby_sgl.entrypoints.openai_api import add_openai_routes
@@ -102,16 +103,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _native_items(body: GenerateRequest) -> tuple[list[dict], bool]:
-    if (body.text is None) == (body.input_ids is None):
-        raise ValueError("give exactly one of text or input_ids")
-    single = isinstance(body.text, str) or (body.input_ids is not None and
-                                            (not body.input_ids or isinstance(body.input_ids[0], int)))
-    prompts = ([body.text] if single else body.text) if body.text is not None else \
-        ([body.input_ids] if single else body.input_ids)
-    params = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * len(prompts)
-    rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
-    if len(params) != len(prompts) or len(rids) != len(prompts):
-        raise ValueError("sampling_params and rid lists must have one entry per prompt")
+    prompts, params, rids, single = split_batch(body.text, body.input_ids, body.sampling_params, body.rid, "text")
     key = "prompt" if body.text is not None else "input_ids"
     logprobs = {name: getattr(body, name) for name in LogprobOptions.model_fields}
     items = [{key: p, "sampling_params": sp, "rid": r, **logprobs} for p, sp, r in zip(prompts, params, rids)]

@@ -17,6 +17,24 @@ from baby_sgl.sampling.sampling_params import SamplingParams
 from baby_sgl.validation import validate, validate_text
 
 
+def split_batch(prompt: Any, input_ids: Any, sampling_params: Any, rid: Any,
+                prompt_name: str = "prompt") -> tuple[list, list, list, bool]:
+    """An SGLang request holds one prompt (text or ids) or a batch of them, with one sampling
+    params dict and rid for all or a list of them: (prompts, their params, their rids, whether
+    it held one). Raises ValueError naming what does not fit."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError(f"give exactly one of {prompt_name} or input_ids")
+    single = isinstance(prompt, str) if prompt is not None else (not input_ids or isinstance(input_ids[0], int))
+    given = prompt if prompt is not None else input_ids
+    items = [given] if single else list(given)
+    params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
+    rids = rid if isinstance(rid, list) else [rid] * len(items)
+    if len(params) != len(items) or len(rids) != len(items):
+        raise ValueError(f"got {len(items)} prompts but {len(params)} sampling_params and {len(rids)} rids: "
+                         "give one for all or one per prompt")
+    return items, params, rids, single
+
+
 class TokenizerManager:
     def __init__(self, tokenizer, vocab_size: int, sampling_defaults: dict[str, Any], grammars: GrammarCache,
                  context_len: int, max_total_tokens: int, max_input_len: int) -> None:
@@ -30,14 +48,7 @@ class TokenizerManager:
     def make_reqs(self, prompt, input_ids, sampling_params, rid, **options: Any) -> tuple[list[Req | ValueError], bool]:
         """One Req per prompt (n per prompt sampled n times), or the ValueError that refused it.
         options: the ReqOptions fields besides rid (logprobs)."""
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt or input_ids")
-        single = isinstance(prompt, str) if prompt is not None else (not input_ids or isinstance(input_ids[0], int))
-        items = ([prompt] if single else list(prompt)) if prompt is not None else ([input_ids] if single else list(input_ids))
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(items)
-        rids = rid if isinstance(rid, list) else [rid] * len(items)
-        if len(params) != len(items) or len(rids) != len(items):
-            raise ValueError(f"got {len(items)} prompts but {len(params)} sampling_params / {len(rids)} rids")
+        items, params, rids, single = split_batch(prompt, input_ids, sampling_params, rid)
         reqs: list[Req | ValueError] = []
         for i, (item, sp, r) in enumerate(zip(items, params, rids)):
             try:

@@ -191,7 +191,8 @@ def _aborted(server: str) -> float:
     ("/generate", {"text": "x" * 3000, "stream": True}, "prompt is too long"),
     ("/generate", {"input_ids": [1, 10 ** 6]}, "outside the vocabulary"),
     ("/generate", {"text": "x", "sampling_params": {"top_p": 2}}, "top_p"),
-    ("/generate", {"text": "x", "input_ids": [1]}, "exactly one"),
+    ("/generate", {"text": "x", "input_ids": [1]}, "exactly one of text or input_ids"),
+    ("/generate", {"text": ["a", "b"], "rid": ["r1"]}, "got 2 prompts but 2 sampling_params and 1 rids"),
     ("/abort_request", {}, "rid"),
 ])
 def test_bad_input_gets_400(server, path, body, fragment):
