@@ -10,7 +10,7 @@ os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 
 from baby_sgl.engine import Engine  # noqa: E402
-from baby_sgl.sampling.sampling_params import SamplingParams  # noqa: E402
+from baby_sgl.core.sampling_params import SamplingParams  # noqa: E402
 from baby_sgl.server_args import EngineArgs, ServerArgs  # noqa: E402
 
 __all__ = ["Engine", "EngineArgs", "SamplingParams", "ServerArgs"]

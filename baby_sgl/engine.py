@@ -16,10 +16,10 @@ from transformers import AutoTokenizer
 
 from baby_sgl.managers.memory_checker import check_memory
 from baby_sgl.managers.scheduler_view import scheduler_view
-from baby_sgl.managers.req import Req
+from baby_sgl.core.req import Req
 from baby_sgl.managers.scheduler import Progress, Scheduler
 from baby_sgl.managers.tokenizer_manager import TokenizerManager
-from baby_sgl.mem_cache.memory_pool import KVPool
+from baby_sgl.core.memory_pool import KVPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.model_runner import ModelRunner
 from baby_sgl.cpu_ops import cpu_ops
@@ -30,7 +30,7 @@ from baby_sgl.distributed.tp_group import GroupBroken, TensorParallel
 from baby_sgl.errors import EngineDeadError
 from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams
 from baby_sgl.constrained.grammar import GrammarCache
-from baby_sgl.sampling.sampling_params import SamplingParams
+from baby_sgl.core.sampling_params import SamplingParams
 from baby_sgl.server_args import SERVER_ONLY, EngineArgs
 from baby_sgl.threads import run_in_own_thread
 from baby_sgl.validation import validate
@@ -245,7 +245,7 @@ class Engine:
                     if not self.scheduler.is_alive() and outputs.empty():
                         raise EngineDeadError("the engine stopped before these requests finished") from None
                     continue
-                if out["finished"] and self.scheduler.dead is not None:
+                if out["finished"] and self.failure() is not None:
                     raise EngineDeadError(out["finish_reason"].get("message", "the engine has stopped"))
                 pending -= out["finished"]
                 yield {**self.tokenizer_manager.chunk(out), "index": index[id(out["req"])]}
@@ -333,6 +333,15 @@ class Engine:
     def is_alive(self) -> bool:
         """False once the scheduler has stopped (shut down, or failed beyond recovery)."""
         return self.scheduler.is_alive()
+
+    def failure(self) -> BaseException | None:
+        """What stopped the scheduler if it failed beyond recovery; None while it serves or after
+        a shutdown."""
+        return self.scheduler.dead
+
+    def on_death(self, callback: Callable[[BaseException], None]) -> None:
+        """Calls callback(error), from the scheduler thread, if the engine fails beyond recovery."""
+        self.scheduler.on_death.append(callback)
 
     def shutdown(self) -> None:
         gc.unfreeze()

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from baby_sgl.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, GenerateRequest,
                                            OpenSessionRequest)
 from baby_sgl.managers.io_struct import SessionParams
-from baby_sgl.sampling.sampling_params import SamplingParams
+from baby_sgl.core.sampling_params import SamplingParams
 from baby_sgl.validation import INT32_MAX, MAX_N
 from helpers import GREEDY
 

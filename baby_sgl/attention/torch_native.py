@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from baby_sgl.attention.cpu_kernel import decode_kernel
 from baby_sgl.cpu_ops import cpu_ops
 from baby_sgl.attention.shared_prefix import SharedPrefixes, find_shared_prefixes, merge
-from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
+from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass

@@ -14,7 +14,7 @@ from baby_sgl.bench.peers import PEERS, run_peer
 from baby_sgl.bench.roofline import measure_roofs
 from baby_sgl.bench.workloads import Workload, one_batch_workload, random_workload, shared_prefix_workload
 from baby_sgl.engine import Engine
-from baby_sgl.mem_cache.memory_pool import KVPool
+from baby_sgl.core.memory_pool import KVPool
 from baby_sgl.server_args import EngineArgs, engine_kwargs
 from baby_sgl.threads import run_in_own_thread
 

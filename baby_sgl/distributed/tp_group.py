@@ -110,7 +110,7 @@ class TensorParallel:
         address = f"tcp://127.0.0.1:{free_port()}"
         try:
             for rank in range(1, tp_size):
-                argv = [sys.executable, "-m", "baby_sgl.distributed.tp_worker", "--rank", str(rank), "--tp-size",
+                argv = [sys.executable, "-m", "baby_sgl.managers.tp_worker", "--rank", str(rank), "--tp-size",
                         str(tp_size), "--init-address", address, "--model-path", model_path,
                         "--dtype", str(dtype).removeprefix("torch."), "--device", str(device),
                         "--threads", str(len(cores[rank])), "--parent-pid", str(os.getpid())]

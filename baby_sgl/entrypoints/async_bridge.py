@@ -18,9 +18,9 @@ from typing import Any
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.errors import EngineDeadError, ServerBusyError
-from baby_sgl.managers.req import Req
+from baby_sgl.core.req import Req
 from baby_sgl.managers.tokenizer_manager import TokenizerManager
-from baby_sgl.sampling.sampling_params import SamplingParams
+from baby_sgl.core.sampling_params import SamplingParams
 
 # How often a waiting request checks that its client is still there (SGLang: every 4 s).
 DISCONNECT_POLL_S = 0.5

@@ -1,45 +1,32 @@
-"""The HTTP server: SGLang's native API (/generate, /health, ...) plus the OpenAI-compatible
-routes from openai_api.py, over one Engine. The engine runs in its own thread; calls that
-wait for it (server info, cache flush, memory check) go through a worker thread, so the event
-loop, and with it /health, never waits on engine work."""
+"""The HTTP app over one Engine: its middleware (request_guard.py), its errors in one JSON shape,
+and its routes: SGLang's native API (native_api.py), OpenAI's (openai_api.py) and the dashboard.
+The process that serves it is launch_server.py's."""
 
 from __future__ import annotations
 
-import asyncio
-import ipaddress
-import json
 import logging
 import os
-import signal
-import sys
-import time
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.async_bridge import AsyncEngine
-from baby_sgl.entrypoints.request_guard import RequestGuard
-from baby_sgl.errors import EngineDeadError, ServerBusyError
-from baby_sgl.managers.io_struct import LogprobOptions
-from baby_sgl.managers.tokenizer_manager import split_batch
-from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.entrypoints.dashboard import add_dashboard_routes
+from baby_sgl.entrypoints.metrics import Metrics
+from baby_sgl.entrypoints.native_api import add_native_routes
 from baby_sgl.entrypoints.openai_api import add_openai_routes
-from baby_sgl.entrypoints.protocol import (AbortRequest, CloseSessionRequest, ConcateAndAppendRequest, GenerateRequest,
-                                          OpenSessionRequest)
-from baby_sgl.entrypoints.responses import error_response, first_item, sse, sse_stream
+from baby_sgl.entrypoints.request_guard import RequestGuard
+from baby_sgl.entrypoints.responses import error_response
+from baby_sgl.errors import EngineDeadError, ServerBusyError
 from baby_sgl.server_args import SERVER_ONLY, ServerArgs
 from baby_sgl.validation import describe_error, field_path
 
 logger = logging.getLogger(__name__)
 
-HEALTH_GENERATE_TIMEOUT_S = 20.0  # as SGLang: an engine that cannot make one token is unhealthy
 RETRY_AFTER_S = 1  # what a client told "busy" (503) should wait before trying again
-GRACEFUL_SHUTDOWN_S = 3  # SIGTERM: open requests get this long, then the server stops regardless
 
 
 def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI:
@@ -56,7 +43,7 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
     app.add_middleware(RequestGuard, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                        body_timeout=args.request_body_timeout)
     _install_error_handlers(app)
-    _add_native_routes(app)
+    add_native_routes(app)
     add_openai_routes(app)
     if not args.disable_dashboard:
         add_dashboard_routes(app)
@@ -100,195 +87,3 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def internal(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("request failed")
         return error_response(f"internal error: {exc!r}", 500)
-
-
-def _native_items(body: GenerateRequest) -> tuple[list[dict], bool]:
-    prompts, params, rids, single = split_batch(body.text, body.input_ids, body.sampling_params, body.rid, "text")
-    key = "prompt" if body.text is not None else "input_ids"
-    logprobs = {name: getattr(body, name) for name in LogprobOptions.model_fields}
-    items = [{key: p, "sampling_params": sp, "rid": r, **logprobs} for p, sp, r in zip(prompts, params, rids)]
-    if body.session_params is not None:
-        if len(items) != 1:
-            raise ValueError("a session turn is one request: give one text or one input_ids list")
-        items[0]["session_params"] = body.session_params
-    return items, single
-
-
-def _add_native_routes(app: FastAPI) -> None:
-    engine: Engine = app.state.engine
-    aengine: AsyncEngine = app.state.async_engine
-    metrics: Metrics = app.state.metrics
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not engine.is_alive():
-            return error_response("the engine has stopped", 503)
-        return Response(status_code=200)
-
-    @app.get("/health_generate")
-    async def health_generate() -> Response:
-        if not engine.is_alive():
-            return error_response("the engine has stopped", 503)
-        progress = engine.progress()
-        if (progress.running or engine.num_queued()) and \
-                time.monotonic() - progress.last_forward < HEALTH_GENERATE_TIMEOUT_S:
-            return Response(status_code=200)  # busy and making progress: a probe would only queue behind
-
-        async def one_token() -> dict:
-            item = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}
-            return [chunk async for _, chunk in aengine.generate([item], stream=False, log_metrics=False)][0]
-
-        try:
-            out = await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            return error_response("the engine did not produce a token in time", 503)
-        reason = out["meta_info"]["finish_reason"] or {}
-        if reason.get("type") == "abort":
-            return error_response(f"the engine failed: {reason.get('message')}", 503)
-        return Response(status_code=200)
-
-    @app.get("/model_info")
-    @app.get("/get_model_info")
-    async def model_info() -> dict:
-        return {"model_path": engine.model_path, "tokenizer_path": engine.tokenizer_path, "is_generation": True,
-                "context_length": engine.context_len}
-
-    @app.get("/server_info")
-    @app.get("/get_server_info")
-    async def server_info() -> dict:
-        info = await asyncio.to_thread(engine.get_server_info)
-        return info | app.state.server_settings | getattr(app.state, "listen", {})  # where this server really listens
-
-    @app.get("/get_load")
-    async def get_load() -> list[dict]:
-        """SGLang's load report, one entry per data-parallel rank (this process is one, --dp-rank):
-        what the router's power_of_two policy and /get_loads read."""
-        load = await asyncio.to_thread(engine.get_server_info)
-        return [{"dp_rank": app.state.server_settings["dp_rank"], "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
-                 "num_waiting_reqs": load["num_waiting_reqs"], "num_tokens": load["kv_used_tokens"]}]
-
-    @app.get("/flush_cache")
-    @app.post("/flush_cache")
-    async def flush_cache() -> Response:
-        if not await asyncio.to_thread(engine.flush_cache):
-            return error_response("cannot flush the cache while requests are running", 400)
-        return Response("Cache flushed.\n", status_code=200)
-
-    @app.post("/abort_request")
-    async def abort_request(body: AbortRequest) -> Response:
-        aengine.abort(body.rid)
-        return Response(status_code=200)
-
-    @app.post("/open_session")
-    async def open_session(body: OpenSessionRequest) -> str:
-        """Returns the session id, as SGLang does (a JSON string)."""
-        return await asyncio.to_thread(engine.open_session, **body.model_dump())
-
-    @app.post("/close_session")
-    async def close_session(body: CloseSessionRequest) -> Response:
-        await asyncio.to_thread(engine.close_session, body.session_id)
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        info = await asyncio.to_thread(engine.get_server_info)
-        return Response(metrics.render(info), media_type="text/plain; version=0.0.4")
-
-    @app.get("/debug/check_memory")
-    async def check_memory() -> JSONResponse:
-        try:
-            return JSONResponse(await asyncio.to_thread(engine.check_memory))
-        except AssertionError as e:
-            return error_response(f"memory check failed: {e}", 500)
-
-    @app.put("/generate")
-    @app.post("/generate")
-    async def generate(body: GenerateRequest, request: Request):
-        items, single = _native_items(body)
-        chunks = aengine.generate(items, body.stream, request.is_disconnected, log_metrics=body.log_metrics)
-        with_prompt = body.return_prompt_token_ids
-        if body.stream:
-            first = await first_item(chunks)  # raises ValueError -> 400 before the stream starts
-            return StreamingResponse(_native_sse(first, chunks, with_prompt), media_type="text/event-stream")
-        results = {i: chunk async for i, chunk in chunks}
-        if await request.is_disconnected():
-            return Response(status_code=499)  # nobody to answer; the requests were aborted
-        out = [_public(results[i], with_prompt) for i in sorted(results)]
-        body = out[0] if single and len(out) == 1 else out
-        # Off the event loop: prompt logprobs can make a body of many megabytes.
-        return Response(await asyncio.to_thread(json.dumps, body, ensure_ascii=False, allow_nan=False),
-                        media_type="application/json")
-
-    @app.post("/concate_and_append_request")
-    async def concate_and_append(body: ConcateAndAppendRequest) -> Response:
-        """SGLang's frontend calls this when `fork(...).join("concate_and_append")` ends: it has
-        appended the branches' texts to the parent's text itself, and asks the server to splice
-        the branches' KV into the parent's. We do not splice: KV computed for a branch sits at the
-        branch's positions, so spliced KV would change the model's outputs. The parent's next
-        request prefills the joined text instead, its shared prefix served by the radix cache."""
-        return Response(status_code=200)
-
-
-def _public(result: dict, with_prompt_ids: bool) -> dict:
-    out = {k: v for k, v in result.items() if k not in ("finished", "prompt_token_ids")}
-    return out | ({"prompt_token_ids": result["prompt_token_ids"]} if with_prompt_ids else {})
-
-
-def _native_sse(first: tuple | None, chunks: AsyncIterator, with_prompt_ids: bool) -> AsyncIterator[str]:
-    """SGLang streams the cumulative text and ids so far in every event (and the cumulative
-    logprob lists in meta_info). An event whose text would be unchanged (a token that ends inside
-    a character, a stop string held back) is held until the text grows or the request ends:
-    SGLang's frontend refuses an event without new text, and the next one carries everything."""
-    texts: dict[int, str] = {}
-    ids: dict[int, list[int]] = {}
-
-    def event(i: int, chunk: dict) -> str | None:
-        texts[i] = texts.get(i, "") + chunk["text"]
-        ids[i] = ids.get(i, []) + chunk["output_ids"]
-        if not chunk["text"] and not chunk["finished"]:
-            return None
-        out = {"text": texts[i], "output_ids": ids[i], "meta_info": chunk["meta_info"], "index": i}
-        return sse(out | ({"prompt_token_ids": chunk["prompt_token_ids"]} if with_prompt_ids else {}))
-
-    return sse_stream(first, chunks, event)
-
-
-def launch_server(server_args: ServerArgs) -> int:
-    """Serves until SIGTERM/SIGINT (exit code 0) or until the engine fails beyond recovery
-    (exit code 1, so that a supervisor restarts it)."""
-    import uvicorn
-
-    from baby_sgl.server_args import engine_kwargs
-
-    if server_args.api_key is None and not _is_loopback(server_args.host):
-        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the server",
-                       server_args.host)
-    engine = Engine(**engine_kwargs(server_args))
-    app = create_app(engine, server_args)
-    app.state.listen = {"host": server_args.host, "port": server_args.port}
-    server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                                           log_level=server_args.log_level, timeout_keep_alive=5,
-                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-    engine.scheduler.on_death.append(lambda _: setattr(server, "should_exit", True))
-    # uvicorn handles SIGTERM/SIGINT itself, then raises the signal again once it has stopped,
-    # under the handlers found before it started: these let the engine shut down (and stop its
-    # tensor-parallel ranks) instead of the process dying there.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    print(f"baby-sgl: serving {app.state.model_name} at http://{server_args.host}:{server_args.port}",
-          file=sys.stderr, flush=True)
-    try:
-        server.run()
-    finally:
-        engine.shutdown()
-    if engine.scheduler.dead is not None:
-        logger.critical("exiting: the engine stopped (%r)", engine.scheduler.dead)
-        return 1
-    return 0
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"

@@ -1,11 +1,20 @@
-"""`baby-sgl serve` / `python -m baby_sgl.launch_server`: the HTTP server with every Engine flag."""
+"""`baby-sgl serve` / `python -m baby_sgl.launch_server`: the server process. It parses the flags,
+starts the engine (or, with --dp-size, one such process per rank behind the router), serves the
+app until SIGTERM/SIGINT or the engine's failure, and shuts the engine down."""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import signal
+import sys
 
-from baby_sgl.server_args import ServerArgs
+from baby_sgl.server_args import ServerArgs, engine_kwargs
+
+logger = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 3  # SIGTERM: open requests get this long, then the server stops regardless
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +31,46 @@ def main(argv: list[str] | None = None) -> int:
         from baby_sgl.entrypoints.data_parallel import launch_data_parallel
 
         return launch_data_parallel(args)
-    from baby_sgl.entrypoints.http_server import launch_server
-
     return launch_server(args)
+
+
+def launch_server(server_args: ServerArgs) -> int:
+    """Serves until SIGTERM/SIGINT (exit code 0) or until the engine fails beyond recovery
+    (exit code 1, so that a supervisor restarts it)."""
+    import uvicorn
+
+    from baby_sgl.engine import Engine
+    from baby_sgl.entrypoints.http_server import create_app
+
+    if server_args.api_key is None and not _is_loopback(server_args.host):
+        logger.warning("serving on %s without --api-key: anyone who can reach this address can use the server",
+                       server_args.host)
+    engine = Engine(**engine_kwargs(server_args))
+    app = create_app(engine, server_args)
+    app.state.listen = {"host": server_args.host, "port": server_args.port}
+    server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                                           log_level=server_args.log_level, timeout_keep_alive=5,
+                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    engine.on_death(lambda _: setattr(server, "should_exit", True))
+    # uvicorn handles SIGTERM/SIGINT itself, then raises the signal again once it has stopped,
+    # under the handlers found before it started: these let the engine shut down (and stop its
+    # tensor-parallel ranks) instead of the process dying there.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    print(f"baby-sgl: serving {app.state.model_name} at http://{server_args.host}:{server_args.port}",
+          file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    if engine.failure() is not None:
+        logger.critical("exiting: the engine stopped (%r)", engine.failure())
+        return 1
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -11,7 +11,7 @@ from pydantic import Field
 
 from baby_sgl.managers.io_struct import (CloseSessionReqInput, LogprobOptions, OpenSessionReqInput,
                                          SessionParams)
-from baby_sgl.sampling.sampling_params import GRAMMAR_KINDS, Grammar, LogitBias, SamplingParams, StopString
+from baby_sgl.core.sampling_params import GRAMMAR_KINDS, Grammar, LogitBias, SamplingParams, StopString
 from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_BATCH, MAX_ID_LEN, MAX_N, MAX_STOP, Id, Int32,
                                  NonNegInt32, StrictModel, Text, TokenId, TopLogprobsNum, SGLangInput)
 

@@ -12,7 +12,7 @@ import torch
 from baby_sgl.errors import MemoryLeakError
 
 if TYPE_CHECKING:
-    from baby_sgl.managers.req import Req
+    from baby_sgl.core.req import Req
     from baby_sgl.managers.scheduler import Scheduler
 
 __all__ = ["MemoryLeakError", "check_memory", "pool_counts"]

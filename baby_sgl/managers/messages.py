@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from baby_sgl.managers.req import Req
+from baby_sgl.core.req import Req
 
 
 @dataclass

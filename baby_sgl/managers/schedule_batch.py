@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from baby_sgl.managers.req import Req
+from baby_sgl.core.req import Req
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
-from baby_sgl.mem_cache.memory_pool import ReqToTokenPool
-from baby_sgl.model_executor.forward_batch import ForwardMode
-from baby_sgl.model_executor.model_runner import ModelWorkerBatch
+from baby_sgl.core.memory_pool import ReqToTokenPool
+from baby_sgl.core.forward_batch import ForwardMode, ModelWorkerBatch
 from baby_sgl.sampling.logprobs import InputLogprobSpan, plan_input_logprobs
 
 

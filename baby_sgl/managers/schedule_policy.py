@@ -6,7 +6,7 @@ import enum
 import random
 from collections import defaultdict
 
-from baby_sgl.managers.req import Req
+from baby_sgl.core.req import Req
 from baby_sgl.managers.session_controller import SessionController
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 

@@ -21,7 +21,7 @@ from baby_sgl.errors import EngineDeadError
 from baby_sgl.managers.io_struct import SessionParams
 from baby_sgl.managers.memory_checker import check_memory
 from baby_sgl.managers.messages import AbortReq, Call, Message, NewReq, Stop
-from baby_sgl.managers.req import Req
+from baby_sgl.core.req import Req
 from baby_sgl.managers.schedule_batch import ScheduleBatch
 from baby_sgl.managers.scheduler_batches import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, BatchFormation
 from baby_sgl.managers.scheduler_output import OutputProcessing
@@ -31,7 +31,7 @@ from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 from baby_sgl.mem_cache.chunk_cache import ChunkCache
 from baby_sgl.mem_cache.radix_cache import RadixCache
-from baby_sgl.model_executor.forward_batch import ForwardMode
+from baby_sgl.core.forward_batch import ForwardMode
 from baby_sgl.model_executor.model_runner import ModelRunner
 from baby_sgl.sampling.logprobs import record_input_logprobs
 from baby_sgl.sampling.sampler import Sampler

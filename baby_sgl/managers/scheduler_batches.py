@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 from baby_sgl.managers.schedule_batch import ScheduleBatch
 from baby_sgl.managers.schedule_policy import (AddResult, PrefillAdder, match_prefix, shares_uncached_prefix,
                                                sort_waiting)
-from baby_sgl.model_executor.forward_batch import ForwardMode
+from baby_sgl.core.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
-    from baby_sgl.managers.req import Req
+    from baby_sgl.core.req import Req
 
 logger = logging.getLogger(__name__)
 

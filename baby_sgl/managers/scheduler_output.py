@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from baby_sgl.constrained.grammar import ConstraintError
-from baby_sgl.detokenizer import detokenize_step
-from baby_sgl.model_executor.forward_batch import ForwardMode
-from baby_sgl.sampling.sampling_params import stop_regex_matcher
+from baby_sgl.managers.detokenizer import detokenize_step
+from baby_sgl.core.forward_batch import ForwardMode
+from baby_sgl.core.sampling_params import stop_regex_matcher
 
 if TYPE_CHECKING:
-    from baby_sgl.managers.req import Req
+    from baby_sgl.core.req import Req
     from baby_sgl.managers.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from baby_sgl.managers.memory_checker import pool_counts
 
 if TYPE_CHECKING:
-    from baby_sgl.managers.req import Req
+    from baby_sgl.core.req import Req
     from baby_sgl.managers.scheduler import Scheduler
     from baby_sgl.mem_cache.radix_cache import TreeNode
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from baby_sgl.errors import ServerBusyError
 from baby_sgl.errors import MemoryLeakError
 from baby_sgl.managers.io_struct import OpenSessionReqInput, SessionParams
-from baby_sgl.managers.req import Req
+from baby_sgl.core.req import Req
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 
 # A normal session keeps every turn (any of them may be continued); this bounds its memory.

@@ -11,9 +11,9 @@ from typing import Any
 
 from baby_sgl.constrained.grammar import GrammarCache
 from baby_sgl.managers.io_struct import ReqOptions
-from baby_sgl.managers.req import Req
+from baby_sgl.core.req import Req
 from baby_sgl.sampling.logprobs import with_texts
-from baby_sgl.sampling.sampling_params import SamplingParams
+from baby_sgl.core.sampling_params import SamplingParams
 from baby_sgl.validation import validate, validate_text
 
 

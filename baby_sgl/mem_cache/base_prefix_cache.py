@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
-from baby_sgl.mem_cache.memory_pool import ReqToTokenPool
+from baby_sgl.core.memory_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
-    from baby_sgl.managers.req import Req
+    from baby_sgl.core.req import Req
 
 
 class PrefixMatch(NamedTuple):

@@ -9,7 +9,7 @@ import torch
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache, PrefixMatch
 
 if TYPE_CHECKING:
-    from baby_sgl.managers.req import Req
+    from baby_sgl.core.req import Req
 
 
 class ChunkCache(BasePrefixCache):

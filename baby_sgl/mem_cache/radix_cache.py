@@ -18,10 +18,10 @@ import torch
 from baby_sgl.errors import MemoryLeakError
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache, PrefixMatch
-from baby_sgl.mem_cache.memory_pool import ReqToTokenPool
+from baby_sgl.core.memory_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
-    from baby_sgl.managers.req import Req
+    from baby_sgl.core.req import Req
     from baby_sgl.trace import Tracer
 
 _counter = itertools.count()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from baby_sgl.layers.quantization import DENSE_TYPES, QuantizedWeight
-from baby_sgl.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
 
 
 def can_run(model: torch.nn.Module, dtype: torch.dtype) -> bool:

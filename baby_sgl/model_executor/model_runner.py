@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,9 +13,9 @@ from baby_sgl.attention.registry import create_attention_backend
 from baby_sgl.cpu_ops import cpu_ops
 from baby_sgl.distributed import tp_plan
 from baby_sgl.distributed.tp_group import CheckMemory, Forward, GroupBroken, InitPool, TPGroup
-from baby_sgl.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
 from baby_sgl.model_config import ModelConfig
-from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
+from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from baby_sgl.layers.linear import Linear, can_prepack
 from baby_sgl.model_executor.compile import CompiledDense, device_needs_cxx
 from baby_sgl.model_executor import cpu_step
@@ -25,22 +24,6 @@ from baby_sgl.models.registry import get_model_class
 from baby_sgl.toolchain import cxx_compiler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ModelWorkerBatch:
-    """Only what the forward pass needs, as host data; the runner moves it to the device."""
-
-    mode: ForwardMode
-    input_ids: list[int]
-    positions: torch.Tensor
-    out_cache_loc: torch.Tensor
-    req_pool_indices: list[int]
-    seq_lens: list[int]
-    extend_prefix_lens: list[int]
-    extend_seq_lens: list[int]
-    num_decode_reqs: int = 0  # MIXED: requests at the end of the batch that decode one token
-    input_logprob_rows: list[int] | None = None  # token rows whose logits give prompt logprobs
 
 
 class ModelRunner:

@@ -19,7 +19,7 @@ from baby_sgl.layers.linear import Linear, linear, set_quantized
 from baby_sgl.layers.quantization import QuantizedWeight
 from baby_sgl.layers.rotary_embedding import RotaryEmbedding
 from baby_sgl.model_config import ModelConfig
-from baby_sgl.model_executor.forward_batch import ForwardBatch
+from baby_sgl.core.forward_batch import ForwardBatch
 
 
 def attention_in(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,

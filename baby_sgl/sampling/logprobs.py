@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from baby_sgl.managers.req import Req
+from baby_sgl.core.req import Req
 
 _LOGITS_SLICE_ROWS = 256  # prompt rows turned into vocabulary logits at once (bounds memory)
 # A token the grammar (or min_new_tokens) forbids has probability 0: its logprob is reported as

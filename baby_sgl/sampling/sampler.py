@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from baby_sgl.constrained.grammar import apply_grammar_masks
-from baby_sgl.managers.req import Req
+from baby_sgl.core.req import Req
 from baby_sgl.sampling.logprobs import record_output_logprobs
 
 _TOPK_FAST_PATH = 1024

@@ -11,8 +11,8 @@ from baby_sgl.attention.shared_prefix import MIN_SHARED_LEN, find_shared_prefixe
 from baby_sgl.attention import torch_native
 from baby_sgl.attention.cpu_kernel import decode_kernel
 from baby_sgl.attention.torch_native import TorchNativeAttnBackend, split_by_length
-from baby_sgl.mem_cache.memory_pool import KVPool, ReqToTokenPool
-from baby_sgl.model_executor.forward_batch import ForwardBatch, ForwardMode
+from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
+from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
 

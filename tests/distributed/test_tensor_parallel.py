@@ -29,7 +29,7 @@ TP_CONFIGS = ["radix", "no-radix", "page16", "chunked", "retract", "mixed-chunk-
 def _followers() -> list[int]:
     """Tensor-parallel rank processes started by this test process."""
     out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if "baby_sgl.distributed.tp_worker" in line]
+    return [int(line.split()[0]) for line in out.splitlines() if "baby_sgl.managers.tp_worker" in line]
 
 
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2"])

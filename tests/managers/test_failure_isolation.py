@@ -95,7 +95,7 @@ def test_a_dead_scheduler_fails_waiters_instead_of_hanging(tiny_llama):
 
     engine = Engine(tiny_llama, dtype="float32")
     deaths = []
-    engine.scheduler.on_death.append(deaths.append)
+    engine.on_death(deaths.append)
 
     def die():
         raise Fatal("injected")

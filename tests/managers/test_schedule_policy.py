@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from baby_sgl import Engine
-from baby_sgl.managers.req import Req
+from baby_sgl.core.req import Req
 from baby_sgl.managers.schedule_policy import match_prefix, sort_waiting
 from baby_sgl.server_args import SCHEDULE_POLICIES
-from baby_sgl.sampling.sampling_params import SamplingParams
+from baby_sgl.core.sampling_params import SamplingParams
 from helpers import GREEDY, random_prompts, shared_prefix_prompts
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from baby_sgl.errors import MemoryLeakError
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
-from baby_sgl.mem_cache.memory_pool import ReqToTokenPool
+from baby_sgl.core.memory_pool import ReqToTokenPool
 from baby_sgl.mem_cache import radix_cache
 from baby_sgl.mem_cache.radix_cache import RadixCache
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from baby_sgl.sampling.sampling_params import SamplingParams
+from baby_sgl.core.sampling_params import SamplingParams
 
 
 @dataclass

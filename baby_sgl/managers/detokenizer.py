@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from baby_sgl.managers.req import Req
+from baby_sgl.core.req import Req
 
 
 def detokenize_step(tokenizer, req: Req, final: bool) -> None:

@@ -1,16 +1,16 @@
-"""What one forward pass needs, as device tensors (plus a few host-side lengths for loop bounds)."""
+"""One forward pass as the scheduler hands it over (ModelWorkerBatch: host data) and as the model
+runs it (ForwardBatch: device tensors plus a few host-side lengths for loop bounds), and the
+interface of the attention backend a ForwardBatch carries."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from baby_sgl.attention.base import AttentionBackend
-    from baby_sgl.mem_cache.memory_pool import KVPool, ReqToTokenPool
+from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
 
 
 class ForwardMode(enum.Enum):
@@ -18,6 +18,33 @@ class ForwardMode(enum.Enum):
     DECODE = enum.auto()  # one new token per running request
     # --enable-mixed-chunk: extend requests first, then running requests decoding one token each
     MIXED = enum.auto()
+
+
+@dataclass
+class ModelWorkerBatch:
+    """Only what the forward pass needs, as host data; the runner moves it to the device."""
+
+    mode: ForwardMode
+    input_ids: list[int]
+    positions: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_pool_indices: list[int]
+    seq_lens: list[int]
+    extend_prefix_lens: list[int]
+    extend_seq_lens: list[int]
+    num_decode_reqs: int = 0  # MIXED: requests at the end of the batch that decode one token
+    input_logprob_rows: list[int] | None = None  # token rows whose logits give prompt logprobs
+
+
+class AttentionBackend(Protocol):
+    """What an attention backend implements; the model only ever calls these two methods."""
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        """Precomputes per-pass data (KV slot tables, masks) once, before the layers run."""
+
+    def forward(self, q: torch.Tensor, layer_id: int, scale: float, fb: ForwardBatch) -> torch.Tensor:
+        """q: [T, H, D] for the new tokens, whose K/V are already written to the pool.
+        Returns [T, H, D]: each query attends to its request's KV slots 0..its own position."""
 
 
 @dataclass
