@@ -100,7 +100,7 @@ class Engine:
                              tp=self.tp.group if self.tp else None)
         # The model holds its own copies now: free the checkpoint's tensors before the KV pool
         # is allocated, or both count towards the peak memory.
-        loaded.weights = None
+        loaded.weights = iter(())
         self.max_total_tokens = self._pool_size(cfg)
         # The longest prompt: its first output token must fit the context and the KV pool.
         self.max_input_len = min(self.context_len, self.max_total_tokens - args.page_size) - 1
@@ -180,9 +180,10 @@ class Engine:
         logprob lists out of every piece but the last (for a consumer that only keeps the end).
         logprob_options: as `generate`. Raises ValueError on bad input."""
         self.tokenizer_manager.check_session_logprobs(session_params, logprob_options)
-        reqs, _ = self.tokenizer_manager.make_reqs(prompt, input_ids, sampling_params, rid, **logprob_options)
-        if isinstance(reqs[0], ValueError):
-            raise reqs[0]
+        made, _ = self.tokenizer_manager.make_reqs(prompt, input_ids, sampling_params, rid, **logprob_options)
+        reqs = [r for r in made if isinstance(r, Req)]
+        if len(reqs) < len(made):
+            raise next(e for e in made if isinstance(e, ValueError))
         for req in reqs:
             req.stream = stream
             req.on_output = lambda out, cb=on_output: cb(self.tokenizer_manager.chunk(out, partial_logprobs or out["finished"]))

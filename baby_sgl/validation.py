@@ -8,7 +8,8 @@ surrogate cannot be tokenized, logged or sent back as JSON).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -58,7 +59,7 @@ def field_path(loc: tuple, prefix: str = "") -> str:
     return ".".join(parts)
 
 
-def describe_error(first: dict, prefix: str = "") -> str:
+def describe_error(first: Mapping[str, Any], prefix: str = "") -> str:
     """One pydantic error as one line naming the field (and the value, unless our own check
     already says it)."""
     where = field_path(tuple(first.get("loc", ())), prefix)
@@ -78,7 +79,10 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def validate(model: type[BaseModel], data: Any, prefix: str = "") -> BaseModel:
+M = TypeVar("M", bound=BaseModel)
+
+
+def validate(model: type[M], data: Any, prefix: str = "") -> M:
     """model.model_validate, with a ValueError that names the field on failure."""
     if isinstance(data, model):
         return data

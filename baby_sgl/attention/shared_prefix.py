@@ -75,7 +75,7 @@ def _group(rows: torch.Tensor, limits: list[int], members: list[int], start: int
     block = rows[members, start:end]
     n = start + int((block == block[0]).all(0).int().cumprod(0).sum())
     by_next: dict[int, list[int]] = defaultdict(list)
-    left = []
+    left: list[int] = []
     at_n = rows[members, n].tolist()  # n < every seq_len, so inside the table
     for b, slot in zip(members, at_n):  # at position n they differ, or some have nothing more to share
         (left if limits[b] <= n else by_next[slot]).append(b)

@@ -180,7 +180,7 @@ class TorchNativeAttnBackend:
         groups = [list(range(len(seq_lens_cpu)))] if self.kernel_rows else split_by_length(seq_lens_cpu)
         if len(groups) == 1:
             return _DecodePlan([(None, self._decode_group(rows, seq_lens, seq_lens_cpu, dtype))])
-        parts = []
+        parts: list[tuple[torch.Tensor | None, _DecodeMeta]] = []
         for g in groups:
             idx = torch.tensor(g, device=rows.device)
             parts.append((idx, self._decode_group(rows[idx], seq_lens[idx], [seq_lens_cpu[i] for i in g], dtype)))
@@ -234,6 +234,7 @@ class TorchNativeAttnBackend:
             return self._decode_group_attn(q, k_buf, v_buf, scale, plan.parts[0][1])
         out = torch.empty_like(q)
         for idx, meta in plan.parts:
+            assert idx is not None
             out.index_copy_(0, idx, self._decode_group_attn(q[idx], k_buf, v_buf, scale, meta))
         return out
 
@@ -270,7 +271,7 @@ class TorchNativeAttnBackend:
     def _attend(self, q, k_buf, v_buf, table, lens, mask, scale, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of q [N, Hkv, G, D] over each row's slots (table [N, L], the first lens[n] of
         row n; mask says the same for the portable path), with the log-sum-exp of the scores."""
-        if self._kernel_takes(q):
+        if self.decode_kernel is not None and self._kernel_takes(q):
             return self.decode_kernel.decode_attention(q.contiguous(), k_buf, v_buf, table, lens, scale)
         k = self.workspace.gather(name + "k", k_buf, table).transpose(1, 2)
         v = self.workspace.gather(name + "v", v_buf, table).transpose(1, 2)

@@ -7,6 +7,8 @@ import argparse
 import json
 import resource
 import time
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -41,7 +43,7 @@ def run_engine(engine: Engine, wl: Workload, constraint: dict | None = None) -> 
     compile_s = time.perf_counter() - compile_s
     engine.flush_cache()
     t0 = time.perf_counter()
-    outs = engine.generate(input_ids=wl.prompts, sampling_params=params)
+    outs = cast(list[dict], engine.generate(input_ids=wl.prompts, sampling_params=params))
     dt = time.perf_counter() - t0
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
@@ -152,7 +154,7 @@ def main(argv: list[str]) -> int:
     kwargs = engine_kwargs(args)
     if args.compare == "json-schema" and args.workload == "one-batch":
         p.error("--compare json-schema runs the random or shared-prefix workload")
-    run = run_one_batch if args.workload == "one-batch" else run_engine
+    run: Callable[..., dict] = run_one_batch if args.workload == "one-batch" else run_engine
     with Engine(**kwargs) as engine:
         wl = build_workload(args, engine.model_config.vocab_size)
         result = run(engine, wl)
@@ -163,7 +165,7 @@ def main(argv: list[str]) -> int:
         roofs = run_in_own_thread(lambda: measure_roofs(engine))  # see threads.py
         model_path, dtype = engine.model_path, engine.dtype
         memory = memory_budget(engine)
-    report = {"workload": wl.name, "num_prompts": len(wl.prompts), "input_tokens": wl.input_tokens,
+    report: dict[str, Any] = {"workload": wl.name, "num_prompts": len(wl.prompts), "input_tokens": wl.input_tokens,
               "output_tokens": sum(wl.output_lens), "dtype": str(dtype), "threads": torch.get_num_threads(),
               "server_args": kwargs, "roofs": roofs, "memory": memory, "results": [result],
               "peak_rss_mb": report_rss}

@@ -49,7 +49,8 @@ def hf_dir_for(model_source: str) -> str:
         logger.warning("dequantizing %s for the peer into %s (once)", model_source, out)
         loaded = load_model(model_source)  # our GGUF reader: Hugging Face names and layouts
         out.mkdir(parents=True, exist_ok=True)
-        save_file({name: t.contiguous() for name, t in loaded.weights}, str(out / "model.safetensors"))
+        dense = {name: t.contiguous() for name, t in loaded.weights if isinstance(t, torch.Tensor)}  # not quantized
+        save_file(dense, str(out / "model.safetensors"))
         (out / "config.json").write_text(json.dumps(loaded.hf_config, indent=1))
         for f in Path(loaded.tokenizer_path).iterdir():
             shutil.copy(f, out / f.name)

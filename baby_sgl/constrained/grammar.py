@@ -29,10 +29,13 @@ import queue
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ _COMPILE_STACK_BYTES = 512 * 2**20
 _MAX_ERROR_CHARS = 400  # a library message may quote the whole grammar
 # JSON the model writes under a schema: compact separators, no free whitespace. Free whitespace
 # lets a model pad forever (a grammar cannot end while spaces are still allowed).
-_JSON_DEFAULTS = {"whitespace_flexible": False}
+_JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 
 
 class ConstraintError(ValueError):
@@ -240,7 +243,7 @@ def _closed_objects(schema: Any) -> Any:
         return [_closed_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema: the names are data
             out[key] = {name: _closed_objects(sub) for name, sub in value.items()}

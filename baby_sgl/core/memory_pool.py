@@ -41,6 +41,7 @@ class ReqToTokenPool:
 
     def take_journal(self) -> list[tuple[int, int, list[int]]]:
         writes, self.journal = self.journal, []
+        assert writes is not None, "this pool keeps no journal"
         return writes
 
     def apply_writes(self, writes: list[tuple[int, int, list[int]]]) -> None:

@@ -74,6 +74,11 @@ class Req:
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 
+    def row(self) -> int:
+        """The request-slot row this request holds (an error if it holds none)."""
+        assert self.req_pool_idx is not None, f"{self!r} holds no request slot"
+        return self.req_pool_idx
+
     def input_logprobs_pending(self) -> bool:
         """Prompt logprobs were asked for and are not all computed yet."""
         start = self.logprob_start_len

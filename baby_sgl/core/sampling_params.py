@@ -30,7 +30,7 @@ Grammar = Annotated[Text, Field(min_length=1)]
 LogitBias = Annotated[float, Field(ge=-100, le=100)]  # OpenAI's range
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 # SGLang's fields we do not implement: accepted at these values only.
-_DEFAULT_ONLY = {"structural_tag": None, "custom_params": None, "beam_width": (None, 1), "watermark": None,
+_DEFAULT_ONLY: dict[str, Any] = {"structural_tag": None, "custom_params": None, "beam_width": (None, 1), "watermark": None,
                  "choice": ([],)}
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from baby_sgl.core.forward_batch import ModelWorkerBatch
 from baby_sgl.distributed.processes import child_setup, free_port, reap, split_cores
 
 logger = logging.getLogger(__name__)
@@ -51,13 +52,13 @@ class InitPool:
 
 @dataclass
 class Forward:
-    batch: object  # ModelWorkerBatch
-    row_writes: list  # (request slot, start, KV slot indices) written on rank 0 since the last pass
+    batch: ModelWorkerBatch
+    row_writes: list[tuple[int, int, list[int]]]  # (request slot, start, KV slot indices) written on rank 0 since the last pass
 
 
 @dataclass
 class CheckMemory:
-    row_writes: list  # rank 0's table writes not yet sent: applied first, so the tables can agree
+    row_writes: list[tuple[int, int, list[int]]]  # rank 0's table writes not yet sent: applied first, so the tables can agree
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from baby_sgl.engine import Engine
@@ -46,7 +46,7 @@ class AsyncEngine:
 
     async def generate(self, items: list[dict[str, Any]], stream: bool,
                        disconnected: Callable[[], Awaitable[bool]] | None = None, log_metrics: bool = True
-                       ) -> AsyncIterator[tuple[int, dict]]:
+                       ) -> AsyncGenerator[tuple[int, dict[str, Any]], None]:
         """Submits one engine request per item (a dict of `Engine.submit` arguments) and yields
         (index, chunk): every piece if `stream`, else only each request's whole result. An item
         with n > 1 yields its copies under consecutive indices. Raises ValueError, with nothing

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             messages.append({"role": "user", "content": line})
             stream = _remote_stream(args.base_url, args.model, messages, args.max_new_tokens, args.temperature) \
-                if args.base_url else _local_stream(engine, messages, args.max_new_tokens, args.temperature)
+                if engine is None else _local_stream(engine, messages, args.max_new_tokens, args.temperature)
             reply = _print_reply(stream)
             if reply is None:
                 messages.pop()  # the turn failed; let the user try again

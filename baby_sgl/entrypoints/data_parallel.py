@@ -127,6 +127,7 @@ class DataParallelServer:
             self.start_router()
             print(f"baby-sgl: {self.args.dp_size} workers behind SGLang's router ({self.args.router_policy}) at "
                   f"http://{self.args.host}:{self.args.port}", file=sys.stderr, flush=True)
+            assert self.router is not None
             while not stop.wait(0.5):
                 if self.router.poll() is not None:
                     logger.critical("the router exited with code %s; stopping the workers", self.router.returncode)

@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -17,7 +18,7 @@ from baby_sgl.entrypoints.async_bridge import AsyncEngine
 from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.entrypoints.protocol import (AbortRequest, CloseSessionRequest, ConcateAndAppendRequest, GenerateRequest,
                                           OpenSessionRequest)
-from baby_sgl.entrypoints.responses import error_response, first_item, sse, sse_stream
+from baby_sgl.entrypoints.responses import Chunks, error_response, first_item, sse, sse_stream
 from baby_sgl.managers.io_struct import LogprobOptions
 from baby_sgl.managers.tokenizer_manager import split_batch
 
@@ -136,9 +137,9 @@ def add_native_routes(app: FastAPI) -> None:
         if await request.is_disconnected():
             return Response(status_code=499)  # nobody to answer; the requests were aborted
         out = [_public(results[i], with_prompt) for i in sorted(results)]
-        body = out[0] if single and len(out) == 1 else out
+        answer = out[0] if single and len(out) == 1 else out
         # Off the event loop: prompt logprobs can make a body of many megabytes.
-        return Response(await asyncio.to_thread(json.dumps, body, ensure_ascii=False, allow_nan=False),
+        return Response(await asyncio.to_thread(json.dumps, answer, ensure_ascii=False, allow_nan=False),
                         media_type="application/json")
 
     @app.post("/concate_and_append_request")
@@ -156,7 +157,7 @@ def _public(result: dict, with_prompt_ids: bool) -> dict:
     return out | ({"prompt_token_ids": result["prompt_token_ids"]} if with_prompt_ids else {})
 
 
-def _native_sse(first: tuple | None, chunks: AsyncIterator, with_prompt_ids: bool) -> AsyncIterator[str]:
+def _native_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, with_prompt_ids: bool) -> AsyncIterator[str]:
     """SGLang streams the cumulative text and ids so far in every event (and the cumulative
     logprob lists in meta_info). An event whose text would be unchanged (a token that ends inside
     a character, a stop string held back) is held until the text grows or the request ends:

@@ -7,13 +7,14 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from baby_sgl.entrypoints.responses import first_item, sse, sse_stream
+from baby_sgl.entrypoints.responses import Chunks, first_item, sse, sse_stream
 
 
 def _finish_reason(meta: dict) -> str | None:
@@ -85,8 +86,7 @@ def add_openai_routes(app: FastAPI) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        batch = isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
-        prompts = body.prompt if batch else [body.prompt]
+        prompts = _prompt_list(body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
         echo_logprobs = body.echo and body.logprobs is not None
         items = [item for p in prompts for item in _copies({
@@ -97,7 +97,7 @@ def add_openai_routes(app: FastAPI) -> None:
             if body.logprobs is not None else (lambda meta, start: None)
         echoed = None
         if body.echo:  # each choice's text starts with its prompt
-            texts = [p if isinstance(p, str) else await asyncio.to_thread(engine.tokenizer.decode, p) for p in prompts]
+            texts = [p if isinstance(p, str) else await asyncio.to_thread(_decode, engine, p) for p in prompts]
             echoed = [t for t in texts for _ in range(body.n)]
         return await _respond(app, request, items, body, "text_completion", logprobs, echoed)
 
@@ -134,8 +134,21 @@ async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind
     return {**head, "object": kind, "choices": choices, "usage": _usage(metas, body.n)}
 
 
-def _openai_sse(first, chunks: AsyncIterator, head: dict, kind: str, n: int, include_usage: bool,
-                logprobs, echoed: list[str] | None) -> AsyncIterator[str]:
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's `prompt`: one text or token list, or a batch of them."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return cast("list[str | list[int]]", list(prompt))
+    return [cast("str | list[int]", prompt)]
+
+
+def _decode(engine: Engine, ids: list[int]) -> str:
+    text = engine.tokenizer.decode(ids)
+    assert isinstance(text, str)
+    return text
+
+
+def _openai_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, head: dict[str, Any], kind: str, n: int,
+                include_usage: bool, logprobs: Any, echoed: list[str] | None) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     sent: dict[int, int] = {}  # tokens already reported per choice (for logprobs)
     metas: dict[int, dict] = {}

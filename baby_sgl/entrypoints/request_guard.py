@@ -80,7 +80,7 @@ class RequestGuard:
                 return False
         elif scheme.lower() != "bearer":
             return False
-        return hmac.compare_digest(token.strip().encode("latin-1"), self.api_key)
+        return self.api_key is not None and hmac.compare_digest(token.strip().encode("latin-1"), self.api_key)
 
     async def _read_body(self, headers: dict[str, str], receive: Receive):
         """(body, None), or (None, a refusal), or (None, None) if the client disconnected."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -26,9 +26,11 @@ def sse(payload: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+# What AsyncEngine.generate yields: (index, chunk) pairs.
+Chunks = AsyncGenerator[tuple[int, dict[str, Any]], None]
 
 
-async def sse_stream(first: tuple | None, chunks: AsyncIterator, event: Callable[[int, dict], str | None],
+async def sse_stream(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, event: Callable[[int, dict], str | None],
                      trailer: Callable[[], list[str]] = list) -> AsyncIterator[str]:
     """The body of a streamed response over (index, chunk) pairs, `first` (already awaited) and
     then the rest: event(i, chunk) per chunk (None: nothing for it), the trailer's events, then
@@ -47,7 +49,7 @@ async def sse_stream(first: tuple | None, chunks: AsyncIterator, event: Callable
         await chunks.aclose()
 
 
-async def first_item(items: AsyncIterator) -> Any | None:
+async def first_item(items: Chunks) -> tuple[int, dict[str, Any]] | None:
     """Waits for the first item before the response starts, so bad input still gets a 400
     rather than an error in the middle of a 200 stream."""
     try:

@@ -50,7 +50,7 @@ def set_quantized(module: nn.Module, weight: QuantizedWeight) -> None:
     QuantizedWeight, whose bytes are a buffer (so they move with the module)."""
     del module._parameters["weight"]
     module.register_buffer("qweight", weight.data, persistent=False)
-    module.weight = weight
+    module.weight = weight  # type: ignore[assignment]  # read by linear() below, never as a tensor
 
 
 class Linear(nn.Linear):

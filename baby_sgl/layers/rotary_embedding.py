@@ -13,9 +13,9 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
         return inv_freq
-    if kind == "linear":
+    if kind == "linear" and scaling is not None:
         return inv_freq / scaling["factor"]
-    if kind == "llama3":
+    if kind == "llama3" and scaling is not None:
         return _llama3_inv_freq(inv_freq, scaling)
     raise ValueError(f"unsupported rope scaling type {kind!r}")
 
@@ -52,7 +52,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos_cache[positions].unsqueeze(1).to(dtype), self.sin_cache[positions].unsqueeze(1).to(dtype)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x: [T, heads, D] (queries and keys together), rotated to their positions."""
         cos, sin = cos_sin
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

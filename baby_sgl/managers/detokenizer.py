@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from baby_sgl.core.req import Req
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def detokenize_step(tokenizer, req: Req, final: bool) -> None:
+
+def detokenize_step(tokenizer: PreTrainedTokenizerBase, req: Req, final: bool) -> None:
     """Appends to req.text whatever the new output tokens complete.
 
     The text is the difference between decoding the window [surr_offset:] and its already
@@ -14,8 +19,9 @@ def detokenize_step(tokenizer, req: Req, final: bool) -> None:
     ids, p = req.output_ids, req.sampling_params
     # spaces_between_special_tokens is honoured by the tokenizers that have the option (slow ones).
     kw = {"skip_special_tokens": p.skip_special_tokens, "spaces_between_special_tokens": p.spaces_between_special_tokens}
-    prefix = tokenizer.decode(ids[req.surr_offset : req.read_offset], **kw)
-    full = tokenizer.decode(ids[req.surr_offset :], **kw)
+    prefix, full = (tokenizer.decode(part, **kw) for part in (ids[req.surr_offset : req.read_offset],
+                                                              ids[req.surr_offset :]))
+    assert isinstance(prefix, str) and isinstance(full, str)
     # "\ufffd" at the end means a character's bytes are still incomplete: wait for more tokens.
     if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
         req.text += full[len(prefix) :]

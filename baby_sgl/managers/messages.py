@@ -25,7 +25,7 @@ class Call:
     """Run fn in the scheduler thread between steps; (True, result) or (False, exception) goes to done."""
 
     fn: Callable[[], Any]
-    done: queue.Queue
+    done: queue.Queue[tuple[bool, Any]]
 
 
 @dataclass

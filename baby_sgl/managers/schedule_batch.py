@@ -9,12 +9,13 @@ from baby_sgl.core.req import Req
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.core.memory_pool import ReqToTokenPool
 from baby_sgl.core.forward_batch import ForwardMode, ModelWorkerBatch
+from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 from baby_sgl.sampling.logprobs import InputLogprobSpan, plan_input_logprobs
 
 
 class ScheduleBatch:
     def __init__(self, reqs: list[Req], mode: ForwardMode, req_to_token_pool: ReqToTokenPool,
-                 allocator: PagedTokenAllocator, tree_cache) -> None:
+                 allocator: PagedTokenAllocator, tree_cache: BasePrefixCache) -> None:
         self.reqs, self.mode = reqs, mode
         self.req_to_token_pool, self.allocator, self.tree_cache = req_to_token_pool, allocator, tree_cache
         self.prefix_lens: list[int] = []
@@ -54,9 +55,9 @@ class ScheduleBatch:
         self._write_rows()
 
     def _write_rows(self) -> None:
-        start = 0
+        start, slots = 0, self.slots()
         for req, a, b in zip(self.reqs, self.prefix_lens, self.seq_lens):
-            self.req_to_token_pool.write(req.req_pool_idx, a, self.out_cache_loc[start : start + b - a])
+            self.req_to_token_pool.write(req.row(), a, slots[start : start + b - a])
             req.alloc_len = b  # owned now, computed once the pass has run (kv_len)
             start += b - a
 
@@ -75,7 +76,12 @@ class ScheduleBatch:
         self.reqs = self.reqs + decoding.reqs
         self.prefix_lens = self.prefix_lens + decoding.prefix_lens
         self.seq_lens = self.seq_lens + decoding.seq_lens
-        self.out_cache_loc = torch.cat([self.out_cache_loc, decoding.out_cache_loc])
+        self.out_cache_loc = torch.cat([self.slots(), decoding.slots()])
+
+    def slots(self) -> torch.Tensor:
+        """The KV slots of this pass's new tokens (once prepared for extend or decode)."""
+        assert self.out_cache_loc is not None, "the batch is not prepared yet"
+        return self.out_cache_loc
 
     def can_decode(self) -> bool:
         need = self.decode_pages_needed() * self.allocator.page_size
@@ -114,8 +120,8 @@ class ScheduleBatch:
             mode=self.mode,
             input_ids=input_ids,
             positions=positions,
-            out_cache_loc=self.out_cache_loc,
-            req_pool_indices=[r.req_pool_idx for r in self.reqs],
+            out_cache_loc=self.slots(),
+            req_pool_indices=[r.row() for r in self.reqs],
             seq_lens=self.seq_lens,
             extend_prefix_lens=self.prefix_lens,
             extend_seq_lens=ext,

@@ -5,16 +5,19 @@ from __future__ import annotations
 import enum
 import random
 from collections import defaultdict
+from typing import Any
 
 from baby_sgl.core.req import Req
 from baby_sgl.managers.session_controller import SessionController
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
+from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 
 # Output tokens a running request is assumed to still need, at most, when reserving KV room.
 _MAX_RESERVED_PER_REQ = 4096
+_UNCHUNKED = 1 << 62  # the chunk budget of unchunked prefill: more tokens than any pass holds
 
 
-def match_prefix(req: Req, tree_cache, sessions: SessionController) -> None:
+def match_prefix(req: Req, tree_cache: BasePrefixCache, sessions: SessionController) -> None:
     """Finds the request's cached prefix. The last token is always computed, because its
     logits give the next token, so at most len - 1 tokens can come from the cache. A streaming
     session's turn finds its prefix in the row its session holds (locked there already, so
@@ -24,8 +27,9 @@ def match_prefix(req: Req, tree_cache, sessions: SessionController) -> None:
         req.prefix_indices, req.last_node = held, tree_cache.root
     else:
         limit = req.seqlen - 1
-        if req.input_logprobs_pending():  # prompt logprobs need those positions computed here
-            limit = min(limit, req.logprob_start_len)
+        start = req.logprob_start_len
+        if start is not None and req.input_logprobs_pending():  # prompt logprobs need those positions computed here
+            limit = min(limit, start)
         match = tree_cache.match_prefix(req.fill_ids[:limit])
         req.prefix_indices, req.last_node = match.slots, match.node
 
@@ -35,7 +39,7 @@ CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # need the radix tree; fcfs withou
 LPM_MAX_QUEUE = 128
 
 
-def sort_waiting(waiting: list[Req], policy: str, rng: random.Random, root=None) -> None:
+def sort_waiting(waiting: list[Req], policy: str, rng: random.Random, root: Any = None) -> None:
     """Orders the waiting queue in place (every request's prefix is matched already):
     - fcfs: arrival order;
     - lpm: longest cached prefix first (stable on ties);
@@ -53,7 +57,7 @@ def sort_waiting(waiting: list[Req], policy: str, rng: random.Random, root=None)
         rng.shuffle(waiting)
 
 
-def _dfs_weight_order(waiting: list[Req], root) -> list[Req]:
+def _dfs_weight_order(waiting: list[Req], root: Any) -> list[Req]:
     """Requests grouped by the tree node their cached prefix ends at; a node weighs as many
     requests as end in its subtree. Children are visited heaviest first, and a node's own
     requests come after its subtree's, in arrival order."""
@@ -105,7 +109,7 @@ def reserved_tokens(req: Req, ratio: float) -> int:
 
 
 class PrefillAdder:
-    def __init__(self, tree_cache, allocator: PagedTokenAllocator, running: list[Req], new_token_ratio: float,
+    def __init__(self, tree_cache: BasePrefixCache, allocator: PagedTokenAllocator, running: list[Req], new_token_ratio: float,
                  max_prefill_tokens: int, chunked_prefill_size: int | None, sessions: SessionController,
                  mixed_decode_tokens: int = 0) -> None:
         self.tree_cache, self.allocator, self.ratio = tree_cache, allocator, new_token_ratio
@@ -116,7 +120,7 @@ class PrefillAdder:
         self.idle = not running
         # A mixed pass also carries one token per running request: they count against the budgets.
         self.rem_input_tokens = max_prefill_tokens - mixed_decode_tokens
-        self.rem_chunk_tokens = (chunked_prefill_size or float("inf")) - mixed_decode_tokens
+        self.rem_chunk_tokens = (chunked_prefill_size or _UNCHUNKED) - mixed_decode_tokens
         self.can_run: list[Req] = []
         self.new_chunked_req: Req | None = None
 
@@ -151,9 +155,8 @@ class PrefillAdder:
         return AddResult.NO_ROOM if req.is_chunked or self.rem_chunk_tokens <= 0 else AddResult.CONTINUE
 
     def _chunk_room(self) -> int:
-        room = self.rem_chunk_tokens
         # A chunk ends on a page boundary so the tree can take all of it between chunks.
-        return room if room == float("inf") else max(room // self.page_size * self.page_size, self.page_size)
+        return max(self.rem_chunk_tokens // self.page_size * self.page_size, self.page_size)
 
     def _add(self, req: Req, extend: int) -> None:
         start = req.kv_len if req.req_pool_idx is not None else len(req.prefix_indices)

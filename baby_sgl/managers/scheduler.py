@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,13 +31,16 @@ from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 from baby_sgl.mem_cache.chunk_cache import ChunkCache
 from baby_sgl.mem_cache.radix_cache import RadixCache
-from baby_sgl.core.forward_batch import ForwardMode
+from baby_sgl.core.forward_batch import ForwardMode, ModelWorkerBatch
 from baby_sgl.model_executor.model_runner import ModelRunner
 from baby_sgl.sampling.logprobs import record_input_logprobs
 from baby_sgl.sampling.sampler import Sampler
 from baby_sgl.server_args import EngineArgs
 from baby_sgl.managers.activity import Activity
 from baby_sgl.trace import Tracer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +62,14 @@ class Progress:
 
 
 class Scheduler(BatchFormation, OutputProcessing):
-    def __init__(self, args: EngineArgs, runner: ModelRunner, tokenizer, eos_token_ids: list[int],
+    def __init__(self, args: EngineArgs, runner: ModelRunner, tokenizer: PreTrainedTokenizerBase, eos_token_ids: list[int],
                  max_total_tokens: int, context_len: int, max_input_len: int) -> None:
         self.args, self.runner, self.tokenizer = args, runner, tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.context_len = context_len
         self.tracer = Tracer(args.trace_file) if args.trace_file else None
         self.activity = Activity()  # recent batches, evictions and counters, for the dashboard
-        runner.init_memory_pool(max_total_tokens, args.max_running_requests, context_len)
-        self.req_to_token_pool = runner.req_to_token_pool
+        self.req_to_token_pool = runner.init_memory_pool(max_total_tokens, args.max_running_requests, context_len)
         self.allocator = PagedTokenAllocator(max_total_tokens, args.page_size, runner.device)
         self.tree_cache: BasePrefixCache = (ChunkCache(self.req_to_token_pool, self.allocator)
                                             if args.disable_radix_cache else
@@ -86,8 +88,10 @@ class Scheduler(BatchFormation, OutputProcessing):
         self.init_ratio, self.min_ratio = min(INIT_NEW_TOKEN_RATIO * c, 1.0), min(MIN_NEW_TOKEN_RATIO * c, 1.0)
         self.new_token_ratio = self.init_ratio
         # As SGLang: mixing needs chunked prefill, whose chunk size bounds each mixed step.
-        self.chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else None  # None: unchunked
-        self.mixed_chunk = args.enable_mixed_chunk and args.chunked_prefill_size > 0
+        chunk = args.chunked_prefill_size
+        assert chunk is not None, "the engine resolves chunked_prefill_size before the scheduler starts"
+        self.chunk_size = chunk if chunk > 0 else None  # None: unchunked
+        self.mixed_chunk = args.enable_mixed_chunk and chunk > 0
         self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
                       "forward_steps": 0, "mixed_steps": 0, "num_failed_reqs": 0}
         self.inbox: queue.Queue[Message] = queue.Queue()
@@ -130,7 +134,7 @@ class Scheduler(BatchFormation, OutputProcessing):
         """Runs fn in the scheduler thread between steps and returns its result. Raises
         EngineDeadError, rather than waiting forever, if the scheduler stops meanwhile."""
         self._check_alive()
-        done: queue.Queue = queue.Queue()
+        done: queue.Queue[tuple[bool, Any]] = queue.Queue()
         self.inbox.put(Call(fn, done))
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -283,6 +287,7 @@ class Scheduler(BatchFormation, OutputProcessing):
         self.stats["mixed_steps"] += batch.mode == ForwardMode.MIXED
         self.last_forward = time.monotonic()
         if batch.input_logprob_spans:
+            assert logprob_hidden is not None, "the pass computed no hidden states for prompt logprobs"
             self._record_input_logprobs(batch, logprob_hidden)
         self._process_result(batch, logits)
         self.activity.record_step(self.stats)
@@ -334,7 +339,8 @@ class Scheduler(BatchFormation, OutputProcessing):
             if not req.finished:  # a finished one was released and its last piece sent already
                 self._fail_req(req, message)
 
-    def _trace_batch(self, batch: ScheduleBatch, mwb) -> None:
+    def _trace_batch(self, batch: ScheduleBatch, mwb: ModelWorkerBatch) -> None:
+        assert self.tracer is not None and batch.out_cache_loc is not None
         self.tracer.event(
             "batch",
             mode=batch.mode.name,

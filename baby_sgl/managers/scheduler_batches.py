@@ -9,6 +9,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from baby_sgl.managers.schedule_batch import ScheduleBatch
+from baby_sgl.managers.scheduler_state import SchedulerState
 from baby_sgl.managers.schedule_policy import (AddResult, PrefillAdder, match_prefix, shares_uncached_prefix,
                                                sort_waiting)
 from baby_sgl.core.forward_batch import ForwardMode
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, NEW_TOKEN_RATIO_DECAY = 0.7, 0.1, 0.002
 
 
-class BatchFormation:
+class BatchFormation(SchedulerState):
     """Scheduler's batch forming; the state it reads and writes is the Scheduler's."""
 
     def _new_schedule_batch(self, reqs: list[Req], mode: ForwardMode) -> ScheduleBatch:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from baby_sgl.constrained.grammar import ConstraintError
 from baby_sgl.managers.detokenizer import detokenize_step
+from baby_sgl.managers.scheduler_state import SchedulerState
 from baby_sgl.core.forward_batch import ForwardMode
 from baby_sgl.core.sampling_params import stop_regex_matcher
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class OutputProcessing:
+class OutputProcessing(SchedulerState):
     """Scheduler's handling of results; the state it reads and writes is the Scheduler's."""
 
     def _process_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
@@ -135,7 +136,7 @@ class OutputProcessing:
                 req.finished_reason = {"type": "stop", "matched": pattern}
                 return
 
-    def _finish(self, req: Req, reason: dict) -> None:
+    def _finish(self, req: Req, reason: dict[str, Any]) -> None:
         req.finished_reason = reason
         self._release(req)
         self._emit(req)

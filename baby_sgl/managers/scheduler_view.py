@@ -50,7 +50,7 @@ def _kept(root: TreeNode, max_nodes: int) -> set[int]:
         path, p = [], n
         while p is not root and p.id not in keep:
             path.append(p.id)
-            p = p.parent
+            p = p.up()
         if len(keep) + len(path) <= max_nodes:
             keep.update(path)
     return keep

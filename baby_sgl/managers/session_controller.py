@@ -21,6 +21,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import torch
+
 from baby_sgl.errors import ServerBusyError
 from baby_sgl.errors import MemoryLeakError
 from baby_sgl.managers.io_struct import OpenSessionReqInput, SessionParams
@@ -189,7 +191,7 @@ class SessionController:
         session.children[rid] = []
 
     # ---- the KV of streaming sessions ----------------------------------------------------
-    def held_prefix(self, req: Req):
+    def held_prefix(self, req: Req) -> torch.Tensor | None:
         """For a streaming turn whose session holds the previous turn's row: the KV slots of
         that row (its prefix), else None."""
         held = req.session.held if req.session is not None else None
@@ -198,7 +200,7 @@ class SessionController:
         assert held.fill_ids[: held.kv_len] == req.fill_ids[: held.kv_len], "held KV is not the turn's prefix"
         assert held.kv_len < req.seqlen
         table = self.tree_cache.req_to_token_pool.req_to_token
-        return table[held.req_pool_idx, : held.kv_len].cpu()
+        return table[held.row(), : held.kv_len].cpu()
 
     def release_idle_row(self, waiting: list[Req]) -> bool:
         """Under memory pressure (no free request row, or KV for the next admission or decode):
@@ -210,8 +212,9 @@ class SessionController:
             return False
         queued = {id(r.session) for r in waiting if r.session is not None}
         victim = min(held, key=lambda s: (id(s) in queued, s.last_active))
-        self.tree_cache.release_req(victim.held)
-        victim.held = None
+        row, victim.held = victim.held, None
+        assert row is not None
+        self.tree_cache.release_req(row)
         return True
 
     def hand_over(self, req: Req) -> None:
@@ -232,7 +235,7 @@ class SessionController:
         if session is not None and session.held is req:
             return True
         if (session is None or not session.streaming or session.closing or req.req_pool_idx is None
-                or req.finished_reason.get("type") == "abort"):
+                or (req.finished_reason or {}).get("type") == "abort"):
             return False
         self.tree_cache.cache_unfinished_req(req)
         session.held = req

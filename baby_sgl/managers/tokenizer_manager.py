@@ -7,7 +7,7 @@ it holds no scheduler state."""
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from baby_sgl.constrained.grammar import GrammarCache
 from baby_sgl.managers.io_struct import ReqOptions
@@ -16,9 +16,12 @@ from baby_sgl.sampling.logprobs import with_texts
 from baby_sgl.core.sampling_params import SamplingParams
 from baby_sgl.validation import validate, validate_text
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 def split_batch(prompt: Any, input_ids: Any, sampling_params: Any, rid: Any,
-                prompt_name: str = "prompt") -> tuple[list, list, list, bool]:
+                prompt_name: str = "prompt") -> tuple[list[Any], list[Any], list[Any], bool]:
     """An SGLang request holds one prompt (text or ids) or a batch of them, with one sampling
     params dict and rid for all or a list of them: (prompts, their params, their rids, whether
     it held one). Raises ValueError naming what does not fit."""
@@ -36,7 +39,7 @@ def split_batch(prompt: Any, input_ids: Any, sampling_params: Any, rid: Any,
 
 
 class TokenizerManager:
-    def __init__(self, tokenizer, vocab_size: int, sampling_defaults: dict[str, Any], grammars: GrammarCache,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, sampling_defaults: dict[str, Any], grammars: GrammarCache,
                  context_len: int, max_total_tokens: int, max_input_len: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.sampling_defaults, self.grammars = sampling_defaults, grammars
@@ -45,7 +48,8 @@ class TokenizerManager:
         self.max_prompt_chars = max_input_len * max(map(len, tokenizer.get_vocab()), default=1)
         self._token_texts: dict[int, str] = {}
 
-    def make_reqs(self, prompt, input_ids, sampling_params, rid, **options: Any) -> tuple[list[Req | ValueError], bool]:
+    def make_reqs(self, prompt: Any, input_ids: Any, sampling_params: Any, rid: Any,
+                  **options: Any) -> tuple[list[Req | ValueError], bool]:
         """One Req per prompt (n per prompt sampled n times), or the ValueError that refused it.
         options: the ReqOptions fields besides rid (logprobs)."""
         items, params, rids, single = split_batch(prompt, input_ids, sampling_params, rid)
@@ -57,7 +61,7 @@ class TokenizerManager:
                 reqs.append(ValueError(f"request {i}: {e}" if not single else str(e)))
         return reqs, single
 
-    def make_req(self, item: str | list[int], sampling_params: dict | SamplingParams | None, rid: str | None,
+    def make_req(self, item: str | list[int], sampling_params: dict[str, Any] | SamplingParams | None, rid: str | None,
                  options: dict[str, Any]) -> list[Req]:
         params = SamplingParams.from_dict(sampling_params, self.sampling_defaults)
         params.check_vocab(self.vocab_size)
@@ -99,7 +103,7 @@ class TokenizerManager:
                 raise ValueError(f"prompt is too long: {len(item)} characters, more than {self.max_input_len} "
                                  f"tokens can hold")
             validate_text(item, "prompt")
-            return self.tokenizer.encode(item)
+            return list(self.tokenizer.encode(item))
         if not isinstance(item, (list, tuple)):
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(item).__name__}")
         if not item:
@@ -127,7 +131,7 @@ class TokenizerManager:
             meta.update(self.logprobs(req))
         return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
 
-    def logprobs(self, req: Req) -> dict[str, list]:
+    def logprobs(self, req: Req) -> dict[str, Any]:
         """SGLang's logprob fields of meta_info; prompt ones once they are all computed."""
         sides = ("output",) if req.input_logprobs_pending() else ("output", "input")
         kinds = ["token_logprobs"] + ["top_logprobs"] * bool(req.top_logprobs_num) + \
@@ -143,10 +147,11 @@ class TokenizerManager:
     def token_text(self, token: int) -> str:
         """One token's text, special tokens included (return_text_in_logprobs); kept per engine
         (at most one per vocabulary entry), so nothing outlives the engine."""
-        text = self._token_texts.get(token)
-        if text is None:
-            text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
-        return text
+        if token not in self._token_texts:
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            assert isinstance(text, str)
+            self._token_texts[token] = text
+        return self._token_texts[token]
 
     @staticmethod
     def error_result(err: ValueError) -> dict[str, Any]:
@@ -159,14 +164,14 @@ class TokenizerManager:
         if session_params is not None and start is not None and start >= 0 and options.get("return_logprob"):
             raise ValueError("prompt logprobs (logprob_start_len >= 0) are not available for session turns")
 
-    def chunk(self, out: dict, with_logprobs: bool = True) -> dict:
+    def chunk(self, out: dict[str, Any], with_logprobs: bool = True) -> dict[str, Any]:
         """A scheduler output as the API shows it: the new text and ids, meta_info so far."""
         chunk = self.result(out["req"], with_logprobs)
         chunk.update(text=out["text"], output_ids=out["output_ids"], finished=out["finished"],
                      prompt_token_ids=out["req"].origin_input_ids)
         return chunk
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
         chars = 0
@@ -179,5 +184,5 @@ class TokenizerManager:
             raise ValueError(f"prompt is too long: the messages hold {chars} characters, more than "
                              f"{self.max_input_len} tokens can hold")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 

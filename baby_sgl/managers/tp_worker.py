@@ -13,6 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from baby_sgl.core.memory_pool import ReqToTokenPool
 from baby_sgl.distributed.tp_group import COLLECTIVE_TIMEOUT, CheckMemory, Forward, InitPool, Stop, TPGroup, backend_for
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.model_runner import ModelRunner
@@ -22,16 +23,19 @@ logger = logging.getLogger(__name__)
 
 
 def serve(group: TPGroup, runner: ModelRunner) -> None:
+    pool: ReqToTokenPool | None = None  # rank 0 sends InitPool before any pass
     while True:
         msg = group.recv()
-        if isinstance(msg, Forward):
-            runner.req_to_token_pool.apply_writes(msg.row_writes)
-            runner.forward(msg.batch)
-        elif isinstance(msg, InitPool):
-            runner.init_memory_pool(msg.max_total_tokens, msg.max_running_requests, msg.context_len)
-        elif isinstance(msg, CheckMemory):
-            runner.req_to_token_pool.apply_writes(msg.row_writes)
-            group.gather(runner.memory_digest())
+        if isinstance(msg, InitPool):
+            pool = runner.init_memory_pool(msg.max_total_tokens, msg.max_running_requests, msg.context_len)
+        elif isinstance(msg, Forward | CheckMemory):
+            if pool is None:
+                raise RuntimeError(f"rank 0 sent {type(msg).__name__} before InitPool")
+            pool.apply_writes(msg.row_writes)
+            if isinstance(msg, Forward):
+                runner.forward(msg.batch)
+            else:
+                group.gather(runner.memory_digest())
         elif isinstance(msg, Stop):
             return
         else:
@@ -65,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.model_path)
     runner = ModelRunner(ModelConfig.from_hf(loaded.hf_config), loaded.weights, getattr(torch, args.dtype), device,
                          tp=group)
-    loaded.weights = None
+    loaded.weights = iter(())  # the runner holds its own copies: free the checkpoint's
     try:
         serve(group, runner)
     except RuntimeError as e:  # the transport failed: rank 0 (or another rank) is gone

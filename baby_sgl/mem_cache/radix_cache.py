@@ -37,6 +37,11 @@ class TreeNode:
         self.last_access_time = time.monotonic()
         self.id = next(_counter)
 
+    def up(self) -> TreeNode:
+        """The parent of a node below the root."""
+        assert self.parent is not None, "the root has no parent"
+        return self.parent
+
     def __lt__(self, other: TreeNode) -> bool:  # heap order for LRU eviction
         return (self.last_access_time, self.id) < (other.last_access_time, other.id)
 
@@ -101,7 +106,7 @@ class RadixCache(BasePrefixCache):
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cuts child after n tokens; returns the new upper node, which keeps child's locks."""
-        parent = child.parent
+        parent = child.up()
         upper = TreeNode(child.key[:n], child.value[:n], parent)
         upper.lock_ref, upper.last_access_time = child.lock_ref, child.last_access_time
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
@@ -116,7 +121,7 @@ class RadixCache(BasePrefixCache):
                 self.evictable_size_ -= len(node.key)
                 self.protected_size_ += len(node.key)
             node.lock_ref += 1
-            node = node.parent
+            node = node.up()
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:
@@ -125,7 +130,7 @@ class RadixCache(BasePrefixCache):
                 self.evictable_size_ += len(node.key)
                 self.protected_size_ -= len(node.key)
             node.lock_ref -= 1
-            node = node.parent
+            node = node.up()
 
     def evict(self, num_tokens: int) -> int:
         """Frees at least num_tokens slots from unlocked leaves, least recently used first."""
@@ -138,7 +143,7 @@ class RadixCache(BasePrefixCache):
             self.allocator.free(leaf.value)
             freed += len(leaf.key)
             self.evictable_size_ -= len(leaf.key)
-            parent = leaf.parent
+            parent = leaf.up()
             del parent.children[self._child_key(leaf.key)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
@@ -172,7 +177,7 @@ class RadixCache(BasePrefixCache):
         nodes = self._nodes()
         if any(len(n.key) != len(n.value) or len(n.key) % self.page_size for n in nodes):
             raise MemoryLeakError("a radix node's slots do not match its key (or are not whole pages)")
-        if any(n.parent is not self.root and n.lock_ref > n.parent.lock_ref for n in nodes):
+        if any(n.up() is not self.root and n.lock_ref > n.up().lock_ref for n in nodes):
             raise MemoryLeakError("a radix node is locked more than its parent")
         locked = sum(len(n.key) for n in nodes if n.lock_ref > 0)
         if (self.protected_size_, self.evictable_size_) != (locked, sum(len(n.key) for n in nodes) - locked):
@@ -184,7 +189,8 @@ class RadixCache(BasePrefixCache):
 
     def locked_tokens(self, handles: list[TreeNode]) -> int:
         nodes: dict[int, int] = {}
-        for node in handles:
+        for handle in handles:
+            node: TreeNode | None = handle
             while node is not None and node is not self.root:
                 nodes[id(node)] = len(node.key)
                 node = node.parent
@@ -192,7 +198,7 @@ class RadixCache(BasePrefixCache):
 
     # ---- request lifecycle ----------------------------------------------------------------
     def _row(self, req: Req) -> torch.Tensor:
-        return self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].cpu()
+        return self.req_to_token_pool.req_to_token[req.row(), : req.kv_len].cpu()
 
     def cache_unfinished_req(self, req: Req) -> None:
         """Gives the request's whole computed pages to the tree and repoints its row at the
@@ -205,7 +211,7 @@ class RadixCache(BasePrefixCache):
         self.allocator.free(slots[req.cache_protected_len : known])
         new_slots, node = self.match_prefix(tokens)
         assert len(new_slots) == aligned
-        self.req_to_token_pool.write(req.req_pool_idx, 0, new_slots.to(self.req_to_token_pool.req_to_token.device))
+        self.req_to_token_pool.write(req.row(), 0, new_slots.to(self.req_to_token_pool.req_to_token.device))
         self.inc_lock_ref(node)
         self.dec_lock_ref(req.last_node)
         req.last_node, req.cache_protected_len = node, aligned

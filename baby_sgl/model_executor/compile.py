@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from baby_sgl.cache_dirs import cache_root
-from baby_sgl.models.llama import DenseFns, attention_in, attention_out_mlp
+from baby_sgl.models.llama import DenseFns, LlamaForCausalLM, attention_in, attention_out_mlp
 
 _BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 
@@ -34,7 +34,7 @@ def device_needs_cxx(device: torch.device) -> bool:
 
 
 class CompiledDense:
-    def __init__(self, model: torch.nn.Module, max_bs: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, max_bs: int) -> None:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
         self.model = model
         self.buckets = decode_buckets(max_bs)

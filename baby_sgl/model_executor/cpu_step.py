@@ -10,13 +10,18 @@ and level at 64 (bfloat16: 87 vs 83 ms). Prefill and mixed passes run op by op.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import torch
 
 from baby_sgl.layers.quantization import DENSE_TYPES, QuantizedWeight
 from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
 
+if TYPE_CHECKING:
+    from baby_sgl.models.llama import LlamaForCausalLM
 
-def can_run(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+
+def can_run(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
     """Every matrix in a format the kernel reads, activations in float32 or bfloat16, heads of a
     multiple of 16 values (whole vectors)."""
     if dtype not in DENSE_TYPES or model.config.head_dim % 16:
@@ -30,14 +35,15 @@ def can_run(model: torch.nn.Module, dtype: torch.dtype) -> bool:
 
 def _weight(module: torch.nn.Module) -> tuple:
     """(data, format, n, k, bias) as the kernel takes a matrix."""
-    w, bias = module.weight, getattr(module, "bias", None)
+    w = cast("torch.Tensor | QuantizedWeight", module.weight)  # a Linear's or an Embedding's, maybe quantized
+    bias = getattr(module, "bias", None)
     if isinstance(w, QuantizedWeight):
         return (w.data, int(w.qtype), *w.shape, bias)
     return (w.detach(), int(DENSE_TYPES[w.dtype]), w.shape[0], w.shape[1], bias)
 
 
 class CpuDecodeStep:
-    def __init__(self, ops, model: torch.nn.Module, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> None:
+    def __init__(self, ops: Any, model: LlamaForCausalLM, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> None:
         cfg = model.config
         layers = [dict(qkv=_weight(l.self_attn.qkv_proj), o=_weight(l.self_attn.o_proj),
                        gate_up=_weight(l.mlp.gate_up_proj), down=_weight(l.mlp.down_proj),

