@@ -113,6 +113,9 @@ class ServerArgs(EngineArgs):
     max_queued_requests: int | None = _setting(1024, "requests waiting for admission at most (a 503 beyond); "
                                                      "0 or less: no limit")
     disable_dashboard: bool = _setting(False, "no GET /dashboard (the live radix tree, KV pool and batches)")
+    incremental_streaming_output: bool = _setting(
+        False, "streamed /generate events carry only what is new (text, output_ids, output logprob lists) "
+               "instead of everything so far")
     dp_size: int = _setting(1, "this many engine processes behind SGLang's router (sglang-router) on the one port")
     router_policy: str = _setting("cache_aware", "the router's choice of worker with --dp-size: "
                                                  + ", ".join(ROUTER_POLICIES))

@@ -43,7 +43,7 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
     app.add_middleware(RequestGuard, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                        body_timeout=args.request_body_timeout)
     _install_error_handlers(app)
-    add_native_routes(app)
+    add_native_routes(app, args.incremental_streaming_output)
     add_openai_routes(app)
     if not args.disable_dashboard:
         add_dashboard_routes(app)

@@ -37,7 +37,7 @@ def _native_items(body: GenerateRequest) -> tuple[list[dict], bool]:
     return items, single
 
 
-def add_native_routes(app: FastAPI) -> None:
+def add_native_routes(app: FastAPI, incremental_streaming_output: bool = False) -> None:
     engine: Engine = app.state.engine
     aengine: AsyncEngine = app.state.async_engine
     metrics: Metrics = app.state.metrics
@@ -132,7 +132,7 @@ def add_native_routes(app: FastAPI) -> None:
         with_prompt = body.return_prompt_token_ids
         if body.stream:
             first = await first_item(chunks)  # raises ValueError -> 400 before the stream starts
-            return StreamingResponse(_native_sse(first, chunks, with_prompt), media_type="text/event-stream")
+            return StreamingResponse(_native_sse(first, chunks, with_prompt, incremental_streaming_output), media_type="text/event-stream")
         results = {i: chunk async for i, chunk in chunks}
         if await request.is_disconnected():
             return Response(status_code=499)  # nobody to answer; the requests were aborted
@@ -152,25 +152,40 @@ def add_native_routes(app: FastAPI) -> None:
         return Response(status_code=200)
 
 
+# The meta_info lists that grow by one entry per output token, sent as deltas by an incremental stream.
+_INCREMENTAL_META_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+
+
 def _public(result: dict, with_prompt_ids: bool) -> dict:
     out = {k: v for k, v in result.items() if k not in ("finished", "prompt_token_ids")}
     return out | ({"prompt_token_ids": result["prompt_token_ids"]} if with_prompt_ids else {})
 
 
-def _native_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, with_prompt_ids: bool) -> AsyncIterator[str]:
+def _native_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, with_prompt_ids: bool,
+                incremental: bool) -> AsyncIterator[str]:
     """SGLang streams the cumulative text and ids so far in every event (and the cumulative
-    logprob lists in meta_info). An event whose text would be unchanged (a token that ends inside
-    a character, a stop string held back) is held until the text grows or the request ends:
-    SGLang's frontend refuses an event without new text, and the next one carries everything."""
+    logprob lists in meta_info); with --incremental-streaming-output, only what is new since the
+    last event: text, ids and the output logprob lists (completion_tokens and
+    output_token_logprobs_length stay totals). An event whose text would be unchanged (a token
+    that ends inside a character, a stop string held back) is held until the text grows or the
+    request ends: SGLang's frontend refuses an event without new text, and the next one carries
+    everything."""
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
+    sent: dict[int, tuple[int, int, int]] = {}  # characters, ids and output logprobs already sent
 
     def event(i: int, chunk: dict) -> str | None:
         texts[i] = texts.get(i, "") + chunk["text"]
         ids[i] = ids.get(i, []) + chunk["output_ids"]
         if not chunk["text"] and not chunk["finished"]:
             return None
-        out = {"text": texts[i], "output_ids": ids[i], "meta_info": chunk["meta_info"], "index": i}
+        text, out_ids, meta = texts[i], ids[i], chunk["meta_info"]
+        if incremental:
+            chars, n_ids, n_logprobs = sent.get(i, (0, 0, 0))
+            sent[i] = (len(text), len(out_ids), len(meta.get("output_token_logprobs", ())))
+            text, out_ids = text[chars:], out_ids[n_ids:]
+            meta = meta | {k: meta[k][n_logprobs:] for k in _INCREMENTAL_META_KEYS if k in meta}
+        out = {"text": text, "output_ids": out_ids, "meta_info": meta, "index": i}
         return sse(out | ({"prompt_token_ids": chunk["prompt_token_ids"]} if with_prompt_ids else {}))
 
     return sse_stream(first, chunks, event)

@@ -15,6 +15,10 @@ import jsonschema
 import openai
 import pytest
 
+from baby_sgl import Engine
+from baby_sgl.server_args import ServerArgs
+from entrypoints.conftest import serve_in_thread, wait_idle
+
 
 def _contract(cls_name: str) -> dict:
     """Field -> default of one msgspec Struct in SGLang's HTTP contract."""
@@ -117,6 +121,46 @@ def test_every_streamed_event_has_new_text(server):
     for e in events:
         meta = e["meta_info"]
         assert meta["output_token_logprobs_length"] == meta["completion_tokens"] == len(meta["output_token_logprobs"])
+
+
+@pytest.fixture(scope="module")
+def incremental_server(tiny_llama):
+    engine = Engine(tiny_llama, dtype="float32", max_total_tokens=2048)
+    with serve_in_thread(engine, ServerArgs(incremental_streaming_output=True)) as base:
+        yield base
+        wait_idle(base)
+
+
+def _events(base: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", base + "/generate", json=body) as r:
+        assert r.status_code == 200
+        return [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:") and line != "data: [DONE]"]
+
+
+def test_incremental_streaming_output_sends_deltas(server, incremental_server):
+    """--incremental-streaming-output: each event carries only the new text, ids and output
+    logprob entries (SGLang's frontend joins them); the totals stay totals. Joined, the events
+    equal the cumulative stream's last event, and a held event (a character's first byte) is
+    carried by the next one."""
+    for prompt, params in (("st", {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True, "stream_interval": 2}),
+                           ("accent:", {"max_new_tokens": 6, "temperature": 0, "regex": "(é){3}"})):
+        body = {"text": prompt, "stream": True, "return_logprob": True, "top_logprobs_num": 2,
+                "sampling_params": params}
+        deltas, whole = _events(incremental_server, body), _events(server, body)[-1]
+        assert len(deltas) > 1 and all(e["text"] for e in deltas)
+        assert "".join(e["text"] for e in deltas) == whole["text"]
+        assert sum((e["output_ids"] for e in deltas), []) == whole["output_ids"]
+        done = 0
+        for e in deltas:
+            meta = e["meta_info"]
+            assert [t for _, t, _ in meta["output_token_logprobs"]] == e["output_ids"]
+            assert len(meta["output_top_logprobs"]) == len(e["output_ids"])
+            done += len(e["output_ids"])
+            assert meta["completion_tokens"] == meta["output_token_logprobs_length"] == done
+        joined = sum((e["meta_info"]["output_token_logprobs"] for e in deltas), [])
+        expected = whole["meta_info"]["output_token_logprobs"]  # from another server: a cached prefix, other kernels
+        assert [t for _, t, _ in joined] == [t for _, t, _ in expected]
+        assert [v for v, _, _ in joined] == pytest.approx([v for v, _, _ in expected], abs=1e-4)
 
 
 def _bias(model_path: str, char: str, value: float) -> dict[str, float]:

@@ -1,0 +1,74 @@
+"""SGLang's own test programs (sglang/test/test_programs.py, the module SGLang's CI runs against
+its server through `sgl.RuntimeEndpoint`, with `--incremental-streaming-output` as SGLang's CI
+starts it) against our server on the default model, SmolLM2-135M-Instruct.
+
+Every program of that module is either run here or named below with why not: four check what the
+model knows (capitals, 24 hours, 257 * 983, the Linux creator's country), which a 135M model does
+not, whatever the server; SGLang runs them on an 8B model. Those with a `check_answer` switch run
+with it off, as SGLang's CI runs test_select. The programs run once, in a child process
+(sglang_test_programs.py, which says what it stands in for), and each test here checks one."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import sglang_test_programs
+from baby_sgl import Engine
+from baby_sgl.server_args import ServerArgs
+from entrypoints.conftest import serve_in_thread, wait_idle
+
+RUN = {
+    "test_mt_bench": {}, "test_select": {"check_answer": False}, "test_expert_answer": {"check_answer": False},
+    "test_parallel_decoding": {}, "test_parallel_encoding": {"check_answer": False}, "test_stream": {},
+    "test_stream_logprobs": {}, "test_regex": {}, "test_dtype_gen": {}, "test_decode_json": {},
+    "test_decode_json_regex": {}, "test_gen_min_new_tokens": {},
+}
+NOT_RUN = {
+    "test_few_shot_qa": "asserts the model knows four capitals",
+    "test_decode_int": "asserts the model knows there are 24 hours in a day and 365 days in a year",
+    "test_tool_use": "asserts the model writes 257*983 as the calculator's expression",
+    "test_react": "asserts the model names the country the creator of Linux lives in",
+    "test_image_qa": "needs a vision model and an image file",
+    "test_completion_speculative": "API speculative execution, for OpenAI-style backends (token_usage)",
+    "test_chat_completion_speculative": "API speculative execution, for OpenAI-style backends",
+}
+TIMEOUT_S = 600
+
+
+def _sglang_programs() -> set[str]:
+    spec = importlib.util.find_spec("sglang")
+    path = Path(spec.submodule_search_locations[0]) / "test" / "test_programs.py"
+    tree = ast.parse(path.read_text())
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    engine = Engine(max_total_tokens=16384)
+    with serve_in_thread(engine, ServerArgs(incremental_streaming_output=True)) as base:
+        env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}  # loopback only
+        args = [f"{name}={json.dumps(kwargs)}" for name, kwargs in RUN.items()]
+        proc = subprocess.run([sys.executable, sglang_test_programs.__file__, base, *args], capture_output=True,
+                              text=True, timeout=TIMEOUT_S, env=env, cwd=Path(__file__).parent)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        wait_idle(base)  # the memory invariant after all of them
+        return json.loads(proc.stdout)
+
+
+def test_every_program_of_the_module_is_accounted_for():
+    assert _sglang_programs() == set(RUN) | set(NOT_RUN)
+
+
+@pytest.mark.parametrize("name", sorted(RUN))
+def test_sglang_program(results, name):
+    r = results[name]
+    assert r["passed"], f"{r['error']}\n{r['executor_errors']}\nrefused: {r['refused']}"
+    assert "/generate" in r["paths"]  # it reached the server
