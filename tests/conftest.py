@@ -6,12 +6,36 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a model hub
 
+# The device the engines under test run on: cpu (the default) hides every GPU from this process and
+# the servers and ranks it starts, so an engine's device "auto" is the CPU; cuda runs them on the GPU
+# (`BABY_SGL_TEST_DEVICE=cuda python -m pytest`), skipping only the tests marked cpu_only.
+TEST_DEVICE = os.environ.get("BABY_SGL_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 import pytest
 import torch
 
 from helpers import TINY_KW
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def pytest_configure(config):
+    if TEST_DEVICE not in ("cpu", "cuda"):
+        pytest.exit(f"BABY_SGL_TEST_DEVICE must be cpu or cuda, got {TEST_DEVICE!r}", returncode=4)
+    if TEST_DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.exit("BABY_SGL_TEST_DEVICE=cuda, but torch sees no CUDA device", returncode=4)
+
+
+def pytest_collection_modifyitems(config, items):
+    if TEST_DEVICE == "cpu":
+        return
+    for item in items:
+        marker = item.get_closest_marker("cpu_only")
+        if marker is not None:
+            reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "")
+            item.add_marker(pytest.mark.skip(reason=f"CPU-only: {reason}"))
 
 
 @pytest.hookimpl(hookwrapper=True)

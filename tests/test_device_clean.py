@@ -13,7 +13,8 @@ import torch
 from baby_sgl import Engine
 
 
-@pytest.fixture(params=["one-call step", "op by op, mixed chunks"])
+@pytest.fixture(params=[pytest.param("one-call step", marks=pytest.mark.cpu_only("the CPU's one-call decode step")),
+                        "op by op, mixed chunks"])
 def meta_default_engine(tiny_llama, request):
     op_by_op = request.param != "one-call step"
     with Engine(tiny_llama, dtype="float32", chunked_prefill_size=16, max_total_tokens=256, page_size=4,

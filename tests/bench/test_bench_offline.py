@@ -10,6 +10,8 @@ from baby_sgl.bench.offline import main
 from baby_sgl.bench.peers import _as_row
 from baby_sgl.bench.workloads import Workload
 
+pytestmark = pytest.mark.cpu_only("the bench measures the CPU's roofs and runs CPU peers")
+
 
 def test_bench_offline_runs_each_workload(tiny_llama, tmp_path, capsys):
     out = tmp_path / "bench.jsonl"

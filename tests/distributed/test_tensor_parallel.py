@@ -25,6 +25,9 @@ MAX_NEW = 24
 # The cache settings of invariant 6 (compile is refused with tensor parallelism, tested below).
 TP_CONFIGS = ["radix", "no-radix", "page16", "chunked", "retract", "mixed-chunk-retract"]
 
+# Ranks are CPU processes over gloo here; on GPUs they would need NCCL and a GPU each.
+pytestmark = pytest.mark.cpu_only("tensor parallelism between CPU processes over gloo")
+
 
 def _followers() -> list[int]:
     """Tensor-parallel rank processes started by this test process."""

@@ -33,12 +33,17 @@ def case(request, tmp_path_factory):
     return path, prompts, hf_greedy(hf, prompts, MAX_NEW), hf
 
 
+# Quantized matrices are multiplied as stored by the CPU kernel only (elsewhere they are dequantized).
+kernel_only = pytest.mark.cpu_only("quantized weights served by the CPU kernel")
+
+
 def _served_quantized(engine: Engine) -> bool:
     model = engine.scheduler.runner.model
     return all(isinstance(m.weight, QuantizedWeight) for m in
                [model.embed_tokens, model.lm_head, *(l.mlp.down_proj for l in model.layers)])
 
 
+@kernel_only
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_quantized_greedy_matches_transformers(case, config):
     path, prompts, expected, _ = case
@@ -55,6 +60,7 @@ def test_quantized_greedy_matches_transformers(case, config):
         engine.check_memory()
 
 
+@kernel_only
 def test_quantized_first_step_logprobs_match_transformers(case):
     path, prompts, _, hf = case
     with Engine(path, dtype="float32") as engine:
@@ -72,6 +78,7 @@ def test_quantization_none_dequantizes_at_load(case):
         engine.check_memory()
 
 
+@kernel_only
 def test_without_a_compiler_the_file_is_dequantized(case, monkeypatch, caplog):
     from baby_sgl import cpu_ops
 
@@ -97,6 +104,7 @@ def test_quantization_flag_is_checked(tiny_llama, case):
         Engine(path, quantization="gguf", enable_torch_compile=True)
 
 
+@kernel_only
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a != "native"])
 def test_every_instruction_set_gives_the_same_tokens(case, arch, monkeypatch):
     """The step and the kernels built for AVX2 (x86-64-v3) and for no SIMD at all (x86-64) give
