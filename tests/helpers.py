@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import platform
 import random
 import time
@@ -24,6 +26,21 @@ def wait_until(condition: Callable[[], object], what: str, timeout: float = 60.0
         assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
         time.sleep(interval)
     return value
+
+
+async def wait_until_async(condition: Callable[[], object], what: str, timeout: float = 60.0,
+                           interval: float = 0.02):
+    """wait_until inside an event loop: condition() may return an awaitable, which is awaited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        await asyncio.sleep(interval)
+
 
 # Every setting the engine must be exact under (invariant 6).
 CONFIGS = {

@@ -1,4 +1,5 @@
-"""Attention over the paged KV pool with torch's scaled_dot_product_attention (CPU and CUDA).
+"""Attention over the paged KV pool: our CPU kernel, or torch's scaled_dot_product_attention on any
+device (written for CUDA too, where it has not been run yet).
 
 Decode is batched, and each KV head's group of query heads is treated as a short query
 sequence, so GQA needs no copies of K/V. On CPU our kernel (cpu_kernel.py) reads each request's

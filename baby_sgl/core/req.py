@@ -30,7 +30,7 @@ class Req:
         self.finished_reason: dict[str, Any] | None = None
         self.to_abort: str | None = None  # set by an abort; honoured at the next step
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (max over prefills)
-        self.is_retracted = False
+        self.num_retractions = 0  # times retracted to free KV (its prompt and output prefilled again)
         self.session: Any = None  # the Session this request is a turn of (session_controller.py)
         # Log-probabilities, SGLang's format: [logprob, token_id, None] per token (see
         # sampling/logprobs.py); prompt ones from position logprob_start_len on.
@@ -53,7 +53,7 @@ class Req:
         self.kv_len = 0
         self.alloc_len = 0
         self.cache_protected_len = 0
-        self.last_node: Any = None
+        self.last_node: Any = None  # the prefix cache's handle (opaque here; see base_prefix_cache.py)
         # Set by the scheduler for the next extend pass.
         self.prefix_indices: Any = None
         self.extend_input_len = 0

@@ -3,6 +3,8 @@ an extend or decode pass, and retracts requests when decode runs out of KV slots
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from baby_sgl.core.req import Req
@@ -15,7 +17,7 @@ from baby_sgl.sampling.logprobs import InputLogprobSpan, plan_input_logprobs
 
 class ScheduleBatch:
     def __init__(self, reqs: list[Req], mode: ForwardMode, req_to_token_pool: ReqToTokenPool,
-                 allocator: PagedTokenAllocator, tree_cache: BasePrefixCache) -> None:
+                 allocator: PagedTokenAllocator, tree_cache: BasePrefixCache[Any]) -> None:
         self.reqs, self.mode = reqs, mode
         self.req_to_token_pool, self.allocator, self.tree_cache = req_to_token_pool, allocator, tree_cache
         self.prefix_lens: list[int] = []
@@ -97,7 +99,7 @@ class ScheduleBatch:
             victim = order.pop()
             self.reqs.remove(victim)
             self.tree_cache.release_req(victim)
-            victim.is_retracted = True
+            victim.num_retractions += 1
             retracted.append(victim)
         return retracted
 

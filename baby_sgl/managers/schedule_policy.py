@@ -17,7 +17,7 @@ _MAX_RESERVED_PER_REQ = 4096
 _UNCHUNKED = 1 << 62  # the chunk budget of unchunked prefill: more tokens than any pass holds
 
 
-def match_prefix(req: Req, tree_cache: BasePrefixCache, sessions: SessionController) -> None:
+def match_prefix(req: Req, tree_cache: BasePrefixCache[Any], sessions: SessionController) -> None:
     """Finds the request's cached prefix. The last token is always computed, because its
     logits give the next token, so at most len - 1 tokens can come from the cache. A streaming
     session's turn finds its prefix in the row its session holds (locked there already, so
@@ -109,7 +109,7 @@ def reserved_tokens(req: Req, ratio: float) -> int:
 
 
 class PrefillAdder:
-    def __init__(self, tree_cache: BasePrefixCache, allocator: PagedTokenAllocator, running: list[Req], new_token_ratio: float,
+    def __init__(self, tree_cache: BasePrefixCache[Any], allocator: PagedTokenAllocator, running: list[Req], new_token_ratio: float,
                  max_prefill_tokens: int, chunked_prefill_size: int | None, sessions: SessionController,
                  mixed_decode_tokens: int = 0) -> None:
         self.tree_cache, self.allocator, self.ratio = tree_cache, allocator, new_token_ratio

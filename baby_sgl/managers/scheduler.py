@@ -71,7 +71,7 @@ class Scheduler(BatchFormation, OutputProcessing):
         self.activity = Activity()  # recent batches, evictions and counters, for the dashboard
         self.req_to_token_pool = runner.init_memory_pool(max_total_tokens, args.max_running_requests, context_len)
         self.allocator = PagedTokenAllocator(max_total_tokens, args.page_size, runner.device)
-        self.tree_cache: BasePrefixCache = (ChunkCache(self.req_to_token_pool, self.allocator)
+        self.tree_cache: BasePrefixCache[Any] = (ChunkCache(self.req_to_token_pool, self.allocator)
                                             if args.disable_radix_cache else
                                             RadixCache(self.req_to_token_pool, self.allocator, self.tracer,
                                                        on_evict=self.activity.record_eviction))

@@ -36,7 +36,7 @@ class SchedulerState:
     # Memory: request rows, KV slots, the prefix cache, the sessions' held rows.
     req_to_token_pool: ReqToTokenPool
     allocator: PagedTokenAllocator
-    tree_cache: BasePrefixCache
+    tree_cache: BasePrefixCache[Any]
     sessions: SessionController
     # Requests: queued, decoding, the one whose prompt is mid-chunk, the batch of the pass in flight.
     waiting: list[Req]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ class Session:
 
 
 class SessionController:
-    def __init__(self, tree_cache: BasePrefixCache, max_input_len: int, bos_token_id: int | None,
+    def __init__(self, tree_cache: BasePrefixCache[Any], max_input_len: int, bos_token_id: int | None,
                  max_sessions: int) -> None:
         self.tree_cache = tree_cache
         self.max_input_len = max_input_len

@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+# SGLang's meta_info names the weights that answered (updated in place by its RL training loop);
+# ours never change after load: SGLang's default name.
+WEIGHT_VERSION = "default"
+
+
 def split_batch(prompt: Any, input_ids: Any, sampling_params: Any, rid: Any,
                 prompt_name: str = "prompt") -> tuple[list[Any], list[Any], list[Any], bool]:
     """An SGLang request holds one prompt (text or ids) or a batch of them, with one sampling
@@ -124,6 +129,8 @@ class TokenizerManager:
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens,
             "finish_reason": req.finished_reason,
+            "num_retractions": req.num_retractions,
+            "weight_version": WEIGHT_VERSION,
             "e2e_latency": (ts.finished or ts.created) - ts.created,
             "ttft": (ts.first_token - ts.created) if ts.first_token else None,
         }

@@ -8,7 +8,7 @@ leaves it (finish, abort, a failed batch, retraction, a session giving up its ro
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -19,16 +19,21 @@ if TYPE_CHECKING:
     from baby_sgl.core.req import Req
 
 
-class PrefixMatch(NamedTuple):
+# A cache's handle on a matched prefix, which locks it: a radix tree node, or None without a tree.
+# A request keeps it (Req.last_node) without reading it; only the cache that made it does.
+H = TypeVar("H")
+
+
+class PrefixMatch(NamedTuple, Generic[H]):
     """What match_prefix found: the KV slots of the longest cached page-aligned prefix, and the
-    handle that locks it (inc_lock_ref/dec_lock_ref; a tree node, or None without a tree)."""
+    handle that locks it (inc_lock_ref/dec_lock_ref)."""
 
     slots: torch.Tensor
-    node: Any
+    node: H
 
 
-class BasePrefixCache(ABC):
-    root: Any = None  # the node a request locks when it matched nothing
+class BasePrefixCache(ABC, Generic[H]):
+    root: H  # the handle a request locks when it matched nothing
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: PagedTokenAllocator) -> None:
         self.req_to_token_pool = req_to_token_pool
@@ -41,14 +46,14 @@ class BasePrefixCache(ABC):
 
     # ---- lookup and locks ----------------------------------------------------------------
     @abstractmethod
-    def match_prefix(self, key: list[int]) -> PrefixMatch:
+    def match_prefix(self, key: list[int]) -> PrefixMatch[H]:
         """The longest cached page-aligned prefix of key."""
 
     @abstractmethod
-    def inc_lock_ref(self, node: Any) -> None: ...
+    def inc_lock_ref(self, node: H) -> None: ...
 
     @abstractmethod
-    def dec_lock_ref(self, node: Any) -> None: ...
+    def dec_lock_ref(self, node: H) -> None: ...
 
     # ---- accounting (the memory checker's identity) ----------------------------------------
     @abstractmethod
@@ -72,7 +77,7 @@ class BasePrefixCache(ABC):
     def check(self) -> None:
         """Its own integrity; raises MemoryLeakError (the memory checker calls it)."""
 
-    def locked_tokens(self, handles: list[Any]) -> int:
+    def locked_tokens(self, handles: list[H]) -> int:
         """Tokens that locks taken by these handles (match_prefix's) hold, each counted once:
         none without a tree."""
         return 0

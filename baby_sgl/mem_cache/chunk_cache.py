@@ -12,8 +12,10 @@ if TYPE_CHECKING:
     from baby_sgl.core.req import Req
 
 
-class ChunkCache(BasePrefixCache):
-    def match_prefix(self, key: list[int]) -> PrefixMatch:
+class ChunkCache(BasePrefixCache[None]):
+    root = None
+
+    def match_prefix(self, key: list[int]) -> PrefixMatch[None]:
         return PrefixMatch(self.no_slots(), None)
 
     def inc_lock_ref(self, node: None) -> None:

@@ -55,7 +55,7 @@ def _match_len(a: list[int], b: list[int], page: int) -> int:
     return n // page * page
 
 
-class RadixCache(BasePrefixCache):
+class RadixCache(BasePrefixCache[TreeNode]):
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: PagedTokenAllocator,
                  tracer: Tracer | None = None, on_evict: Callable[[list[TreeNode]], None] | None = None) -> None:
         super().__init__(req_to_token_pool, allocator)
@@ -72,7 +72,7 @@ class RadixCache(BasePrefixCache):
     def _child_key(self, key: list[int]) -> tuple[int, ...]:
         return tuple(key[: self.page_size])
 
-    def match_prefix(self, key: list[int]) -> PrefixMatch:
+    def match_prefix(self, key: list[int]) -> PrefixMatch[TreeNode]:
         """The longest cached page-aligned prefix of key; its handle is the node where it ends."""
         key = key[: len(key) // self.page_size * self.page_size]
         node, values, now = self.root, [], time.monotonic()
@@ -160,7 +160,8 @@ class RadixCache(BasePrefixCache):
         return self.protected_size_
 
     def _nodes(self) -> list[TreeNode]:
-        out, stack = [], [self.root]
+        out: list[TreeNode] = []
+        stack = [self.root]
         while stack:
             node = stack.pop()
             out.extend(node.children.values())

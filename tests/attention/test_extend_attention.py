@@ -9,15 +9,8 @@ import math
 import pytest
 import torch
 
-from helpers import ARCHS, build_for
 
 HEADS, KV_HEADS = 6, 2
-
-
-@pytest.fixture(scope="module", params=ARCHS)
-def ops(request):
-    with pytest.MonkeyPatch.context() as mp:
-        yield build_for(request.param, mp)
 
 
 def _reference(q, k_buf, v_buf, rows, prefix_lens, extend_lens, scale):

@@ -5,26 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 import uvicorn
 
 from baby_sgl import Engine
+from baby_sgl.distributed.processes import free_port
 from baby_sgl.entrypoints.http_server import create_app
 from baby_sgl.server_args import ServerArgs
 from helpers import wait_until
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model: str, *flags: str, script: list[str] | None = None, ready: str = "/health",
@@ -62,15 +57,15 @@ def all_gone(pids: list[int]) -> bool:
     return not [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
 
 
-def wait_idle(base: str, timeout: float = 10.0) -> dict:
+def wait_idle(base: str, timeout: float = 10.0, headers: dict | None = None) -> dict:
     """Waits until no request runs or waits (aborts land at the scheduler's next step), then
     returns the memory check's counts; fails if either never happens."""
     def idle() -> bool:
-        info = httpx.get(base + "/server_info").json()
+        info = httpx.get(base + "/server_info", headers=headers).json()
         return info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
 
     wait_until(idle, "no request to run or wait", timeout=timeout, interval=0.05)
-    r = httpx.get(base + "/debug/check_memory")
+    r = httpx.get(base + "/debug/check_memory", headers=headers)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -106,6 +101,12 @@ def server(tiny_llama):
     engine = Engine(tiny_llama, dtype="float32", max_total_tokens=8192, max_running_requests=48)
     with serve_in_thread(engine) as base:
         yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official OpenAI client on the shared server."""
+    return openai.OpenAI(base_url=server + "/v1", api_key="none")
 
 
 @pytest.fixture(autouse=True)

@@ -4,14 +4,13 @@ session turn is still being submitted (that happens off the event loop) leaves n
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from baby_sgl import Engine
 from baby_sgl.entrypoints.async_bridge import AsyncEngine
 from baby_sgl.entrypoints.metrics import Metrics
-from helpers import wait_until
+from helpers import wait_until, wait_until_async
 
 
 def test_turn_cancelled_during_submission_is_aborted_and_forgotten(tiny_llama):
@@ -31,10 +30,7 @@ def test_turn_cancelled_during_submission_is_aborted_and_forgotten(tiny_llama):
             # A server's loop keeps running: let the submission thread finish and its
             # completion reach the loop before looking.
             await asyncio.get_running_loop().shutdown_default_executor()
-            deadline = time.monotonic() + 10
-            while bridge.active and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.1)
+            await wait_until_async(lambda: not bridge.active, "the cancelled turn's rid to be released", timeout=10)
 
         asyncio.run(leave_during_submission())
         assert not bridge.active, "the rid of a cancelled turn stayed registered"

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import httpx
 import openai
@@ -239,5 +238,4 @@ def test_sigterm_stops_router_and_workers(dp_server):
     assert len(children) == 3, children  # two workers and the router
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
-    time.sleep(0.5)
-    assert all_gone(children), "left behind"
+    wait_until(lambda: all_gone(children), "the router and workers to exit", timeout=10)

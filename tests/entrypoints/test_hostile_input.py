@@ -7,7 +7,6 @@ from __future__ import annotations
 import concurrent.futures
 import socket
 import threading
-import time
 
 import httpx
 import openai
@@ -15,7 +14,8 @@ import pytest
 
 from baby_sgl import Engine
 from baby_sgl.server_args import ServerArgs
-from conftest import serve_in_thread
+from conftest import serve_in_thread, wait_idle
+from helpers import wait_until
 
 JSON = {"content-type": "application/json"}
 OK_BODY = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
@@ -158,17 +158,6 @@ def strict_server(strict_engine):
 AUTH = {"authorization": f"Bearer {KEY}"}
 
 
-def _strict_idle(base: str) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        info = httpx.get(base + "/server_info", headers=AUTH).json()
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0:
-            break
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert httpx.get(base + "/debug/check_memory", headers=AUTH).status_code == 200
-
-
 def test_api_key_guards_every_route_but_health(strict_server):
     assert httpx.get(strict_server + "/health").status_code == 200
     for method, path in [("GET", "/server_info"), ("GET", "/metrics"), ("GET", "/v1/models"),
@@ -183,7 +172,7 @@ def test_api_key_guards_every_route_but_health(strict_server):
     assert out.usage.completion_tokens == 3
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=strict_server + "/v1", api_key="wrong").models.list()
-    _strict_idle(strict_server)
+    wait_idle(strict_server, headers=AUTH)
 
 
 def test_session_limit(strict_server):
@@ -204,10 +193,7 @@ def test_full_queue_is_503_with_retry_after(strict_server, strict_engine):
         held = pool.submit(sched.call, release.wait)
         queued = [pool.submit(httpx.post, strict_server + "/generate", json={"text": f"q{i}", "sampling_params": {
             "max_new_tokens": 2}}, headers=AUTH, timeout=60) for i in range(4)]
-        deadline = time.monotonic() + 30
-        while sched.num_queued() < 4:
-            assert time.monotonic() < deadline, sched.num_queued()
-            time.sleep(0.01)
+        wait_until(lambda: sched.num_queued() >= 4, "four requests to queue", timeout=30, interval=0.01)
         r = httpx.post(strict_server + "/generate", json={"text": "x"}, headers=AUTH)
         assert r.status_code == 503 and r.headers["retry-after"] == "1" and "queue" in error_of(r)
         release.set()
@@ -216,7 +202,7 @@ def test_full_queue_is_503_with_retry_after(strict_server, strict_engine):
     # A call larger than the whole queue could never fit: that is the client's error.
     r = httpx.post(strict_server + "/generate", json={"text": ["a"] * 5}, headers=AUTH)
     assert r.status_code == 400 and "--max-queued-requests" in error_of(r)
-    _strict_idle(strict_server)
+    wait_idle(strict_server, headers=AUTH)
 
 
 def test_body_size_limit_is_configurable(strict_server):
@@ -272,6 +258,7 @@ def test_health_generate_answers_while_long_work_runs(server):
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         busy = pool.submit(httpx.post, server + "/generate", timeout=60, json={
             "input_ids": [5] * 900, "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}})
-        time.sleep(0.2)
+        wait_until(lambda: busy.done() or httpx.get(server + "/server_info").json()["num_running_reqs"],
+                   "the long request to start")
         assert httpx.get(server + "/health_generate", timeout=30).status_code == 200
         assert busy.result().status_code == 200

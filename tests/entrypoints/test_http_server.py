@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 from conftest import serve_in_thread, wait_idle
-from helpers import wait_until
+from helpers import wait_until, wait_until_async
 
 from baby_sgl import Engine
 
@@ -81,11 +81,14 @@ def test_info_routes(server):
                                                       "num_tokens": 0}]
 
 
+async def _running(c: httpx.AsyncClient, server: str, at_least: int = 1) -> bool:
+    return (await c.get(server + "/server_info")).json()["num_running_reqs"] >= at_least
+
+
 async def _abort_after_start(server: str, body: dict, rid: str) -> list[dict]:
     async with httpx.AsyncClient(timeout=60) as c:
         task = asyncio.create_task(c.post(server + "/generate", json=body))
-        while (await c.get(server + "/server_info")).json()["num_running_reqs"] == 0:
-            await asyncio.sleep(0.02)
+        await wait_until_async(lambda: _running(c, server), "the request to start")
         assert (await c.post(server + "/abort_request", json={"rid": rid})).status_code == 200
         out = (await task).json()
         return out if isinstance(out, list) else [out]
@@ -111,8 +114,7 @@ def test_duplicate_running_rid_is_refused(long_server_clean):
         async with httpx.AsyncClient(timeout=60) as c:
             task = asyncio.create_task(c.post(server + "/generate", json={"text": "a", "rid": "dup",
                                                                           "sampling_params": LONG}))
-            while (await c.get(server + "/server_info")).json()["num_running_reqs"] == 0:
-                await asyncio.sleep(0.02)
+            await wait_until_async(lambda: _running(c, server), "the request to start")
             second = await c.post(server + "/generate", json={"text": "b", "rid": "dup"})
             await c.post(server + "/abort_request", json={"rid": "dup"})
             await task
@@ -223,8 +225,7 @@ def test_health_answers_while_busy(long_server_clean):
         async with httpx.AsyncClient(timeout=60) as c:
             work = [asyncio.create_task(c.post(server + "/generate", json={
                 "text": f"busy {i}", "rid": f"busy-{i}", "sampling_params": LONG})) for i in range(8)]
-            while (await c.get(server + "/server_info")).json()["num_running_reqs"] < 8:
-                await asyncio.sleep(0.02)
+            await wait_until_async(lambda: _running(c, server, 8), "all eight requests to start")
             health = await c.get(server + "/health")
             # answered while all eight still run: the event loop is not waiting on the engine
             running = (await c.get(server + "/server_info")).json()["num_running_reqs"]

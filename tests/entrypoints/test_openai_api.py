@@ -11,11 +11,6 @@ import pytest
 CHAT = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="none")
-
-
 def test_models(client):
     models = client.models.list().data
     assert len(models) == 1 and models[0].id

@@ -170,11 +170,6 @@ def _bias(model_path: str, char: str, value: float) -> dict[str, float]:
     return {str(AutoTokenizer.from_pretrained(model_path).convert_tokens_to_ids(char)): value}
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="none")
-
-
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                            "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
           "required": ["city", "rank"], "additionalProperties": False}

@@ -8,13 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import ARCHS, build_for
-
-
-@pytest.fixture(scope="module", params=ARCHS)
-def ops(request):
-    with pytest.MonkeyPatch.context() as mp:
-        yield build_for(request.param, mp)
 
 
 def _transformers(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,16 +12,9 @@ from gguf import GGMLQuantizationType as G
 from gguf.quants import dequantize, quantize
 
 from baby_sgl.layers.quantization import QuantizedWeight, WeightType, dequantize_blocks
-from helpers import ARCHS, build_for
 
 TYPES = {G.Q8_0: WeightType.Q8_0, G.Q4_0: WeightType.Q4_0, G.Q4_1: WeightType.Q4_1}
 N, K = 200, 96
-
-
-@pytest.fixture(scope="module", params=ARCHS)
-def ops(request):
-    with pytest.MonkeyPatch.context() as mp:
-        yield build_for(request.param, mp)
 
 
 def _quantized(kind: G, n: int = N, k: int = K, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:

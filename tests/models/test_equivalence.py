@@ -35,6 +35,8 @@ def test_greedy_matches_transformers(case, config):
         info = engine.get_server_info()
         if "retract" in config:
             assert info["num_retractions"] > 0, "the small pool was meant to force retraction"
+            per_request = sum(o["meta_info"]["num_retractions"] for o in first + second)
+            assert per_request == info["num_retractions"], "each retraction is counted on its request"
         if CONFIGS[config].get("enable_mixed_chunk"):
             assert info["mixed_steps"] > 0, "prefill chunks were meant to share passes with decodes"
         if CONFIGS[config].get("enable_torch_compile"):
