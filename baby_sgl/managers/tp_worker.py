@@ -50,11 +50,15 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m baby_sgl.managers.tp_worker")
-    for flag in ("--rank", "--tp-size", "--threads", "--parent-pid"):
-        p.add_argument(flag, type=int, required=True)
-    for flag in ("--init-address", "--model-path", "--dtype", "--device"):
-        p.add_argument(flag, required=True)
+    p = argparse.ArgumentParser(prog="python -m baby_sgl.managers.tp_worker",
+                                description="one follower rank of --tp-size (rank 0 starts it; not for direct use)")
+    for flag, help_ in (("--rank", "this rank (1 .. tp-size - 1)"), ("--tp-size", "ranks in the group"),
+                        ("--threads", "torch threads of this rank"), ("--parent-pid", "exit when this process does")):
+        p.add_argument(flag, type=int, required=True, help=help_)
+    for flag, help_ in (("--init-address", "tcp://host:port of the group's rendezvous"),
+                        ("--model-path", "the checkpoint rank 0 serves"), ("--dtype", "rank 0's resolved dtype"),
+                        ("--device", "this rank's device")):
+        p.add_argument(flag, required=True, help=help_)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp{args.rank} %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
