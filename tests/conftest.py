@@ -59,21 +59,38 @@ def ops(request):
         yield build_for(request.param, mp)
 
 
+# Each family's tiny checkpoint: the config class, the model class and what it sets beyond TINY_KW.
+# Qwen3: more query heads than hidden_size / head_dim (an explicit head_dim), q/k norms. The MoE
+# families: 8 experts, 2 per token; Qwen3-MoE with a dense layer between MoE ones and without
+# renormalised routing weights, Mixtral with them.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True, "num_attention_heads": 6,
+                                                  "head_dim": 16}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "tie_word_embeddings": False, "num_hidden_layers": 3, "mlp_only_layers": [1], "num_experts": 8,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": False}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"tie_word_embeddings": False, "num_local_experts": 8,
+                                                        "num_experts_per_tok": 2, "intermediate_size": 48}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"tie_word_embeddings": False, "sliding_window": 4096}),
+}
+
+
 def _save_tiny(path, kind: str, **overrides) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    import transformers
+    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 
     torch.manual_seed(0)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**(TINY_KW | overrides), tie_word_embeddings=False, bos_token_id=1,
-                                             eos_token_id=2))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**(TINY_KW | overrides), tie_word_embeddings=True, bos_token_id=1,
-                                             eos_token_id=2))
-    # Larger weights make the logits decisive, so greedy choices are not near-ties.
+    config_cls, model_cls, extra = FAMILIES[kind]
+    config = getattr(transformers, config_cls)(**(TINY_KW | extra | overrides), bos_token_id=1, eos_token_id=2)
+    model = getattr(transformers, model_cls)(config)
+    # Larger weights make the logits decisive, so greedy choices are not near-ties (the experts'
+    # stacked matrices included, and the routers', so experts are not picked by a hair).
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:
                 p.normal_(0, 0.2)
     model.save_pretrained(path)
     # A byte-level BPE tokenizer with no merges: every byte is a token, so any text encodes.
@@ -91,9 +108,18 @@ def _save_tiny(path, kind: str, **overrides) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> str:
-    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama")
+def _tiny(kind: str):
+    """A session fixture: the family's tiny random checkpoint (a directory), built once."""
+
+    @pytest.fixture(scope="session")
+    def checkpoint(tmp_path_factory) -> str:
+        return _save_tiny(tmp_path_factory.mktemp(f"tiny-{kind.replace('_', '-')}"), kind)
+
+    return checkpoint
+
+
+tiny_llama, tiny_qwen2, tiny_qwen3 = _tiny("llama"), _tiny("qwen2"), _tiny("qwen3")
+tiny_qwen3_moe, tiny_mixtral, tiny_mistral = _tiny("qwen3_moe"), _tiny("mixtral"), _tiny("mistral")
 
 
 @pytest.fixture(scope="session")
@@ -102,11 +128,6 @@ def tiny_llama_long(tmp_path_factory) -> str:
     it started: at ~0.2 ms a token, the 1024-token context of tiny_llama ends within a fraction of
     a second."""
     return _save_tiny(tmp_path_factory.mktemp("tiny-llama-long"), "llama", max_position_embeddings=32768)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2(tmp_path_factory) -> str:
-    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,9 @@ Attention is split by KV group: a rank holds whole KV heads with the query heads
 so attention needs no communication. The groups are dealt out as evenly as they go; when they do
 not divide (SmolLM2-135M: 3 KV heads over 2 ranks), ranks get one group more or less. With more
 ranks than KV heads, each KV head is copied to tp_size / num_kv_heads ranks, which split its
-query heads evenly. The MLP's intermediate rows are dealt out the same way.
+query heads evenly. The MLP's intermediate rows are dealt out the same way, and so are every
+expert's in a mixture of experts (each rank holds a slice of every expert rather than whole experts:
+the work stays even whichever experts the tokens pick, and the experts' sum stays one all-reduce).
 
 The embedding and lm_head are replicated, not split by vocabulary: a vocab-split lm_head needs an
 all-gather of the logits at every step (a collective is the dominant cost on CPU), and the
@@ -27,11 +29,13 @@ from baby_sgl.model_config import ModelConfig
 
 @dataclass(frozen=True)
 class Shard:
-    """One rank's part: half-open ranges of query heads, KV heads and MLP intermediate rows."""
+    """One rank's part: half-open ranges of query heads, KV heads, MLP intermediate rows and each
+    expert's intermediate rows."""
 
     heads: tuple[int, int]
     kv_heads: tuple[int, int]
     inter: tuple[int, int]
+    moe_inter: tuple[int, int] = (0, 0)
 
 
 def _deal(n: int, parts: int) -> list[tuple[int, int]]:
@@ -66,14 +70,16 @@ def plan(cfg: ModelConfig, tp_size: int) -> list[Shard]:
         per = group // copies
         kv_ranges = [(r // copies, r // copies + 1) for r in range(tp_size)]
         head_ranges = [(r * per, (r + 1) * per) for r in range(tp_size)]
-    return [Shard(h, k, i) for h, k, i in zip(head_ranges, kv_ranges, _deal(inter, tp_size))]
+    return [Shard(h, k, i, m) for h, k, i, m in
+            zip(head_ranges, kv_ranges, _deal(inter, tp_size), _deal(cfg.moe_intermediate_size, tp_size))]
 
 
 def local_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     """The config of one rank's model: its own heads and intermediate size."""
     return dataclasses.replace(cfg, num_heads=shard.heads[1] - shard.heads[0],
                                num_kv_heads=shard.kv_heads[1] - shard.kv_heads[0],
-                               intermediate_size=shard.inter[1] - shard.inter[0])
+                               intermediate_size=shard.inter[1] - shard.inter[0],
+                               moe_intermediate_size=shard.moe_inter[1] - shard.moe_inter[0])
 
 
 def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
@@ -84,8 +90,21 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
             "gate_proj": shard.inter, "up_proj": shard.inter}
     rows["v_proj"] = rows["k_proj"]
     cols = {"o_proj": rows["q_proj"], "down_proj": shard.inter}
+    # An expert's matrices (Mixtral's w1/w3/w2 are gate/up/down) are split by its own hidden size.
+    expert_rows = {"gate_proj": shard.moe_inter, "up_proj": shard.moe_inter, "w1": shard.moe_inter,
+                   "w3": shard.moe_inter}
+    expert_cols = {"down_proj": shard.moe_inter, "w2": shard.moe_inter}
     for name, tensor in weights:
         piece = name.split(".")[-2] if "." in name else ""
+        if ".experts." in name:
+            if piece in expert_rows:
+                a, b = expert_rows[piece]
+                tensor = tensor[a:b]
+            elif piece in expert_cols:
+                a, b = expert_cols[piece]
+                tensor = tensor[:, a:b]
+            yield name, tensor.contiguous()
+            continue
         if piece in rows:
             a, b = rows[piece]
             tensor = tensor[a:b]

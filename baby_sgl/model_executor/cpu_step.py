@@ -18,19 +18,24 @@ from baby_sgl.layers.quantization import DENSE_TYPES, QuantizedWeight
 from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
 
 if TYPE_CHECKING:
-    from baby_sgl.models.llama import LlamaForCausalLM
+    from baby_sgl.models.llama import MLP, DecoderLayer, LlamaForCausalLM
 
 
 def can_run(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
-    """Every matrix in a format the kernel reads, activations in float32 or bfloat16, heads of a
-    multiple of 16 values (whole vectors)."""
-    if dtype not in DENSE_TYPES or model.config.head_dim % 16:
-        return False
+    """A Llama/Qwen2-shaped model (no q/k norms, no experts), every matrix in a format the kernel
+    reads, activations in float32 or bfloat16, heads of a multiple of 16 values (whole vectors)."""
+    cfg = model.config
+    if dtype not in DENSE_TYPES or cfg.head_dim % 16 or cfg.qk_norm or cfg.num_experts:
+        return False  # the kernel has no per-head q/k norms and no experts (yet): those run op by op
     linears = [model.embed_tokens, model.lm_head] + [m for layer in model.layers for m in
                                                       (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+                                                       _mlp(layer).gate_up_proj, _mlp(layer).down_proj)]
     return all(isinstance(m.weight, QuantizedWeight) or
                (m.weight.dtype in DENSE_TYPES and not m.weight.is_mkldnn) for m in linears)
+
+
+def _mlp(layer: DecoderLayer) -> MLP:
+    return cast("MLP", layer.mlp)  # dense in every model can_run accepts
 
 
 def _weight(module: torch.nn.Module) -> tuple:
@@ -46,7 +51,7 @@ class CpuDecodeStep:
     def __init__(self, ops: Any, model: LlamaForCausalLM, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> None:
         cfg = model.config
         layers = [dict(qkv=_weight(l.self_attn.qkv_proj), o=_weight(l.self_attn.o_proj),
-                       gate_up=_weight(l.mlp.gate_up_proj), down=_weight(l.mlp.down_proj),
+                       gate_up=_weight(_mlp(l).gate_up_proj), down=_weight(_mlp(l).down_proj),
                        norm_in=l.input_layernorm.weight.detach(), norm_post=l.post_attention_layernorm.weight.detach())
                   for l in model.layers]
         config = dict(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,

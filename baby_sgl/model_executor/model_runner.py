@@ -20,7 +20,8 @@ from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBa
 from baby_sgl.layers.linear import Linear, can_prepack
 from baby_sgl.model_executor.compile import CompiledDense, device_needs_cxx
 from baby_sgl.model_executor import cpu_step
-from baby_sgl.models.llama import EAGER, DenseFns, LlamaForCausalLM, attention_in, attention_out_mlp
+from baby_sgl.models.llama import (EAGER, DenseFns, LlamaForCausalLM, attention_in, attention_out_mlp,
+                                   attention_out_moe)
 from baby_sgl.models.registry import get_model_class
 from baby_sgl.toolchain import cxx_compiler
 
@@ -40,7 +41,8 @@ class ModelRunner:
             shard = tp_plan.plan(cfg, tp.size)[tp.rank]
             weights = tp_plan.shard_weights(weights, cfg, shard)
             cfg = tp_plan.local_config(cfg, shard)
-            self.dense = DenseFns(attention_in, functools.partial(attention_out_mlp, reduce=tp.all_reduce))
+            self.dense = DenseFns(attention_in, functools.partial(attention_out_mlp, reduce=tp.all_reduce),
+                                  functools.partial(attention_out_moe, reduce=tp.all_reduce))
         self.cfg, self.dtype, self.device = cfg, dtype, device
         with torch.device("meta"):
             model: LlamaForCausalLM = get_model_class(cfg)(cfg)

@@ -1,12 +1,17 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama) and Qwen2, our own PyTorch code.
+"""The Llama-like decoder every family we serve shares (Llama 2/3, SmolLM2, TinyLlama, Qwen2,
+Qwen3, Qwen3-MoE, Mistral, Mixtral), our own PyTorch code. What differs between families is
+configuration (model_config.py): q/k/v biases, per-head q/k norms, a mixture-of-experts MLP in
+some or all layers, the checkpoint's tensor names.
 
 q/k/v and gate/up projections are fused into one matmul each; `load_weights` maps the
-Hugging Face tensor names onto the fused parameters.
+Hugging Face tensor names onto the fused parameters (and each expert's matrices onto the stacked
+expert parameters of layers/moe.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+import re
 from dataclasses import dataclass
 from typing import cast
 
@@ -17,6 +22,7 @@ from torch import nn
 from baby_sgl.layers.activation import silu_and_mul
 from baby_sgl.layers.layernorm import RMSNorm, rms_norm
 from baby_sgl.layers.linear import Linear, linear, set_quantized
+from baby_sgl.layers.moe import SparseMoE
 from baby_sgl.layers.quantization import QuantizedWeight
 from baby_sgl.layers.rotary_embedding import RotaryEmbedding
 from baby_sgl.model_config import ModelConfig
@@ -25,13 +31,20 @@ from baby_sgl.core.forward_batch import ForwardBatch
 
 def attention_in(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
                  cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-                 lin: Callable = linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A layer's work before attention: norm, fused q/k/v projection, rope. Row-wise, and a
-    function of tensors only, so one compiled graph serves every layer."""
+                 lin: Callable = linear,
+                 qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's work before attention: norm, fused q/k/v projection, (Qwen3) each head's q and k
+    normalised, rope. Row-wise, and a function of tensors only, so one compiled graph serves every
+    layer."""
     qkv = lin(rms_norm(x, norm_w, eps), qkv_w, qkv_b)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qk = qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, head_dim)
+    if qk_norm is not None:
+        q = rms_norm(qk[:, :heads].reshape(-1, head_dim), qk_norm[0], eps).view(-1, heads, head_dim)
+        k = rms_norm(qk[:, heads:].reshape(-1, head_dim), qk_norm[1], eps).view(-1, kv_heads, head_dim)
+        qk = torch.cat([q, k], dim=1)
     # Queries and keys sit side by side in the fused output: rotate them in one go.
-    qk = RotaryEmbedding.rotate(qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, head_dim), (cos, sin))
+    qk = RotaryEmbedding.rotate(qk, (cos, sin))
     v = qkv[:, q_size + kv_size :].view(-1, kv_heads, head_dim)
     return qk[:, :heads], qk[:, heads:], v
 
@@ -47,6 +60,16 @@ def attention_out_mlp(attn: torch.Tensor, x: torch.Tensor, o_w: torch.Tensor, no
     return x + (down if reduce is None else reduce(down))
 
 
+def attention_out_moe(attn: torch.Tensor, x: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                      moe: SparseMoE, lin: Callable = linear, reduce: Callable | None = None) -> torch.Tensor:
+    """attention_out_mlp with a mixture of experts for the MLP. With tensor parallelism each rank
+    holds a slice of every expert, so the experts' sum is a partial sum too."""
+    o = lin(attn.reshape(attn.shape[0], -1), o_w)
+    x = x + (o if reduce is None else reduce(o))
+    moe_out = moe(rms_norm(x, norm_w, eps))
+    return x + (moe_out if reduce is None else reduce(moe_out))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -56,6 +79,12 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Writes the new tokens' K/V to the pool and attends over each request's slots. Rows
@@ -78,7 +107,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_id)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                      cfg.norm_topk_prob) if layer_id in cfg.moe_layers else MLP(cfg))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -90,20 +121,24 @@ class DecoderLayer(nn.Module):
     def dense_in(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], dense: DenseFns):
         a, norm = self.self_attn, self.input_layernorm
         return dense.attention_in(x, norm.weight, norm.eps, a.qkv_proj.weight, a.qkv_proj.bias, *cos_sin,
-                                  a.num_heads, a.num_kv_heads, a.head_dim)
+                                  a.num_heads, a.num_kv_heads, a.head_dim, qk_norm=a.qk_norm_weights())
 
     def dense_out(self, attn: torch.Tensor, x: torch.Tensor, dense: DenseFns) -> torch.Tensor:
         a, m, norm = self.self_attn, self.mlp, self.post_attention_layernorm
+        if isinstance(m, SparseMoE):
+            return dense.attention_out_moe(attn, x, a.o_proj.weight, norm.weight, norm.eps, m)
         return dense.attention_out_mlp(attn, x, a.o_proj.weight, norm.weight, norm.eps, m.gate_up_proj.weight,
                                        m.down_proj.weight)
 
 
 @dataclass(frozen=True)
 class DenseFns:
-    """The two dense parts of a layer: eager (EAGER) or compiled (model_executor/compile.py)."""
+    """The dense parts of a layer: eager (EAGER) or compiled (model_executor/compile.py); the
+    mixture-of-experts variant of the second (its routing decides the shapes) always runs eager."""
 
     attention_in: Callable
     attention_out_mlp: Callable
+    attention_out_moe: Callable = attention_out_moe
 
 
 EAGER = DenseFns(attention_in, attention_out_mlp)
@@ -160,13 +195,23 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
+    # A family's own checkpoint names -> the names above (Mixtral's block_sparse_moe/w1/w2/w3).
+    _RENAMES: tuple[tuple[str, str], ...] = ()
+    _EXPERT = re.compile(r"(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        experts_loaded: dict[str, set[tuple[int, str]]] = {}
         quantized: dict[str, dict[int | None, QuantizedWeight]] = {}
         for name, tensor in weights:
             name = name.removeprefix("model.")
+            for pattern, replacement in self._RENAMES:
+                name = re.sub(pattern, replacement, name)
             if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            if (expert := self._EXPERT.fullmatch(name)) is not None:
+                self._load_expert(params, expert, tensor, experts_loaded)
                 continue
             target, shard = name, None
             for piece, (fused, idx) in self._FUSED.items():
@@ -187,9 +232,30 @@ class LlamaForCausalLM(nn.Module):
         for target, shards in quantized.items():
             self._load_quantized(target, [shards[i] for i in sorted(shards, key=lambda i: i or 0)], params[target])
         self.tie_weights()
+        loaded |= {t for t, parts in experts_loaded.items() if len(parts) == 2 * self.config.num_experts
+                   or (t.endswith("experts_down") and len(parts) == self.config.num_experts)}
         missing = set(params) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+    def _load_expert(self, params: dict[str, nn.Parameter], expert: re.Match,
+                     tensor: torch.Tensor | QuantizedWeight, experts_loaded: dict[str, set[tuple[int, str]]]) -> None:
+        """One expert's gate, up or down matrix into the layer's stacked expert parameters."""
+        layer, e, piece = expert[1], int(expert[2]), expert[3]
+        target = f"{layer}.experts_down" if piece == "down_proj" else f"{layer}.experts_gate_up"
+        if target not in params or e >= params[target].shape[0]:
+            raise ValueError(f"unexpected weight {expert[0]!r} for {self.config.architecture}")
+        if isinstance(tensor, QuantizedWeight):
+            raise ValueError("quantized expert matrices are not supported: load the checkpoint with "
+                             "--quantization none")
+        param = params[target]
+        with torch.no_grad():
+            if piece == "down_proj":
+                param[e].copy_(tensor)
+            else:
+                start = 0 if piece == "gate_proj" else param.shape[1] // 2
+                param[e, start : start + param.shape[1] // 2].copy_(tensor)
+        experts_loaded.setdefault(target, set()).add((e, piece))
 
     def _load_quantized(self, target: str, parts: list[QuantizedWeight], param: nn.Parameter) -> None:
         """Keeps a matrix as its blocks (a fused one as its parts' rows), unless its parts differ
@@ -210,3 +276,10 @@ class LlamaForCausalLM(nn.Module):
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Same graph as Llama; ModelConfig turns on the q/k/v biases for this architecture."""
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Every layer a mixture of experts, under Mixtral's own checkpoint names."""
+
+    _RENAMES = ((r"\.block_sparse_moe\.", ".mlp."), (r"(\.experts\.\d+)\.w1\.", r"\1.gate_proj."),
+                (r"(\.experts\.\d+)\.w3\.", r"\1.up_proj."), (r"(\.experts\.\d+)\.w2\.", r"\1.down_proj."))

@@ -1,11 +1,16 @@
 from __future__ import annotations
 
 from baby_sgl.model_config import ModelConfig
-from baby_sgl.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from baby_sgl.models.llama import LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    # The same decoder; model_config.py turns on what differs (q/k norms, experts, the window).
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

@@ -34,12 +34,23 @@ def _followers() -> list[int]:
     return [int(line.split()[0]) for line in out.splitlines() if "baby_sgl.managers.tp_worker" in line]
 
 
-@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2"])
-def case(request):
-    path = request.getfixturevalue(request.param)
+def _case(path: str) -> tuple[str, list[list[int]], list[list[int]]]:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = random_prompts(10, 512, 3, 90) + shared_prefix_prompts(6, 512, 40)
     return path, prompts, hf_greedy(hf, prompts, MAX_NEW)
+
+
+# Qwen3: q/k norms pass to every rank whole; the MoE families: every rank holds a slice of every
+# expert (Qwen3-MoE with a dense layer between, Mixtral under its own tensor names).
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral"])
+def case(request):
+    return _case(request.getfixturevalue(request.param))
+
+
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2", "tiny_qwen3_moe"])
+def case4(request):
+    """Models with 2 KV heads and a query head count 4 ranks can split (Qwen3's 6 cannot)."""
+    return _case(request.getfixturevalue(request.param))
 
 
 @pytest.mark.parametrize("config", TP_CONFIGS)
@@ -59,9 +70,9 @@ def test_tp2_greedy_matches_transformers(case, config):
     assert _followers() == []
 
 
-def test_tp4_copies_kv_heads(case):
+def test_tp4_copies_kv_heads(case4):
     """4 ranks, 2 KV heads: each KV head on two ranks, which split its query heads."""
-    path, prompts, expected = case
+    path, prompts, expected = case4
     with Engine(path, dtype="float32", tp_size=4, page_size=4) as engine:
         assert len(_followers()) == 3
         outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW})

@@ -1,0 +1,73 @@
+"""What differs between the families beyond the shared equivalence tests (test_equivalence.py):
+the mixture-of-experts path computes each expert only for its tokens, a checkpoint missing an
+expert is refused by name, and a sliding-window model serves sequences no longer than its window
+(where full attention is exact) and refuses a longer context by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from baby_sgl import Engine
+from baby_sgl.layers import moe
+from conftest import _save_tiny
+from helpers import GREEDY, hf_greedy, random_prompts
+
+
+def test_each_expert_runs_only_on_the_tokens_routed_to_it(monkeypatch):
+    torch.manual_seed(0)
+    tokens, hidden, size, experts, k = 37, 16, 12, 8, 2
+    x = torch.randn(tokens, hidden)
+    gate_up, down = torch.randn(experts, 2 * size, hidden), torch.randn(experts, hidden, size)
+    weights, chosen = moe.route(torch.randn(tokens, experts), k, renormalize=True)
+    rows_seen = []
+    linear = F.linear
+
+    def counting(inp, w, *args):
+        if tuple(w.shape) == (2 * size, hidden):  # an expert's gate/up product
+            rows_seen.append(inp.shape[0])
+        return linear(inp, w, *args)
+
+    monkeypatch.setattr(moe.F, "linear", counting)
+    out = moe.experts_forward(x, weights, chosen, gate_up, down)
+    monkeypatch.undo()
+    assert sum(rows_seen) == tokens * k  # every (token, choice) once, nothing more
+    assert sorted(rows_seen) == sorted(torch.bincount(chosen.flatten(), minlength=experts)[
+        torch.bincount(chosen.flatten(), minlength=experts) > 0].tolist())
+    # The dense reference: every expert on every token, weighted by the routing (zero if not chosen).
+    dense = torch.zeros(tokens, experts)
+    dense.scatter_(1, chosen, weights)
+    ref = sum(dense[:, e, None] * F.linear(F.silu(F.linear(x, gate_up[e, :size])) * F.linear(x, gate_up[e, size:]),
+                                          down[e]) for e in range(experts))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_a_checkpoint_missing_an_expert_is_refused(tiny_mixtral, tmp_path):
+    import shutil
+
+    path = tmp_path / "broken"
+    shutil.copytree(tiny_mixtral, path)
+    weights = load_file(path / "model.safetensors")
+    del weights["model.layers.1.block_sparse_moe.experts.5.w3.weight"]
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(ValueError, match="missing weights.*layers.1.mlp.experts_gate_up"):
+        Engine(str(path), dtype="float32")
+
+
+def test_a_sliding_window_model_serves_sequences_within_its_window(tmp_path):
+    path = _save_tiny(tmp_path / "mistral-window", "mistral", sliding_window=64)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = random_prompts(6, 512, 3, 40)
+    expected = hf_greedy(hf, prompts, 20)
+    with Engine(path, dtype="float32", page_size=4) as engine:
+        assert engine.context_len == 64
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 20})
+        assert [o["output_ids"] for o in outs] == expected
+        with pytest.raises(ValueError, match="prompt is too long"):
+            engine.generate(input_ids=[5] * 70, sampling_params={"max_new_tokens": 2})
+        engine.check_memory()
+    with pytest.raises(ValueError, match="longer than this model's sliding window"):
+        Engine(path, dtype="float32", context_length=128)
