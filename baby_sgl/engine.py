@@ -68,6 +68,8 @@ class Engine:
         self.dtype = self._pick_dtype(loaded.hf_config)
         self.tokenizer_path = loaded.tokenizer_path  # a directory AutoTokenizer loads (also for a .gguf)
         self.tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_path)
+        if args.chat_template is not None:
+            self.tokenizer.chat_template = self._read_chat_template(args.chat_template)
         self.eos_token_ids = self._eos_ids(loaded.generation_config, cfg)
         self.sampling_defaults = SamplingParams.usable_defaults(
             {k: v for k, v in loaded.generation_config.items() if k in _SAMPLING_DEFAULT_KEYS})
@@ -127,6 +129,21 @@ class Engine:
         return True
 
     @staticmethod
+    def _read_chat_template(path: str) -> str:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"chat_template: cannot read {path!r}: {e.strerror}") from None
+        try:
+            import jinja2
+
+            jinja2.Environment().parse(text)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"chat_template {path!r} is not a valid Jinja template: {e.message} (line {e.lineno})") from None
+        return text
+
+    @staticmethod
     def _context_len(asked: int | None, cfg: ModelConfig) -> int:
         """The longest sequence: what was asked, at most the model's. A sliding-window model runs at
         most its window (every position then sees every earlier one, so full attention is exact);
@@ -162,8 +179,11 @@ class Engine:
         return -1 if size <= 0 else size  # SGLang: -1 disables chunking
 
     def _eos_ids(self, gen: dict, cfg: ModelConfig) -> list[int]:
-        eos = gen.get("eos_token_id", cfg.eos_token_ids or self.tokenizer.eos_token_id)
-        return sorted({eos} if isinstance(eos, int) else set(eos or []))
+        """As SGLang: the ids the model's generation_config or config name, and the tokenizer's."""
+        ids = set(cfg.eos_token_ids)
+        for eos in (gen.get("eos_token_id"), self.tokenizer.eos_token_id):
+            ids |= {eos} if isinstance(eos, int) else set(eos or [])
+        return sorted(ids)
 
     def _pool_size(self, cfg: ModelConfig) -> int:
         args = self.engine_args

@@ -52,6 +52,8 @@ class EngineArgs:
         1.0, "scales the KV room kept for running requests' future tokens: lower admits more at once "
              "and retracts more often (0 keeps none)")
     context_length: int | None = _setting(None, "longest sequence (default: the model's max_position_embeddings)")
+    chat_template: str | None = _setting(
+        None, "a Jinja chat template file used instead of the one the model's tokenizer ships")
     random_seed: int = _setting(0, "seed of the sampler and the random schedule policy")
     trace_file: str | None = _setting(None, "write a JSON-lines trace of scheduling and cache events to this file")
     debug_memory_check: bool = _setting(False, "check the KV memory invariant after every step (slow)")

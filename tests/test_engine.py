@@ -169,3 +169,17 @@ def test_context_manager_and_server_info(tiny_llama):
         info = eng.get_server_info()
         assert info["page_size"] == 8 and info["max_total_tokens"] == 1000 // 8 * 8
         eng.check_memory()
+
+
+def test_chat_template_file_replaces_the_models(tiny_llama, tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    with Engine(tiny_llama, dtype="float32", chat_template=str(template)) as eng:
+        ids = eng.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert eng.tokenizer.decode(ids) == "<user>hi<assistant>"
+    with pytest.raises(ValueError, match="cannot read"):
+        Engine(tiny_llama, chat_template=str(tmp_path / "missing.jinja"))
+    template.write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        Engine(tiny_llama, chat_template=str(template))
