@@ -18,6 +18,7 @@ from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
 from baby_sgl.layers.linear import Linear, can_prepack
+from baby_sgl.layers.moe import SparseMoE
 from baby_sgl.model_executor.compile import CompiledDense, device_needs_cxx
 from baby_sgl.model_executor import cpu_step
 from baby_sgl.models.llama import (EAGER, DenseFns, LlamaForCausalLM, attention_in, attention_out_mlp,
@@ -69,6 +70,8 @@ class ModelRunner:
         linears = [m for m in self.model.modules() if isinstance(m, Linear) and can_prepack(m.weight)]
         for m in linears:
             m.prepack()
+        for moe in [m for m in self.model.modules() if isinstance(m, SparseMoE) and m.prepack_pays()]:
+            moe.prepack()
 
     def _enable_compile(self, max_bs: int) -> None:
         if device_needs_cxx(self.device) and cxx_compiler() is None:

@@ -24,14 +24,14 @@ def test_each_expert_runs_only_on_the_tokens_routed_to_it(monkeypatch):
     gate_up, down = torch.randn(experts, 2 * size, hidden), torch.randn(experts, hidden, size)
     weights, chosen = moe.route(torch.randn(tokens, experts), k, renormalize=True)
     rows_seen = []
-    linear = F.linear
+    linear = moe.linear
 
     def counting(inp, w, *args):
         if tuple(w.shape) == (2 * size, hidden):  # an expert's gate/up product
             rows_seen.append(inp.shape[0])
         return linear(inp, w, *args)
 
-    monkeypatch.setattr(moe.F, "linear", counting)
+    monkeypatch.setattr(moe, "linear", counting)
     out = moe.experts_forward(x, weights, chosen, gate_up, down)
     monkeypatch.undo()
     assert sum(rows_seen) == tokens * k  # every (token, choice) once, nothing more
@@ -71,3 +71,19 @@ def test_a_sliding_window_model_serves_sequences_within_its_window(tmp_path):
         engine.check_memory()
     with pytest.raises(ValueError, match="longer than this model's sliding window"):
         Engine(path, dtype="float32", context_length=128)
+
+
+def test_prepacked_bfloat16_experts_compute_what_the_stacked_ones_do():
+    torch.manual_seed(0)
+    layer = moe.SparseMoE(hidden_size=64, size=48, num_experts=8, top_k=2, renormalize=False).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.2)
+    x = torch.randn(23, 64, dtype=torch.bfloat16)
+    before = layer(x)
+    if not layer.prepack_pays():  # no oneDNN in this torch build: nothing to compare
+        assert not torch.backends.mkldnn.is_available()
+        return
+    layer.prepack()
+    assert layer.packed is not None and "experts_down" not in dict(layer.named_parameters())
+    torch.testing.assert_close(layer(x).float(), before.float(), rtol=2e-2, atol=2e-2)
