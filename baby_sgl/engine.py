@@ -73,7 +73,7 @@ class Engine:
         self.eos_token_ids = self._eos_ids(loaded.generation_config, cfg)
         self.sampling_defaults = SamplingParams.usable_defaults(
             {k: v for k, v in loaded.generation_config.items() if k in _SAMPLING_DEFAULT_KEYS})
-        self.context_len = self._context_len(args.context_length, cfg)
+        self.context_len = min(args.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.tp: TensorParallel | None = None
         if args.tp_size > 1:
             tp_plan.plan(cfg, args.tp_size)  # refuses a split the model does not allow, before any process starts
@@ -142,22 +142,6 @@ class Engine:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"chat_template {path!r} is not a valid Jinja template: {e.message} (line {e.lineno})") from None
         return text
-
-    @staticmethod
-    def _context_len(asked: int | None, cfg: ModelConfig) -> int:
-        """The longest sequence: what was asked, at most the model's. A sliding-window model runs at
-        most its window (every position then sees every earlier one, so full attention is exact);
-        attention restricted to the window, for longer sequences, is not built yet."""
-        longest = min(asked or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        window = cfg.sliding_window
-        if window is None or longest <= window:
-            return longest
-        if asked is not None:
-            raise ValueError(f"context_length {asked} is longer than this model's sliding window ({window} tokens): "
-                             f"attention limited to a sliding window is not supported yet; pass at most {window}")
-        logger.warning("%s attends over a sliding window of %d tokens: serving sequences of at most %d tokens "
-                       "(windowed attention for longer ones is not supported yet)", cfg.architecture, window, window)
-        return window
 
     def _pick_dtype(self, hf_config: dict) -> torch.dtype:
         if self.engine_args.dtype != "auto":

@@ -72,6 +72,7 @@ class _ExtendMeta:
     rows: torch.Tensor  # [B, W]: request i's slots 0..prefix + extend - 1 lead its row
     prefix_lens: list[int]
     extend_lens: list[int]  # per request: new tokens
+    window: int | None = None  # query at position p sees keys p - window < k <= p only
     _portable: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
     _kernel_lens: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -83,16 +84,27 @@ class _ExtendMeta:
 
     def portable(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Per request, its slots and its mask (None: plain causal, no cached prefix), made once."""
-        if self._portable is None:
-            indices, masks = [], []
-            for i, (prefix, ext) in enumerate(zip(self.prefix_lens, self.extend_lens)):
-                indices.append(self.rows[i, : prefix + ext])
-                # Invariant 2: query j (absolute position prefix + j) sees keys 0..prefix + j.
-                causal = None
-                if prefix:
-                    causal = torch.ones(ext, prefix + ext, dtype=torch.bool, device=self.rows.device).tril(prefix)
-                masks.append(causal)
-            self._portable = (indices, masks)
+        if self._portable is not None:
+            return self._portable
+        indices: list[torch.Tensor] = []
+        masks: list[torch.Tensor | None] = []
+        dev = self.rows.device
+        for i, (prefix, ext) in enumerate(zip(self.prefix_lens, self.extend_lens)):
+            if self.window is not None:
+                # Keys before the first query's window are not read at all.
+                start = max(0, prefix - self.window + 1)
+                indices.append(self.rows[i, start : prefix + ext])
+                q_pos = prefix + torch.arange(ext, device=dev)[:, None]
+                k_pos = start + torch.arange(prefix + ext - start, device=dev)[None, :]
+                masks.append((k_pos <= q_pos) & (k_pos > q_pos - self.window))
+                continue
+            indices.append(self.rows[i, : prefix + ext])
+            # Invariant 2: query j (absolute position prefix + j) sees keys 0..prefix + j.
+            causal = None
+            if prefix:
+                causal = torch.ones(ext, prefix + ext, dtype=torch.bool, device=dev).tril(prefix)
+            masks.append(causal)
+        self._portable = (indices, masks)
         return self._portable
 
 
@@ -149,8 +161,12 @@ def _padding_mask(lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.T
 
 
 class TorchNativeAttnBackend:
-    def __init__(self, device: torch.device | None = None, queries_per_kv_head: int = 1) -> None:
+    def __init__(self, device: torch.device | None = None, queries_per_kv_head: int = 1,
+                 sliding_window: int | None = None) -> None:
         self.workspace = _Workspace()
+        # Layers that attend over the last sliding_window positions only get metadata of their own
+        # (attn_metadata_window): decode reads each request's last slots, extend masks by position.
+        self.sliding_window = sliding_window
         # On CPU, decode attention reads the pool in place with our kernel when it can be built,
         # for every request's own slots if the model has few query heads per KV head.
         self.decode_kernel = decode_kernel() if device is not None and device.type == "cpu" else None
@@ -160,37 +176,46 @@ class TorchNativeAttnBackend:
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, : max(fb.seq_lens_cpu)]
-        if fb.mode == ForwardMode.DECODE:
-            fb.attn_metadata = self._decode_meta(rows, fb.seq_lens, fb.seq_lens_cpu, fb.kv_pool.dtype)
-            return
-        n = fb.batch_size - fb.num_decode_reqs
-        extend = self._extend_meta(rows[:n], fb.extend_prefix_lens_cpu[:n], fb.extend_seq_lens_cpu[:n])
-        if fb.mode == ForwardMode.EXTEND:
-            fb.attn_metadata = extend
-            return
-        decode = self._decode_meta(rows[n:], fb.seq_lens[n:], fb.seq_lens_cpu[n:], fb.kv_pool.dtype)
-        fb.attn_metadata = _MixedMeta(extend, decode, sum(extend.extend_lens))
+        fb.attn_metadata = self._metadata(fb, rows, None)
+        if self.sliding_window is not None:
+            fb.attn_metadata_window = self._metadata(fb, rows, self.sliding_window)
 
-    @staticmethod
-    def _extend_meta(rows: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]) -> _ExtendMeta:
-        return _ExtendMeta(rows.contiguous(), list(prefix_lens), list(extend_lens))
+    def _metadata(self, fb: ForwardBatch, rows: torch.Tensor, window: int | None) -> _DecodePlan | _ExtendMeta | _MixedMeta:
+        if fb.mode == ForwardMode.DECODE:
+            return self._decode_meta(rows, fb.seq_lens, fb.seq_lens_cpu, fb.kv_pool.dtype, window)
+        n = fb.batch_size - fb.num_decode_reqs
+        extend = _ExtendMeta(rows[:n].contiguous(), list(fb.extend_prefix_lens_cpu[:n]),
+                             list(fb.extend_seq_lens_cpu[:n]), window)
+        if fb.mode == ForwardMode.EXTEND:
+            return extend
+        decode = self._decode_meta(rows[n:], fb.seq_lens[n:], fb.seq_lens_cpu[n:], fb.kv_pool.dtype, window)
+        return _MixedMeta(extend, decode, sum(extend.extend_lens))
 
     def _decode_meta(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
-                     dtype: torch.dtype) -> _DecodePlan:
+                     dtype: torch.dtype, window: int | None = None) -> _DecodePlan:
+        if window is not None:
+            # The new token (position len - 1) sees the last `window` slots: each row starts there.
+            starts = torch.tensor([max(0, n - window) for n in seq_lens_cpu], device=rows.device)
+            seq_lens_cpu = [n - max(0, n - window) for n in seq_lens_cpu]
+            take = (starts[:, None] + torch.arange(max(seq_lens_cpu), device=rows.device)).clamp_(max=rows.shape[1] - 1)
+            rows, seq_lens = rows.gather(1, take), seq_lens - starts
         # The kernel pads nothing: one call. The portable path splits by length.
         groups = [list(range(len(seq_lens_cpu)))] if self.kernel_rows else split_by_length(seq_lens_cpu)
+        # A window's rows start at different positions: their first slots are no longer shared.
+        share = window is None
         if len(groups) == 1:
-            return _DecodePlan([(None, self._decode_group(rows, seq_lens, seq_lens_cpu, dtype))])
+            return _DecodePlan([(None, self._decode_group(rows, seq_lens, seq_lens_cpu, dtype, share))])
         parts: list[tuple[torch.Tensor | None, _DecodeMeta]] = []
         for g in groups:
             idx = torch.tensor(g, device=rows.device)
-            parts.append((idx, self._decode_group(rows[idx], seq_lens[idx], [seq_lens_cpu[i] for i in g], dtype)))
+            parts.append((idx, self._decode_group(rows[idx], seq_lens[idx], [seq_lens_cpu[i] for i in g], dtype,
+                                                  share)))
         return _DecodePlan(parts)
 
     def _decode_group(self, rows: torch.Tensor, seq_lens: torch.Tensor, seq_lens_cpu: list[int],
-                      dtype: torch.dtype) -> _DecodeMeta:
+                      dtype: torch.dtype, share: bool = True) -> _DecodeMeta:
         rows = rows[:, : max(seq_lens_cpu)].contiguous()
-        shared = find_shared_prefixes(rows.cpu(), seq_lens_cpu, dtype, rows.device)
+        shared = find_shared_prefixes(rows.cpu(), seq_lens_cpu, dtype, rows.device) if share else None
 
         def mask(lens: torch.Tensor, width: int) -> torch.Tensor | None:  # the kernel needs none
             return None if self.kernel_rows else _padding_mask(lens, width, dtype)
@@ -204,9 +229,10 @@ class TorchNativeAttnBackend:
         lens = seq_lens - starts
         return _DecodeMeta(rows.gather(1, take), lens, mask(lens, width), shared)
 
-    def forward(self, q: torch.Tensor, layer_id: int, scale: float, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer_id: int, scale: float, fb: ForwardBatch,
+                windowed: bool = False) -> torch.Tensor:
         k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer_id)
-        meta = fb.attn_metadata
+        meta = fb.attn_metadata_window if windowed else fb.attn_metadata
         if fb.mode == ForwardMode.DECODE:
             return self._decode(q, k_buf, v_buf, scale, meta)
         if fb.mode == ForwardMode.EXTEND:
@@ -216,7 +242,7 @@ class TorchNativeAttnBackend:
                           self._decode(q[t:], k_buf, v_buf, scale, meta.decode)])
 
     def _extend(self, q, k_buf, v_buf, scale, meta: _ExtendMeta) -> torch.Tensor:
-        if self.extend_kernel is not None and q.shape[-1] % 16 == 0:
+        if self.extend_kernel is not None and q.shape[-1] % 16 == 0 and meta.window is None:
             return self.extend_kernel.extend_attention(q, k_buf, v_buf, meta.rows, *meta.kernel_lens(), scale)
         outs, start = [], 0
         for idx, mask, ext in zip(*meta.portable(), meta.extend_lens):

@@ -42,9 +42,11 @@ class AttentionBackend(Protocol):
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Precomputes per-pass data (KV slot tables, masks) once, before the layers run."""
 
-    def forward(self, q: torch.Tensor, layer_id: int, scale: float, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer_id: int, scale: float, fb: ForwardBatch,
+                windowed: bool = False) -> torch.Tensor:
         """q: [T, H, D] for the new tokens, whose K/V are already written to the pool.
-        Returns [T, H, D]: each query attends to its request's KV slots 0..its own position."""
+        Returns [T, H, D]: each query attends to its request's KV slots 0..its own position
+        (windowed: only the last sliding_window of them, the backend's setting)."""
 
 
 @dataclass
@@ -66,6 +68,7 @@ class ForwardBatch:
     input_logprob_rows: torch.Tensor | None = None  # token rows whose hidden states give prompt logprobs
     # Filled by the attention backend once per pass, shared by all layers.
     attn_metadata: Any = None
+    attn_metadata_window: Any = None  # the same, for layers attending over a sliding window
 
     @property
     def batch_size(self) -> int:

@@ -52,7 +52,8 @@ class ModelRunner:
         model.tie_weights()
         model.load_weights(weights)
         self.model = model.to(dtype).eval()
-        self.attn_backend = create_attention_backend(attention_backend, device, cfg.num_heads // cfg.num_kv_heads)
+        self.attn_backend = create_attention_backend(attention_backend, device, cfg.num_heads // cfg.num_kv_heads,
+                                                     cfg.sliding_window)
         self._req_to_token_pool: ReqToTokenPool | None = None  # built by init_memory_pool
         self._kv_pool: KVPool | None = None
         self.compiled: CompiledDense | None = None

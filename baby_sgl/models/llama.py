@@ -79,6 +79,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        self.windowed = cfg.sliding_window is not None  # attends over the last sliding_window positions
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -92,7 +93,7 @@ class Attention(nn.Module):
         as zeros."""
         n = fb.out_cache_loc.numel()
         fb.kv_pool.set_kv_buffer(self.layer_id, fb.out_cache_loc, k[:n], v[:n])
-        out = fb.attn_backend.forward(q[:n], self.layer_id, self.scale, fb)
+        out = fb.attn_backend.forward(q[:n], self.layer_id, self.scale, fb, windowed=self.windowed)
         return out if n == q.shape[0] else F.pad(out, (0, 0, 0, 0, 0, q.shape[0] - n))
 
 

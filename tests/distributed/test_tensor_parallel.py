@@ -41,8 +41,10 @@ def _case(path: str) -> tuple[str, list[list[int]], list[list[int]]]:
 
 
 # Qwen3: q/k norms pass to every rank whole; the MoE families: every rank holds a slice of every
-# expert (Qwen3-MoE with a dense layer between, Mixtral under its own tensor names).
-@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral"])
+# expert (Qwen3-MoE with a dense layer between, Mixtral under its own tensor names); Mistral: every
+# rank attends over the same sliding window.
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral",
+                                        "tiny_mistral"])
 def case(request):
     return _case(request.getfixturevalue(request.param))
 
