@@ -32,8 +32,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()
-    # Attention over the last sliding_window positions only (Mistral); None: over everything.
+    # Attention over the last sliding_window positions only (Mistral, Phi-3); None: over everything.
     sliding_window: int | None = None
+    rotary_dim: int = 0  # rope on the first rotary_dim values of each head (Phi-4-mini: 3/4); 0: all
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -50,6 +55,8 @@ class ModelConfig:
         moe_layers = tuple(i for i in range(layers) if experts and i not in dense_layers and (i + 1) % step == 0)
         # Qwen2/Qwen3 configs carry a sliding_window that applies only with use_sliding_window.
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -58,7 +65,7 @@ class ModelConfig:
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
             rope_scaling=scaling,
@@ -75,4 +82,5 @@ class ModelConfig:
             norm_topk_prob=cfg.get("norm_topk_prob", True) if arch == "Qwen3MoeForCausalLM" else True,
             moe_layers=moe_layers,
             sliding_window=window or None,
+            rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
         )

@@ -75,6 +75,11 @@ FAMILIES = {
                                                         "num_experts_per_tok": 2, "intermediate_size": 48}),
     # A window shorter than most test prompts, so attention outside it must be left out.
     "mistral": ("MistralConfig", "MistralForCausalLM", {"tie_word_embeddings": False, "sliding_window": 16}),
+    # Phi-3: fused qkv and gate_up in the checkpoint, a sliding window, and (as Phi-4-mini) rope on
+    # half of each head.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        "tie_word_embeddings": False, "sliding_window": 24, "pad_token_id": 0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
 }
 
 
@@ -121,6 +126,7 @@ def _tiny(kind: str):
 
 tiny_llama, tiny_qwen2, tiny_qwen3 = _tiny("llama"), _tiny("qwen2"), _tiny("qwen3")
 tiny_qwen3_moe, tiny_mixtral, tiny_mistral = _tiny("qwen3_moe"), _tiny("mixtral"), _tiny("mistral")
+tiny_phi3 = _tiny("phi3")
 
 
 @pytest.fixture(scope="session")

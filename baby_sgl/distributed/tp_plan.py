@@ -94,8 +94,18 @@ def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig,
     expert_rows = {"gate_proj": shard.moe_inter, "up_proj": shard.moe_inter, "w1": shard.moe_inter,
                    "w3": shard.moe_inter}
     expert_cols = {"down_proj": shard.moe_inter, "w2": shard.moe_inter}
+    # Checkpoints that store q/k/v or gate/up fused (Phi-3): each part cut, the cuts joined.
+    fused = {"qkv_proj": [(0, cfg.num_heads * d, rows["q_proj"]),
+                          (cfg.num_heads * d, cfg.num_kv_heads * d, rows["k_proj"]),
+                          ((cfg.num_heads + cfg.num_kv_heads) * d, cfg.num_kv_heads * d, rows["v_proj"])],
+             "gate_up_proj": [(0, cfg.intermediate_size, shard.inter),
+                              (cfg.intermediate_size, cfg.intermediate_size, shard.inter)]}
     for name, tensor in weights:
         piece = name.split(".")[-2] if "." in name else ""
+        if piece in fused:
+            tensor = torch.cat([tensor[offset : offset + size][a:b] for offset, size, (a, b) in fused[piece]])
+            yield name, tensor.contiguous()
+            continue
         if ".experts." in name:
             if piece in expert_rows:
                 a, b = expert_rows[piece]

@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half layout), with linear and llama3 frequency scaling."""
+"""Rotary position embedding (rotate-half layout), with linear and llama3 frequency scaling, over
+the whole head or (partial rotary, Phi-4-mini) its first values."""
 
 from __future__ import annotations
 
@@ -53,6 +54,11 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x: [T, heads, D] (queries and keys together), rotated to their positions."""
+        """x: [T, heads, D] (queries and keys together), rotated to their positions; with tables
+        narrower than D only the first values rotate and the rest pass through."""
         cos, sin = cos_sin
-        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+        rot = cos.shape[-1]
+        if rot == x.shape[-1]:
+            return x * cos + x.roll(rot // 2, dims=-1) * sin
+        head = x[..., :rot]
+        return torch.cat([head * cos + head.roll(rot // 2, dims=-1) * sin, x[..., rot:]], dim=-1)

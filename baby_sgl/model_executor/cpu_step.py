@@ -22,10 +22,11 @@ if TYPE_CHECKING:
 
 
 def can_run(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
-    """A Llama/Qwen2-shaped model (no q/k norms, experts or sliding window), every matrix in a format the kernel
+    """A Llama/Qwen2-shaped model (no q/k norms, experts, sliding window or partial rope), every matrix in a format the kernel
     reads, activations in float32 or bfloat16, heads of a multiple of 16 values (whole vectors)."""
     cfg = model.config
-    if dtype not in DENSE_TYPES or cfg.head_dim % 16 or cfg.qk_norm or cfg.num_experts or cfg.sliding_window:
+    if dtype not in DENSE_TYPES or cfg.head_dim % 16 or cfg.qk_norm or cfg.num_experts or cfg.sliding_window \
+            or cfg.rotary_dim:
         return False  # the kernel has no per-head q/k norms, experts or windows (yet): those run op by op
     linears = [model.embed_tokens, model.lm_head] + [m for layer in model.layers for m in
                                                       (layer.self_attn.qkv_proj, layer.self_attn.o_proj,

@@ -1,7 +1,8 @@
 """The Llama-like decoder every family we serve shares (Llama 2/3, SmolLM2, TinyLlama, Qwen2,
-Qwen3, Qwen3-MoE, Mistral, Mixtral), our own PyTorch code. What differs between families is
+Qwen3, Qwen3-MoE, Mistral, Mixtral, Phi-3), our own PyTorch code. What differs between families is
 configuration (model_config.py): q/k/v biases, per-head q/k norms, a mixture-of-experts MLP in
-some or all layers, the checkpoint's tensor names.
+some or all layers, a sliding window, rope on part of each head, the checkpoint's tensor names
+(Phi-3's are already fused as ours).
 
 q/k/v and gate/up projections are fused into one matmul each; `load_weights` maps the
 Hugging Face tensor names onto the fused parameters (and each expert's matrices onto the stacked
@@ -149,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.rope_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # A ModuleList (registered, moved and loaded with the model), typed as the list of layers it holds.
         self.layers = cast("list[DecoderLayer]", nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers)))
