@@ -35,6 +35,18 @@ class ModelConfig:
     # Attention over the last sliding_window positions only (Mistral, Phi-3); None: over everything.
     sliding_window: int | None = None
     rotary_dim: int = 0  # rope on the first rotary_dim values of each head (Phi-4-mini: 3/4); 0: all
+    sliding_layers: tuple[int, ...] = ()  # the layers that attend over the window (all of Mistral's)
+    # Gemma 3: the windowed layers' own rope base and scaling, norms scaled by 1 + weight, the
+    # embeddings times sqrt(hidden_size), a GELU-tanh MLP, norms after attention and around the MLP
+    # too, query_pre_attn_scalar ** -0.5 as the attention scale, logits soft-capped.
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict | None = None
+    norm_offset: bool = False
+    embed_scale: float = 1.0
+    hidden_act: str = "silu"
+    sandwich_norms: bool = False
+    attn_scale: float | None = None
+    final_logit_softcap: float | None = None
 
     @property
     def rope_dim(self) -> int:
@@ -57,6 +69,9 @@ class ModelConfig:
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+        gemma = arch == "Gemma3ForCausalLM"
+        if gemma:
+            return cls._gemma3(cfg, arch, heads, head_dim, layers, eos, window)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -83,4 +98,43 @@ class ModelConfig:
             moe_layers=moe_layers,
             sliding_window=window or None,
             rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
+            sliding_layers=tuple(range(layers)) if window else (),
+        )
+
+    @classmethod
+    def _gemma3(cls, cfg: dict[str, Any], arch: str, heads: int, head_dim: int, layers: int, eos: Any,
+                window: int | None) -> ModelConfig:
+        """Gemma 3's text decoder: the config of transformers 5 (layer_types, rope_parameters per
+        layer type) or of the checkpoints' original format (sliding_window_pattern, rope_theta,
+        rope_local_base_freq, rope_scaling for the global layers)."""
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
+        types = cfg.get("layer_types") or ["full_attention" if (i + 1) % (cfg.get("sliding_window_pattern") or 6) == 0
+                                           else "sliding_attention" for i in range(layers)]
+        rope = cfg.get("rope_parameters") or {}
+        if "full_attention" in rope:
+            full, local = rope["full_attention"], rope.get("sliding_attention") or rope["full_attention"]
+        else:
+            full = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
+            local = {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+
+        def scaling(r: dict) -> dict | None:
+            return r if r.get("rope_type", r.get("type", "default")) != "default" else None
+
+        return cls(
+            architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=layers, num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=full["rope_theta"], rope_scaling=scaling(full),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", True), attention_bias=cfg.get("attention_bias", False),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            qk_norm=True, sliding_window=window or None,
+            sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else (),
+            local_rope_theta=local["rope_theta"], local_rope_scaling=scaling(local), norm_offset=True,
+            embed_scale=cfg["hidden_size"] ** 0.5, hidden_act="gelu_tanh", sandwich_norms=True,
+            attn_scale=cfg.get("query_pre_attn_scalar", head_dim) ** -0.5,
+            final_logit_softcap=cfg.get("final_logit_softcapping"),
         )

@@ -80,6 +80,15 @@ FAMILIES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {
         "tie_word_embeddings": False, "sliding_window": 24, "pad_token_id": 0,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}),
+    # Gemma 3: windowed layers (16) with a global one between, each kind its own rope (the global
+    # one scaled), q/k norms, sandwich norms scaled by 1 + weight, GELU-tanh, the embedding scale,
+    # an attention scale of its own and soft-capped logits.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "tie_word_embeddings": True, "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 16,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0, "pad_token_id": 0,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}}),
 }
 
 
@@ -126,7 +135,7 @@ def _tiny(kind: str):
 
 tiny_llama, tiny_qwen2, tiny_qwen3 = _tiny("llama"), _tiny("qwen2"), _tiny("qwen3")
 tiny_qwen3_moe, tiny_mixtral, tiny_mistral = _tiny("qwen3_moe"), _tiny("mixtral"), _tiny("mistral")
-tiny_phi3 = _tiny("phi3")
+tiny_phi3, tiny_gemma3 = _tiny("phi3"), _tiny("gemma3")
 
 
 @pytest.fixture(scope="session")

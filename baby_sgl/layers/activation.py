@@ -1,4 +1,5 @@
-"""The MLP's activation: SiLU(gate) * up over the fused gate/up projection's output."""
+"""The MLP's activation: SiLU(gate) * up (GELU-tanh for Gemma) over the fused gate/up
+projection's output."""
 
 from __future__ import annotations
 
@@ -18,3 +19,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: GELU (tanh approximation) of the gate times up (Gemma)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -22,7 +22,7 @@ from baby_sgl.layers.moe import SparseMoE
 from baby_sgl.model_executor.compile import CompiledDense, device_needs_cxx
 from baby_sgl.model_executor import cpu_step
 from baby_sgl.models.llama import (EAGER, DenseFns, LlamaForCausalLM, attention_in, attention_out_mlp,
-                                   attention_out_moe)
+                                   attention_out_moe, attention_out_sandwich)
 from baby_sgl.models.registry import get_model_class
 from baby_sgl.toolchain import cxx_compiler
 
@@ -43,7 +43,8 @@ class ModelRunner:
             weights = tp_plan.shard_weights(weights, cfg, shard)
             cfg = tp_plan.local_config(cfg, shard)
             self.dense = DenseFns(attention_in, functools.partial(attention_out_mlp, reduce=tp.all_reduce),
-                                  functools.partial(attention_out_moe, reduce=tp.all_reduce))
+                                  functools.partial(attention_out_moe, reduce=tp.all_reduce),
+                                  functools.partial(attention_out_sandwich, reduce=tp.all_reduce))
         self.cfg, self.dtype, self.device = cfg, dtype, device
         with torch.device("meta"):
             model: LlamaForCausalLM = get_model_class(cfg)(cfg)

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baby_sgl.layers.activation import silu_and_mul
-from baby_sgl.layers.layernorm import RMSNorm, rms_norm
+from baby_sgl.layers.activation import gelu_tanh_and_mul, silu_and_mul
+from baby_sgl.layers.layernorm import RMSNorm, rms_norm, rms_norm_offset
 from baby_sgl.layers.linear import Linear, linear, set_quantized
 from baby_sgl.layers.moe import SparseMoE
 from baby_sgl.layers.quantization import QuantizedWeight
@@ -32,17 +32,17 @@ from baby_sgl.core.forward_batch import ForwardBatch
 
 def attention_in(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
                  cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-                 lin: Callable = linear,
-                 qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A layer's work before attention: norm, fused q/k/v projection, (Qwen3) each head's q and k
-    normalised, rope. Row-wise, and a function of tensors only, so one compiled graph serves every
-    layer."""
-    qkv = lin(rms_norm(x, norm_w, eps), qkv_w, qkv_b)
+                 lin: Callable = linear, qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 norm: Callable = rms_norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's work before attention: norm, fused q/k/v projection, (Qwen3, Gemma) each head's q
+    and k normalised, rope. Row-wise, and a function of tensors only, so one compiled graph serves
+    every layer."""
+    qkv = lin(norm(x, norm_w, eps), qkv_w, qkv_b)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     qk = qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, head_dim)
     if qk_norm is not None:
-        q = rms_norm(qk[:, :heads].reshape(-1, head_dim), qk_norm[0], eps).view(-1, heads, head_dim)
-        k = rms_norm(qk[:, heads:].reshape(-1, head_dim), qk_norm[1], eps).view(-1, kv_heads, head_dim)
+        q = norm(qk[:, :heads].reshape(-1, head_dim), qk_norm[0], eps).view(-1, heads, head_dim)
+        k = norm(qk[:, heads:].reshape(-1, head_dim), qk_norm[1], eps).view(-1, kv_heads, head_dim)
         qk = torch.cat([q, k], dim=1)
     # Queries and keys sit side by side in the fused output: rotate them in one go.
     qk = RotaryEmbedding.rotate(qk, (cos, sin))
@@ -71,6 +71,18 @@ def attention_out_moe(attn: torch.Tensor, x: torch.Tensor, o_w: torch.Tensor, no
     return x + (moe_out if reduce is None else reduce(moe_out))
 
 
+def attention_out_sandwich(attn: torch.Tensor, x: torch.Tensor, o_w: torch.Tensor, post_attn_w: torch.Tensor,
+                           pre_ff_w: torch.Tensor, post_ff_w: torch.Tensor, eps: float, gate_up_w: torch.Tensor,
+                           down_w: torch.Tensor, lin: Callable = linear, reduce: Callable | None = None) -> torch.Tensor:
+    """Gemma's layer after attention: each sublayer's output is normalised before its residual is
+    added, and the MLP (GELU-tanh) has a norm on each side. With tensor parallelism the partial
+    sums are completed before the norms."""
+    o = lin(attn.reshape(attn.shape[0], -1), o_w)
+    x = x + rms_norm_offset(o if reduce is None else reduce(o), post_attn_w, eps)
+    down = lin(gelu_tanh_and_mul(lin(rms_norm_offset(x, pre_ff_w, eps), gate_up_w)), down_w)
+    return x + rms_norm_offset(down if reduce is None else reduce(down), post_ff_w, eps)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -79,11 +91,11 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.head_dim**-0.5
-        self.windowed = cfg.sliding_window is not None  # attends over the last sliding_window positions
+        self.scale = cfg.attn_scale or cfg.head_dim**-0.5
+        self.windowed = layer_id in cfg.sliding_layers  # attends over the last sliding_window positions
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
 
     def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else None
@@ -133,6 +145,29 @@ class DecoderLayer(nn.Module):
                                        m.down_proj.weight)
 
 
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 3's layer: norms scaled by 1 + weight, also after attention and on both sides of the
+    MLP (attention_out_sandwich)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__(cfg, layer_id)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=True)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=True)
+
+    def dense_in(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], dense: DenseFns):
+        a, norm = self.self_attn, self.input_layernorm
+        return dense.attention_in(x, norm.weight, norm.eps, a.qkv_proj.weight, a.qkv_proj.bias, *cos_sin,
+                                  a.num_heads, a.num_kv_heads, a.head_dim, qk_norm=a.qk_norm_weights(),
+                                  norm=rms_norm_offset)
+
+    def dense_out(self, attn: torch.Tensor, x: torch.Tensor, dense: DenseFns) -> torch.Tensor:
+        a, m = self.self_attn, cast(MLP, self.mlp)
+        return dense.attention_out_sandwich(attn, x, a.o_proj.weight, self.post_attention_layernorm.weight,
+                                            self.pre_feedforward_layernorm.weight,
+                                            self.post_feedforward_layernorm.weight, self.input_layernorm.eps,
+                                            m.gate_up_proj.weight, m.down_proj.weight)
+
+
 @dataclass(frozen=True)
 class DenseFns:
     """The dense parts of a layer: eager (EAGER) or compiled (model_executor/compile.py); the
@@ -141,6 +176,7 @@ class DenseFns:
     attention_in: Callable
     attention_out_mlp: Callable
     attention_out_moe: Callable = attention_out_moe
+    attention_out_sandwich: Callable = attention_out_sandwich
 
 
 EAGER = DenseFns(attention_in, attention_out_mlp)
@@ -151,10 +187,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.rope_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        # Gemma 3's windowed layers rotate with a base (and scaling) of their own.
+        self.rotary_local = None if cfg.local_rope_theta is None else RotaryEmbedding(
+            cfg.rope_dim, cfg.max_position_embeddings, cfg.local_rope_theta, cfg.local_rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        layer_cls = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
         # A ModuleList (registered, moved and loaded with the model), typed as the list of layers it holds.
-        self.layers = cast("list[DecoderLayer]", nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers)))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = cast("list[DecoderLayer]", nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers)))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
 
@@ -169,8 +209,12 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight
         if isinstance(weight, QuantizedWeight):
-            return weight.dequantize(self.norm.weight.dtype, input_ids)
-        return self.embed_tokens(input_ids)
+            x = weight.dequantize(self.norm.weight.dtype, input_ids)
+        else:
+            x = self.embed_tokens(input_ids)
+        if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the model's dtype, as transformers does
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=x.device)
+        return x
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, dense: DenseFns = EAGER,
@@ -181,8 +225,9 @@ class LlamaForCausalLM(nn.Module):
         tokens (a compiled bucket); padded rows never reach the KV pool."""
         x = self.embed(fb.input_ids)
         cos_sin = self.rotary.cos_sin(fb.positions, x.dtype)
+        local = cos_sin if self.rotary_local is None else self.rotary_local.cos_sin(fb.positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, fb, cos_sin, dense)
+            x = layer(x, fb, local if layer.self_attn.windowed else cos_sin, dense)
         if not logits:
             return None, None
         # Only each request's last token needs logits: skip the vocab matmul for the rest.
@@ -190,7 +235,11 @@ class LlamaForCausalLM(nn.Module):
         return self.compute_logits(self.norm(x[fb.last_token_indices()])), hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # Gemma: squashed into (-cap, cap), in the model's dtype as transformers does
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     _FUSED = {  # HF name piece -> (our fused parameter, shard index)
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -42,9 +42,10 @@ def _case(path: str) -> tuple[str, list[list[int]], list[list[int]]]:
 
 # Qwen3: q/k norms pass to every rank whole; the MoE families: every rank holds a slice of every
 # expert (Qwen3-MoE with a dense layer between, Mixtral under its own tensor names); Mistral: every
-# rank attends over the same sliding window; Phi-3: q/k/v and gate/up stored fused, cut per part.
+# rank attends over the same sliding window; Phi-3: q/k/v and gate/up stored fused, cut per part;
+# Gemma 3: the partial sums completed before its post-attention and post-MLP norms.
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral",
-                                        "tiny_mistral", "tiny_phi3"])
+                                        "tiny_mistral", "tiny_phi3", "tiny_gemma3"])
 def case(request):
     return _case(request.getfixturevalue(request.param))
 

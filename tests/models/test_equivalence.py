@@ -1,6 +1,7 @@
 """Greedy outputs equal transformers' `generate` under every cache/paging/chunking/retraction
 setting (invariant 6), for tiny random checkpoints of every family built in the test (Llama,
-Qwen2, Qwen3, Qwen3-MoE, Mixtral, Mistral, Phi-3: conftest.FAMILIES says what each exercises)."""
+Qwen2, Qwen3, Qwen3-MoE, Mixtral, Mistral, Phi-3, Gemma 3: conftest.FAMILIES says what each
+exercises)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ MAX_NEW = 24
 
 
 @pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral",
-                                        "tiny_mistral", "tiny_phi3"])
+                                        "tiny_mistral", "tiny_phi3", "tiny_gemma3"])
 def case(request):
     path = request.getfixturevalue(request.param)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
