@@ -70,9 +70,9 @@ FAMILIES = {
                                                   "head_dim": 16}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "tie_word_embeddings": False, "num_hidden_layers": 3, "mlp_only_layers": [1], "num_experts": 8,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": False}),
+        "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": False}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"tie_word_embeddings": False, "num_local_experts": 8,
-                                                        "num_experts_per_tok": 2, "intermediate_size": 48}),
+                                                        "num_experts_per_tok": 2, "intermediate_size": 64}),
     # A window shorter than most test prompts, so attention outside it must be left out.
     "mistral": ("MistralConfig", "MistralForCausalLM", {"tie_word_embeddings": False, "sliding_window": 16}),
     # Phi-3: fused qkv and gate_up in the checkpoint, a sliding window, and (as Phi-4-mini) rope on

@@ -14,7 +14,14 @@ from safetensors.torch import load_file
 
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+          "block_sparse_moe.gate": "ffn_gate_inp"}
+# Hugging Face model_type -> llama.cpp's architecture (Mixtral is llama with experts).
+_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+# An expert's matrix name (Qwen3-MoE's, Mixtral's) -> the stacked tensor that holds every expert's.
+_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+            "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
 def _gguf_name(hf: str) -> str:
@@ -37,7 +44,7 @@ def write_tiny_gguf(hf_dir: str, path: str, qtype: GGMLQuantizationType,
     with those matrices replaced by their dequantized values (what transformers should compute with)."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
-    arch = "llama" if cfg["model_type"] == "llama" else "qwen2"
+    arch = _ARCH[cfg["model_type"]]
     w = GGUFWriter(path, arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -47,6 +54,15 @@ def write_tiny_gguf(hf_dir: str, path: str, qtype: GGMLQuantizationType,
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    if cfg.get("head_dim"):
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        w.add_expert_weights_norm(cfg.get("norm_topk_prob", True))
     with open(os.path.join(hf_dir, "tokenizer.json")) as f:
         vocab = json.load(f)["model"]["vocab"]
     w.add_tokenizer_model("gpt2")
@@ -57,7 +73,13 @@ def write_tiny_gguf(hf_dir: str, path: str, qtype: GGMLQuantizationType,
     w.add_eos_token_id(cfg["eos_token_id"])
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
     reference = {}
+    stacks: dict[str, list[tuple[int, str, np.ndarray]]] = {}
     for hf_name, tensor in state.items():
+        if ".experts." in hf_name:  # stacked per layer below, as llama.cpp's converter does
+            layer, expert, proj = hf_name.split(".")[2], int(hf_name.split(".")[-3]), hf_name.split(".")[-2]
+            stacks.setdefault(f"blk.{layer}.{_EXPERTS[proj]}.weight", []).append((expert, hf_name,
+                                                                                  tensor.float().numpy()))
+            continue
         data = tensor.float().numpy()
         if data.ndim == 2:
             kind = embed_qtype if "embed_tokens" in hf_name else qtype
@@ -70,6 +92,13 @@ def write_tiny_gguf(hf_dir: str, path: str, qtype: GGMLQuantizationType,
         else:
             reference[hf_name] = tensor.float()
             w.add_tensor(_gguf_name(hf_name), data)
+    for gguf_name, parts in stacks.items():
+        parts.sort()
+        blocks = quantize(np.stack([m for _, _, m in parts]), qtype)
+        values = dequantize(blocks, qtype).reshape(len(parts), *parts[0][2].shape).astype(np.float32)
+        for (_, hf_name, _), v in zip(parts, values):
+            reference[hf_name] = torch.from_numpy(v.copy())
+        w.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

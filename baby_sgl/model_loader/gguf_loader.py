@@ -32,9 +32,11 @@ from baby_sgl.layers.quantization import QuantizedWeight, WeightType
 logger = logging.getLogger(__name__)
 
 # Part of the cache key: bump it whenever the conversion's output changes, so stale caches are ignored.
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# llama.cpp's architecture names; "llama" with experts is Mixtral.
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "qwen3moe": "Qwen3MoeForCausalLM"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -46,7 +48,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
+# A mixture of experts' matrices, stacked in one tensor per layer: their per-expert names.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# Mixtral's own names for the same.
+_MIXTRAL_NAMES = {".mlp.gate.": ".block_sparse_moe.gate.", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 # llama.cpp keeps Llama 3.1's rope scaling as this tensor of per-frequency divisors, not as metadata.
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -132,9 +141,16 @@ def _convert_weights(path: str, keep_quantized: bool = False) \
     for name, tensor in tensors.items():
         if name == _ROPE_FREQS:  # already folded into config["rope_scaling"]
             continue
-        hf_name = _hf_name(name)
         # GGUF lists dimensions innermost first; Hugging Face (and numpy) outermost first: [out, in].
         shape = [int(d) for d in reversed(tensor.shape)]
+        if name.split(".")[-2] in _EXPERT_NAMES:  # [experts, out, in]: one matrix per expert, dense
+            stacked = torch.from_numpy(np.require(dequantize(tensor.data, tensor.tensor_type), np.float32, "W"))
+            for e, matrix in enumerate(stacked.reshape(shape)):
+                state_dict[_expert_name(name, e, config["architectures"][0])] = matrix.clone()
+            continue
+        hf_name = _hf_name(name)
+        if config["architectures"][0] == "MixtralForCausalLM":
+            hf_name = hf_name.replace(".mlp.gate.", _MIXTRAL_NAMES[".mlp.gate."])
         weight: torch.Tensor | QuantizedWeight
         if keep_quantized and tensor.tensor_type in _KEPT_QUANTIZED and len(shape) == 2:
             # One row of blocks per output row; np.array copies it out of the read-only file map.
@@ -144,7 +160,7 @@ def _convert_weights(path: str, keep_quantized: bool = False) \
             # Copies only what is still a read-only view of the file (F32 tensors); dequantized ones are fresh.
             dense = torch.from_numpy(np.require(dequantize(tensor.data, tensor.tensor_type), np.float32, "W"))
             weight = dense.reshape(shape)
-        if config["model_type"] == "llama" and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
+        if config["model_type"] in ("llama", "mixtral") and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
             weight = _unpermute_rows(weight, heads)
         state_dict[hf_name] = weight
@@ -158,7 +174,16 @@ def _hf_name(name: str) -> str:
         return f"{_TOP_NAMES[base]}.{suffix}"
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face Llama/Qwen2 counterpart")
+    raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart")
+
+
+def _expert_name(name: str, expert: int, architecture: str) -> str:
+    """blk.L.ffn_gate_exps.weight's expert e as Hugging Face names it (Qwen3-MoE's or Mixtral's)."""
+    _, layer, kind, suffix = name.split(".")
+    proj = _EXPERT_NAMES[kind]
+    if architecture == "MixtralForCausalLM":
+        return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_MIXTRAL_NAMES[proj]}.{suffix}"
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.{suffix}"
 
 
 def _unpermute_rows(weight: torch.Tensor | QuantizedWeight, heads: int) -> torch.Tensor | QuantizedWeight:
@@ -183,6 +208,8 @@ def _hf_config(reader: GGUFReader, tensors: dict[str, ReaderTensor]) -> dict:
     arch = meta("general.architecture")
     if arch not in _ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {sorted(_ARCHITECTURES)}")
+    experts = meta(f"{arch}.expert_count") or 0
+    hf_arch = "MixtralForCausalLM" if arch == "llama" and experts else _ARCHITECTURES[arch]
     hidden = meta(f"{arch}.embedding_length")
     heads = meta(f"{arch}.attention.head_count")
     head_dim = meta(f"{arch}.attention.key_length") or hidden // heads
@@ -191,11 +218,22 @@ def _hf_config(reader: GGUFReader, tensors: dict[str, ReaderTensor]) -> dict:
     eos_ids = [meta(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
     eos_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
 
-    return {
-        "architectures": [_ARCHITECTURES[arch]],
-        "model_type": arch,
+    moe = {}
+    if experts:
+        expert_size = meta(f"{arch}.expert_feed_forward_length") or meta(f"{arch}.feed_forward_length")
+        # The chosen experts' weights are renormalised unless the file says otherwise (llama.cpp's
+        # default for both; Qwen3-MoE's checkpoints set norm_topk_prob).
+        moe = {"num_experts" if arch == "qwen3moe" else "num_local_experts": experts,
+               "num_experts_per_tok": meta(f"{arch}.expert_used_count"), "moe_intermediate_size": expert_size,
+               "norm_topk_prob": bool(meta(f"{arch}.expert_weights_norm", True)),
+               # Layers without a router keep a dense MLP.
+               "mlp_only_layers": [i for i in range(meta(f"{arch}.block_count"))
+                                   if f"blk.{i}.ffn_gate_inp.weight" not in tensors]}
+    return moe | {
+        "architectures": [hf_arch],
+        "model_type": "mixtral" if hf_arch == "MixtralForCausalLM" else arch,
         "hidden_size": hidden,
-        "intermediate_size": meta(f"{arch}.feed_forward_length"),
+        "intermediate_size": meta(f"{arch}.feed_forward_length") or moe.get("moe_intermediate_size"),
         "num_hidden_layers": meta(f"{arch}.block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": meta(f"{arch}.attention.head_count_kv", heads),

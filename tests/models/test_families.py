@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from baby_sgl import Engine
 from baby_sgl.layers import moe
-from helpers import hf_greedy, random_prompts
+from helpers import GREEDY, hf_greedy, random_prompts
 
 
 def test_each_expert_runs_only_on_the_tokens_routed_to_it(monkeypatch):
@@ -79,3 +79,29 @@ def test_prepacked_bfloat16_experts_compute_what_the_stacked_ones_do():
     layer.prepack()
     assert layer.packed is not None and "experts_down" not in dict(layer.named_parameters())
     torch.testing.assert_close(layer(x).float(), before.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral"])
+def test_a_gguf_gives_the_ids_of_its_hugging_face_directory(family, request, tmp_path):
+    """Written as llama.cpp lays each family out (qwen3; qwen3moe and Mixtral's llama with experts
+    stacked per layer), quantized to Q8_0: served from the file (matrices as stored, experts
+    dequantized) it gives transformers' greedy ids on the weights the blocks stand for."""
+    import shutil
+
+    from gguf import GGMLQuantizationType
+
+    from gguf_writer import write_tiny_gguf
+
+    hf_dir = request.getfixturevalue(family)
+    reference = write_tiny_gguf(hf_dir, str(tmp_path / "model.gguf"), GGMLQuantizationType.Q8_0)
+    ref_dir = tmp_path / "reference"
+    shutil.copytree(hf_dir, ref_dir)
+    save_file({k: v.contiguous() for k, v in reference.items()}, ref_dir / "model.safetensors")
+    hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    prompts = random_prompts(8, 512, 3, 60)
+    expected = hf_greedy(hf, prompts, 16)
+    with Engine(str(tmp_path / "model.gguf"), dtype="float32", page_size=4) as engine:
+        assert engine.model_config.architecture == hf.config.architectures[0]
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 16})
+        assert [o["output_ids"] for o in outs] == expected
+        engine.check_memory()
