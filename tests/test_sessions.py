@@ -38,8 +38,20 @@ def _idle_clean(engine: Engine) -> dict:
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_streaming_session_turns_equal_generation_from_scratch(tiny_llama, hf_model, page_size):
+    _check_streaming_session(tiny_llama, hf_model, page_size)
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_qwen3_moe", "tiny_mistral", "tiny_phi3", "tiny_gemma3"])
+def test_streaming_session_turns_for_every_family(family, request):
+    """The session's turns continue the KV already computed, by absolute position: also with q/k
+    norms, experts, sliding windows (turns longer than the window) and Gemma's two ropes."""
+    path = request.getfixturevalue(family)
+    _check_streaming_session(path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), 4)
+
+
+def _check_streaming_session(path: str, hf_model, page_size: int) -> None:
     # Chunks (16 tokens) smaller than most turns: a turn's prefill is split across steps.
-    with Engine(tiny_llama, dtype="float32", page_size=page_size, chunked_prefill_size=16, debug_memory_check=True) as engine:
+    with Engine(path, dtype="float32", page_size=page_size, chunked_prefill_size=16, debug_memory_check=True) as engine:
         sid = engine.open_session(1000, streaming=True)
         context: list[int] = []
         prev_rid = None
