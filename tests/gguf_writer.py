@@ -16,9 +16,10 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
-          "block_sparse_moe.gate": "ffn_gate_inp"}
+          "block_sparse_moe.gate": "ffn_gate_inp", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 # Hugging Face model_type -> llama.cpp's architecture (Mixtral is llama with experts).
-_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
+         "phi3": "phi3"}
 # An expert's matrix name (Qwen3-MoE's, Mixtral's) -> the stacked tensor that holds every expert's.
 _EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
             "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
@@ -57,6 +58,11 @@ def write_tiny_gguf(hf_dir: str, path: str, qtype: GGMLQuantizationType,
     if cfg.get("head_dim"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
+    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
+    if partial != 1.0:
+        w.add_rope_dimension_count(int(cfg["hidden_size"] // cfg["num_attention_heads"] * partial))
+    if cfg.get("sliding_window") and cfg["model_type"] == "phi3":
+        w.add_sliding_window(cfg["sliding_window"])
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if experts:
         w.add_expert_count(experts)

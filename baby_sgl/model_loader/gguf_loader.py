@@ -36,7 +36,7 @@ _CACHE_VERSION = 2
 
 # llama.cpp's architecture names; "llama" with experts is Mixtral.
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "qwen3moe": "Qwen3MoeForCausalLM"}
+                  "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -51,6 +51,7 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3 stores q/k/v fused (and gate/up fused as ffn_up)
 }
 # A mixture of experts' matrices, stacked in one tensor per layer: their per-expert names.
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -149,6 +150,8 @@ def _convert_weights(path: str, keep_quantized: bool = False) \
                 state_dict[_expert_name(name, e, config["architectures"][0])] = matrix.clone()
             continue
         hf_name = _hf_name(name)
+        if config["model_type"] == "phi3":
+            hf_name = hf_name.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")
         if config["architectures"][0] == "MixtralForCausalLM":
             hf_name = hf_name.replace(".mlp.gate.", _MIXTRAL_NAMES[".mlp.gate."])
         weight: torch.Tensor | QuantizedWeight
@@ -229,7 +232,10 @@ def _hf_config(reader: GGUFReader, tensors: dict[str, ReaderTensor]) -> dict:
                # Layers without a router keep a dense MLP.
                "mlp_only_layers": [i for i in range(meta(f"{arch}.block_count"))
                                    if f"blk.{i}.ffn_gate_inp.weight" not in tensors]}
-    return moe | {
+    rope_dims = meta(f"{arch}.rope.dimension_count") or head_dim
+    window = meta(f"{arch}.attention.sliding_window")
+    return moe | ({"partial_rotary_factor": rope_dims / head_dim} if rope_dims != head_dim else {}) | (
+        {"sliding_window": int(window)} if window else {}) | {
         "architectures": [hf_arch],
         "model_type": "mixtral" if hf_arch == "MixtralForCausalLM" else arch,
         "hidden_size": hidden,
