@@ -104,9 +104,11 @@ def _save_tiny(path, kind: str, **overrides) -> str:
     # Larger weights make the logits decisive, so greedy choices are not near-ties (the experts'
     # stacked matrices included, and the routers', so experts are not picked by a hair).
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.2)
+            elif "q_norm" in name or "k_norm" in name:  # unlike ones, these show which norm went where
+                p.normal_(1.0, 0.3)
     model.save_pretrained(path)
     # A byte-level BPE tokenizer with no merges: every byte is a token, so any text encodes.
     vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"])}

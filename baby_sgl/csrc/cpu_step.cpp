@@ -1,7 +1,8 @@
 // The CPU's decode step in one call (the Python path's ops are in ops.cpp).
 //
-// DecodeStep::run computes a whole decode pass of a Llama-family model (Llama, Qwen2) for a few
-// requests: embedding, every layer (RMSNorm, q/k/v, rope, KV write, attention over the request's
+// DecodeStep::run computes a whole decode pass of a Llama-family model (Llama, Qwen2, Qwen3) for a
+// few requests: embedding, every layer (RMSNorm, q/k/v, Qwen3's per-head q/k RMSNorm, rope, KV
+// write, attention over the request's
 // slots in the paged pool, o_proj, residual, RMSNorm, gate/up, SiLU, down, residual), the final
 // norm and the logits. Activations stay float32 throughout (the KV pool keeps its dtype). The
 // threads of a SpinPool run all of it: each op splits its outputs among them and a barrier
@@ -33,6 +34,8 @@ struct Layer {
   Weight qkv, o, gate_up, down;
   const float* norm_in;
   const float* norm_post;
+  const float* q_norm = nullptr;  // Qwen3: each query head's RMSNorm weights [head_dim] (and keys')
+  const float* k_norm = nullptr;
 };
 
 class DecodeStep {
@@ -68,6 +71,10 @@ class DecodeStep {
       layer.down = weight(l["down"].cast<py::tuple>());
       layer.norm_in = keep_float(l["norm_in"].cast<at::Tensor>());
       layer.norm_post = keep_float(l["norm_post"].cast<at::Tensor>());
+      if (l.contains("q_norm")) {
+        layer.q_norm = keep_float(l["q_norm"].cast<at::Tensor>(), head_dim_);
+        layer.k_norm = keep_float(l["k_norm"].cast<at::Tensor>(), head_dim_);
+      }
       layers_.push_back(layer);
     }
     TORCH_CHECK(k_buffers_.size() == layers_.size() && v_buffers_.size() == layers_.size(), "one K and V buffer per layer");
@@ -173,9 +180,10 @@ class DecodeStep {
     return make_weight(data, t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(), bias);
   }
 
-  const float* keep_float(const at::Tensor& t) {
+  const float* keep_float(const at::Tensor& t, int64_t n = -1) {
     keep_.push_back(t.to(at::kFloat).contiguous());
-    TORCH_CHECK(keep_.back().numel() == hidden_, "norm weights must have hidden_size values");
+    TORCH_CHECK(keep_.back().numel() == (n < 0 ? hidden_ : n), "norm weights must have ", (n < 0 ? hidden_ : n),
+                " values");
     return keep_.back().data_ptr<float>();
   }
 
@@ -293,6 +301,14 @@ class DecodeStep {
       float* v = s.qkv.data() + m * qkv_n + h * D;
       const int64_t slot = b.loc[m] * kv_heads_ * D;
       if (h < qk_heads) {
+        const Layer& l = layers_[layer];
+        if (l.q_norm != nullptr) {  // Qwen3: this head's RMSNorm before rope
+          const float* w = h < heads_ ? l.q_norm : l.k_norm;
+          float ss = 0.f;
+          for (int64_t i = 0; i < D; ++i) ss += v[i] * v[i];
+          const float r = 1.f / std::sqrt(ss / D + eps_);
+          for (int64_t i = 0; i < D; ++i) v[i] = w[i] * (v[i] * r);
+        }
         const float* c = cos_.data_ptr<float>() + b.pos[m] * D;
         const float* sn = sin_.data_ptr<float>() + b.pos[m] * D;
         for (int64_t i = 0; i < D; ++i) tmp[i] = v[i] * c[i] + v[(i + half) % D] * sn[i];

@@ -22,12 +22,12 @@ if TYPE_CHECKING:
 
 
 def can_run(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
-    """A Llama/Qwen2-shaped model (no q/k norms, experts, sliding window or partial rope), every matrix in a format the kernel
+    """A Llama/Qwen2/Qwen3-shaped model (no experts, sliding window, partial rope or Gemma norms), every matrix in a format the kernel
     reads, activations in float32 or bfloat16, heads of a multiple of 16 values (whole vectors)."""
     cfg = model.config
-    if dtype not in DENSE_TYPES or cfg.head_dim % 16 or cfg.qk_norm or cfg.num_experts or cfg.sliding_window \
+    if dtype not in DENSE_TYPES or cfg.head_dim % 16 or cfg.norm_offset or cfg.num_experts or cfg.sliding_window \
             or cfg.rotary_dim:
-        return False  # the kernel has no per-head q/k norms, experts or windows (yet): those run op by op
+        return False  # the kernel has no Gemma norms, experts, windows or partial rope (yet): op by op
     linears = [model.embed_tokens, model.lm_head] + [m for layer in model.layers for m in
                                                       (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                        _mlp(layer).gate_up_proj, _mlp(layer).down_proj)]
@@ -37,6 +37,11 @@ def can_run(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
 
 def _mlp(layer: DecoderLayer) -> MLP:
     return cast("MLP", layer.mlp)  # dense in every model can_run accepts
+
+
+def _qk_norms(layer: DecoderLayer) -> dict[str, torch.Tensor]:
+    norms = layer.self_attn.qk_norm_weights()
+    return {} if norms is None else {"q_norm": norms[0].detach(), "k_norm": norms[1].detach()}
 
 
 def _weight(module: torch.nn.Module) -> tuple:
@@ -53,7 +58,8 @@ class CpuDecodeStep:
         cfg = model.config
         layers = [dict(qkv=_weight(l.self_attn.qkv_proj), o=_weight(l.self_attn.o_proj),
                        gate_up=_weight(_mlp(l).gate_up_proj), down=_weight(_mlp(l).down_proj),
-                       norm_in=l.input_layernorm.weight.detach(), norm_post=l.post_attention_layernorm.weight.detach())
+                       norm_in=l.input_layernorm.weight.detach(), norm_post=l.post_attention_layernorm.weight.detach(),
+                       **_qk_norms(l))
                   for l in model.layers]
         config = dict(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                       head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,

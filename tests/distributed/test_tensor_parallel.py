@@ -40,13 +40,19 @@ def _case(path: str) -> tuple[str, list[list[int]], list[list[int]]]:
     return path, prompts, hf_greedy(hf, prompts, MAX_NEW)
 
 
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2"])
+def case(request):
+    return _case(request.getfixturevalue(request.param))
+
+
 # Qwen3: q/k norms pass to every rank whole; the MoE families: every rank holds a slice of every
 # expert (Qwen3-MoE with a dense layer between, Mixtral under its own tensor names); Mistral: every
 # rank attends over the same sliding window; Phi-3: q/k/v and gate/up stored fused, cut per part;
-# Gemma 3: the partial sums completed before its post-attention and post-MLP norms.
-@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral",
-                                        "tiny_mistral", "tiny_phi3", "tiny_gemma3"])
-def case(request):
+# Gemma 3: the partial sums completed before its post-attention and post-MLP norms. What they add
+# is in the model, not the cache: two settings each (the second chunks, mixes and retracts).
+@pytest.fixture(scope="module", params=["tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral", "tiny_mistral", "tiny_phi3",
+                                        "tiny_gemma3"])
+def family_case(request):
     return _case(request.getfixturevalue(request.param))
 
 
@@ -58,6 +64,15 @@ def case4(request):
 
 @pytest.mark.parametrize("config", TP_CONFIGS)
 def test_tp2_greedy_matches_transformers(case, config):
+    _check_tp2(case, config)
+
+
+@pytest.mark.parametrize("config", ["radix", "mixed-chunk-retract"])
+def test_tp2_greedy_matches_transformers_for_every_family(family_case, config):
+    _check_tp2(family_case, config)
+
+
+def _check_tp2(case: tuple[str, list[list[int]], list[list[int]]], config: str) -> None:
     path, prompts, expected = case
     with Engine(path, dtype="float32", tp_size=2, **CONFIGS[config]) as engine:
         assert len(_followers()) == 1
