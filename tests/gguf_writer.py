@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
@@ -19,19 +19,22 @@ _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_at
           "block_sparse_moe.gate": "ffn_gate_inp", "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 # Hugging Face model_type -> llama.cpp's architecture (Mixtral is llama with experts).
 _ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "mixtral": "llama",
-         "phi3": "phi3"}
+         "phi3": "phi3", "gemma3_text": "gemma3"}
+# Gemma's norms as llama.cpp names them (its ffn_norm is the pre-MLP norm).
+_GEMMA = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+          "post_feedforward_layernorm": "post_ffw_norm"}
 # An expert's matrix name (Qwen3-MoE's, Mixtral's) -> the stacked tensor that holds every expert's.
 _EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
             "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
-def _gguf_name(hf: str) -> str:
+def _gguf_name(hf: str, gemma: bool = False) -> str:
     name, _, suffix = hf.removeprefix("model.").rpartition(".")
     top = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
     if name in top:
         return f"{top[name]}.{suffix}"
     _, layer, rest = name.split(".", 2)
-    return f"blk.{layer}.{_LAYER[rest]}.{suffix}"
+    return f"blk.{layer}.{(_LAYER | _GEMMA)[rest] if gemma else _LAYER[rest]}.{suffix}"
 
 
 def _permute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -54,7 +57,8 @@ def write_tiny_gguf(hf_dir: str, path: str, qtype: GGMLQuantizationType,
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    if cfg["model_type"] != "gemma3_text":  # Gemma's two bases are written below
+        w.add_rope_freq_base(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
     if cfg.get("head_dim"):
         w.add_key_length(cfg["head_dim"])
         w.add_value_length(cfg["head_dim"])
@@ -63,6 +67,18 @@ def write_tiny_gguf(hf_dir: str, path: str, qtype: GGMLQuantizationType,
         w.add_rope_dimension_count(int(cfg["hidden_size"] // cfg["num_attention_heads"] * partial))
     if cfg.get("sliding_window") and cfg["model_type"] == "phi3":
         w.add_sliding_window(cfg["sliding_window"])
+    gemma = arch == "gemma3"
+    if gemma:  # the global layers' rope (scaled) and the windowed layers' own base, as llama.cpp writes them
+        full, local = cfg["rope_parameters"]["full_attention"], cfg["rope_parameters"]["sliding_attention"]
+        w.add_rope_freq_base(full["rope_theta"])
+        w.add_rope_freq_base_swa(local["rope_theta"])
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+        w.add_attention_scale(cfg["query_pre_attn_scalar"] ** -0.5)
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if experts:
         w.add_expert_count(experts)
@@ -94,10 +110,12 @@ def write_tiny_gguf(hf_dir: str, path: str, qtype: GGMLQuantizationType,
             if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
                 heads = cfg["num_attention_heads" if ".q_proj." in hf_name else "num_key_value_heads"]
                 blocks = _permute(blocks, heads)
-            w.add_tensor(_gguf_name(hf_name), blocks, raw_shape=blocks.shape, raw_dtype=kind)
+            w.add_tensor(_gguf_name(hf_name, gemma), blocks, raw_shape=blocks.shape, raw_dtype=kind)
         else:
             reference[hf_name] = tensor.float()
-            w.add_tensor(_gguf_name(hf_name), data)
+            if gemma and hf_name.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + weight
+                data = data + 1
+            w.add_tensor(_gguf_name(hf_name, gemma), data)
     for gguf_name, parts in stacks.items():
         parts.sort()
         blocks = quantize(np.stack([m for _, _, m in parts]), qtype)

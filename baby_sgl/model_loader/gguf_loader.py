@@ -36,7 +36,7 @@ _CACHE_VERSION = 2
 
 # llama.cpp's architecture names; "llama" with experts is Mixtral.
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM"}
+                  "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -53,6 +53,9 @@ _LAYER_NAMES = {
     "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3 stores q/k/v fused (and gate/up fused as ffn_up)
 }
+# Gemma 3's norms around attention and the MLP (llama.cpp's ffn_norm is its pre-MLP norm there).
+_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
 # A mixture of experts' matrices, stacked in one tensor per layer: their per-expert names.
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Mixtral's own names for the same.
@@ -149,7 +152,7 @@ def _convert_weights(path: str, keep_quantized: bool = False) \
             for e, matrix in enumerate(stacked.reshape(shape)):
                 state_dict[_expert_name(name, e, config["architectures"][0])] = matrix.clone()
             continue
-        hf_name = _hf_name(name)
+        hf_name = _hf_name(name, _GEMMA_NAMES if config["model_type"] == "gemma3_text" else {})
         if config["model_type"] == "phi3":
             hf_name = hf_name.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")
         if config["architectures"][0] == "MixtralForCausalLM":
@@ -163,6 +166,8 @@ def _convert_weights(path: str, keep_quantized: bool = False) \
             # Copies only what is still a read-only view of the file (F32 tensors); dequantized ones are fresh.
             dense = torch.from_numpy(np.require(dequantize(tensor.data, tensor.tensor_type), np.float32, "W"))
             weight = dense.reshape(shape)
+        if config["model_type"] == "gemma3_text" and name.endswith("norm.weight") and isinstance(weight, torch.Tensor):
+            weight = weight - 1  # llama.cpp's converter stores Gemma's norms as 1 + weight
         if config["model_type"] in ("llama", "mixtral") and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             heads = config["num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"]
             weight = _unpermute_rows(weight, heads)
@@ -170,13 +175,14 @@ def _convert_weights(path: str, keep_quantized: bool = False) \
     return config, state_dict
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, overrides: dict[str, str]) -> str:
     base, _, suffix = name.rpartition(".")  # suffix: "weight" or "bias"
     parts = base.split(".")
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{suffix}"
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    layer_names = _LAYER_NAMES | overrides
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart")
 
 
@@ -232,6 +238,16 @@ def _hf_config(reader: GGUFReader, tensors: dict[str, ReaderTensor]) -> dict:
                # Layers without a router keep a dense MLP.
                "mlp_only_layers": [i for i in range(meta(f"{arch}.block_count"))
                                    if f"blk.{i}.ffn_gate_inp.weight" not in tensors]}
+    if arch == "gemma3":
+        return _gemma3_config(meta, tensors, head_dim, rope_theta) | {
+            "hidden_size": hidden, "intermediate_size": meta(f"{arch}.feed_forward_length"),
+            "num_hidden_layers": meta(f"{arch}.block_count"), "num_attention_heads": heads,
+            "num_key_value_heads": meta(f"{arch}.attention.head_count_kv", heads), "head_dim": head_dim,
+            "rms_norm_eps": float(str(np.float32(meta(f"{arch}.attention.layer_norm_rms_epsilon")))),
+            "max_position_embeddings": meta(f"{arch}.context_length"),
+            "vocab_size": int(tensors["token_embd.weight"].shape[-1]), "tie_word_embeddings": "output.weight" not in tensors,
+            "bos_token_id": meta("tokenizer.ggml.bos_token_id"), "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+            "torch_dtype": "float32"}
     rope_dims = meta(f"{arch}.rope.dimension_count") or head_dim
     window = meta(f"{arch}.attention.sliding_window")
     return moe | ({"partial_rotary_factor": rope_dims / head_dim} if rope_dims != head_dim else {}) | (
@@ -256,6 +272,26 @@ def _hf_config(reader: GGUFReader, tensors: dict[str, ReaderTensor]) -> dict:
         "bos_token_id": meta("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
         "torch_dtype": "float32",
+    }
+
+
+def _gemma3_config(meta: Callable[..., Any], tensors: dict[str, ReaderTensor], head_dim: int, theta: float) -> dict:
+    """Gemma 3's own settings, with llama.cpp's defaults where a file leaves them out: every sixth
+    layer global, the windowed layers' rope base 10000, the attention scaled by head_dim ** -0.5."""
+    layers = meta("gemma3.block_count")
+    pattern = meta("gemma3.attention.sliding_window_pattern", 6)
+    windowed = list(pattern) if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(layers)]
+    scale = meta("gemma3.attention.scale")
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "sliding_window": meta("gemma3.attention.sliding_window"),
+        "layer_types": ["sliding_attention" if w else "full_attention" for w in windowed],
+        "rope_parameters": {
+            "full_attention": (_rope_scaling(meta, "gemma3", tensors, head_dim, theta) or {"rope_type": "default"})
+            | {"rope_theta": theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": meta("gemma3.rope.freq_base_swa", 10000.0)}},
+        "query_pre_attn_scalar": float(scale) ** -2 if scale else head_dim,
+        "final_logit_softcapping": meta("gemma3.final_logit_softcapping"),
     }
 
 

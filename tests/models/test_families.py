@@ -81,10 +81,11 @@ def test_prepacked_bfloat16_experts_compute_what_the_stacked_ones_do():
     torch.testing.assert_close(layer(x).float(), before.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral", "tiny_phi3"])
+@pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral", "tiny_phi3", "tiny_gemma3"])
 def test_a_gguf_gives_the_ids_of_its_hugging_face_directory(family, request, tmp_path):
     """Written as llama.cpp lays each family out (qwen3; qwen3moe and Mixtral's llama with experts
-    stacked per layer; phi3 with q/k/v and gate/up fused, its window and rope width), quantized to Q8_0: served from the file (matrices as stored, experts
+    stacked per layer; phi3 with q/k/v and gate/up fused, its window and rope width; gemma3 with its
+    norms stored as 1 + weight, its layer pattern and two rope bases), quantized to Q8_0: served from the file (matrices as stored, experts
     dequantized) it gives transformers' greedy ids on the weights the blocks stand for."""
     import shutil
 
