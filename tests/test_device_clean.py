@@ -62,3 +62,22 @@ def test_every_path_runs_with_meta_as_the_default_device(meta_default_engine):
     assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in many), many
     assert engine.flush_cache()
     engine.check_memory()
+
+
+@pytest.mark.parametrize("family", ["tiny_qwen3_moe", "tiny_mistral", "tiny_phi3", "tiny_gemma3"])
+def test_every_familys_paths_run_with_meta_as_the_default_device(family, request):
+    """The families' own paths (experts and their routing, sliding-window metadata, partial rope,
+    Gemma's norms, embedding scale and two ropes) also name their devices: prompts longer than the
+    windows, chunked, greedy and sampled."""
+    with Engine(request.getfixturevalue(family), dtype="float32", chunked_prefill_size=16, page_size=4,
+                max_total_tokens=1024) as engine:
+        engine.scheduler.call(lambda: torch.set_default_device("meta"))
+        try:
+            outs = engine.generate(input_ids=[list(range(5, 45)), list(range(100, 170))],
+                                   sampling_params=[{"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
+                                                    {"temperature": 0.8, "top_p": 0.9, "seed": 3, "max_new_tokens": 6,
+                                                     "ignore_eos": True}])
+            assert all("error" not in o and len(o["output_ids"]) == 6 for o in outs), outs
+        finally:
+            engine.scheduler.call(lambda: torch.set_default_device(None))
+        engine.check_memory()
