@@ -98,8 +98,18 @@ class ModelConfig:
             moe_layers=moe_layers,
             sliding_window=window or None,
             rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
-            sliding_layers=tuple(range(layers)) if window else (),
+            sliding_layers=cls._sliding_layers(cfg, layers) if window else (),
         )
+
+    @staticmethod
+    def _sliding_layers(cfg: dict[str, Any], layers: int) -> tuple[int, ...]:
+        """The windowed layers: as layer_types says (transformers 5), else Qwen2/Qwen3's rule
+        (the layers from max_window_layers on), else all of them (Mistral, Phi-3)."""
+        if cfg.get("layer_types"):
+            return tuple(i for i, t in enumerate(cfg["layer_types"]) if t == "sliding_attention")
+        if cfg.get("max_window_layers") is not None and cfg.get("use_sliding_window"):
+            return tuple(range(cfg["max_window_layers"], layers))
+        return tuple(range(layers))
 
     @classmethod
     def _gemma3(cls, cfg: dict[str, Any], arch: str, heads: int, head_dim: int, layers: int, eos: Any,

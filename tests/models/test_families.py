@@ -106,3 +106,16 @@ def test_a_gguf_gives_the_ids_of_its_hugging_face_directory(family, request, tmp
         outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 16})
         assert [o["output_ids"] for o in outs] == expected
         engine.check_memory()
+
+
+def test_which_layers_attend_over_the_window():
+    from baby_sgl.model_config import ModelConfig
+
+    base = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "sliding_window": 16}
+    assert ModelConfig.from_hf(base).sliding_layers == (0, 1, 2, 3)  # Mistral-style: every layer
+    assert ModelConfig.from_hf(base | {"use_sliding_window": False}).sliding_window is None
+    qwen = base | {"use_sliding_window": True, "max_window_layers": 2}
+    assert ModelConfig.from_hf(qwen).sliding_layers == (2, 3)  # Qwen2's rule: from max_window_layers on
+    typed = qwen | {"layer_types": ["sliding_attention", "full_attention"] * 2}
+    assert ModelConfig.from_hf(typed).sliding_layers == (0, 2)  # transformers 5 names each layer's kind
