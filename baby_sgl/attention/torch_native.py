@@ -162,11 +162,12 @@ def _padding_mask(lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.T
 
 class TorchNativeAttnBackend:
     def __init__(self, device: torch.device | None = None, queries_per_kv_head: int = 1,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, every_layer_windowed: bool = False) -> None:
         self.workspace = _Workspace()
         # Layers that attend over the last sliding_window positions only get metadata of their own
         # (attn_metadata_window): decode reads each request's last slots, extend masks by position.
         self.sliding_window = sliding_window
+        self.full_attention_layers = not (sliding_window is not None and every_layer_windowed)
         # On CPU, decode attention reads the pool in place with our kernel when it can be built,
         # for every request's own slots if the model has few query heads per KV head.
         self.decode_kernel = decode_kernel() if device is not None and device.type == "cpu" else None
@@ -176,7 +177,8 @@ class TorchNativeAttnBackend:
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, : max(fb.seq_lens_cpu)]
-        fb.attn_metadata = self._metadata(fb, rows, None)
+        if self.full_attention_layers:  # (Mistral has none: its full metadata would go unread)
+            fb.attn_metadata = self._metadata(fb, rows, None)
         if self.sliding_window is not None:
             fb.attn_metadata_window = self._metadata(fb, rows, self.sliding_window)
 

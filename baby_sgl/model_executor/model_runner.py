@@ -54,7 +54,7 @@ class ModelRunner:
         model.load_weights(weights)
         self.model = model.to(dtype).eval()
         self.attn_backend = create_attention_backend(attention_backend, device, cfg.num_heads // cfg.num_kv_heads,
-                                                     cfg.sliding_window)
+                                                     cfg.sliding_window, len(cfg.sliding_layers) == cfg.num_layers)
         self._req_to_token_pool: ReqToTokenPool | None = None  # built by init_memory_pool
         self._kv_pool: KVPool | None = None
         self.compiled: CompiledDense | None = None
