@@ -1,10 +1,11 @@
 // The CPU's decode step in one call (the Python path's ops are in ops.cpp).
 //
-// DecodeStep::run computes a whole decode pass of a Llama-family model (Llama, Qwen2, Qwen3) for a
-// few requests: embedding, every layer (RMSNorm, q/k/v, Qwen3's per-head q/k RMSNorm, rope, KV
-// write, attention over the request's
-// slots in the paged pool, o_proj, residual, RMSNorm, gate/up, SiLU, down, residual), the final
-// norm and the logits. Activations stay float32 throughout (the KV pool keeps its dtype). The
+// DecodeStep::run computes a whole decode pass of any family models/llama.py serves for a few
+// requests: embedding, every layer (RMSNorm, q/k/v, per-head q/k RMSNorm, rope over all or part of
+// each head, KV write, attention over the request's slots in the paged pool — its last `window`
+// ones in a windowed layer —, o_proj, residual, RMSNorm, the MLP (gate/up, SiLU or GELU-tanh,
+// down) or a mixture of experts, residual; Gemma's norms around each sublayer), the final norm and
+// the logits (soft-capped where the model says). Activations stay float32 throughout (the KV pool keeps its dtype). The
 // threads of a SpinPool run all of it: each op splits its outputs among them and a barrier
 // separates it from the next, so they spin between ops instead of being put to sleep and woken
 // hundreds of times a step, and no Python runs between them. Every output element is computed
@@ -14,10 +15,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -30,19 +34,32 @@
 namespace bsgl {
 namespace {
 
+// A mixture-of-experts MLP (layers/moe.py): the router, and each expert's gate/up and down.
+struct Experts {
+  Weight router;
+  std::vector<Weight> gate_up, down;
+};
+
 struct Layer {
-  Weight qkv, o, gate_up, down;
+  Weight qkv, o, gate_up, down;  // gate_up and down: a dense MLP's
   const float* norm_in;
-  const float* norm_post;
-  const float* q_norm = nullptr;  // Qwen3: each query head's RMSNorm weights [head_dim] (and keys')
+  const float* norm_post;  // before the MLP; Gemma: on the attention's output, before its residual
+  const float* pre_ff_norm = nullptr;  // Gemma: before the MLP, and on its output
+  const float* post_ff_norm = nullptr;
+  const float* q_norm = nullptr;  // Qwen3, Gemma: each query head's RMSNorm weights [head_dim] (and keys')
   const float* k_norm = nullptr;
+  int64_t window = 0;  // > 0: attends over the last `window` positions only
+  bool local_rope = false;  // Gemma's windowed layers: the second rope tables
+  std::unique_ptr<Experts> experts;  // set: a mixture of experts instead of gate_up/down
 };
 
 class DecodeStep {
  public:
+  // Norm weights come as the scale they apply (Gemma's 1 + weight already added); cos/sin: the
+  // rope tables [positions, rotated values], local_cos/local_sin the windowed layers' (Gemma).
   DecodeStep(py::dict cfg, py::list layers, py::tuple embed, py::tuple lm_head, const at::Tensor& final_norm,
-             const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor> k_buffers,
-             std::vector<at::Tensor> v_buffers)
+             const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& local_cos, const at::Tensor& local_sin,
+             std::vector<at::Tensor> k_buffers, std::vector<at::Tensor> v_buffers)
       : hidden_(cfg["hidden_size"].cast<int64_t>()),
         heads_(cfg["num_heads"].cast<int64_t>()),
         kv_heads_(cfg["num_kv_heads"].cast<int64_t>()),
@@ -50,14 +67,26 @@ class DecodeStep {
         inter_(cfg["intermediate_size"].cast<int64_t>()),
         vocab_(cfg["vocab_size"].cast<int64_t>()),
         eps_(cfg["rms_norm_eps"].cast<float>()),
+        attn_scale_(cfg["attn_scale"].cast<float>()),
+        embed_scale_(cfg["embed_scale"].cast<float>()),
+        softcap_(cfg["final_logit_softcap"].cast<float>()),
+        gelu_(cfg["hidden_act"].cast<std::string>() == "gelu_tanh"),
+        top_k_(cfg["num_experts_per_tok"].cast<int64_t>()),
+        expert_size_(cfg["moe_intermediate_size"].cast<int64_t>()),
+        renormalize_(cfg["norm_topk_prob"].cast<bool>()),
         bf16_products_(kHasBF16Products && cfg["bf16_products"].cast<bool>()),
         pool_(cfg["num_threads"].cast<int>()),
         cos_(cos.contiguous()),
         sin_(sin.contiguous()),
+        local_cos_(local_cos.contiguous()),
+        local_sin_(local_sin.contiguous()),
         k_buffers_(std::move(k_buffers)),
         v_buffers_(std::move(v_buffers)) {
-    TORCH_CHECK(cos_.scalar_type() == at::kFloat && sin_.sizes() == cos_.sizes() && cos_.size(1) == head_dim_,
-                "rope tables must be float32 [positions, head_dim]");
+    for (const auto* t : {&cos_, &sin_, &local_cos_, &local_sin_}) {
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->sizes() == cos_.sizes() && cos_.size(1) <= head_dim_ &&
+                      cos_.size(1) % 2 == 0, "rope tables must be float32 [positions, an even count <= head_dim]");
+    }
+    TORCH_CHECK(cfg["hidden_act"].cast<std::string>() == "silu" || gelu_, "unknown activation");
     TORCH_CHECK(head_dim_ % 16 == 0 && head_dim_ <= 1024, "head_dim must be a multiple of 16, at most 1024");
     embed_ = weight(embed);
     lm_head_ = weight(lm_head);
@@ -67,15 +96,38 @@ class DecodeStep {
       Layer layer;
       layer.qkv = weight(l["qkv"].cast<py::tuple>());
       layer.o = weight(l["o"].cast<py::tuple>());
-      layer.gate_up = weight(l["gate_up"].cast<py::tuple>());
-      layer.down = weight(l["down"].cast<py::tuple>());
+      if (l.contains("gate_up")) {
+        layer.gate_up = weight(l["gate_up"].cast<py::tuple>());
+        layer.down = weight(l["down"].cast<py::tuple>());
+      }
       layer.norm_in = keep_float(l["norm_in"].cast<at::Tensor>());
       layer.norm_post = keep_float(l["norm_post"].cast<at::Tensor>());
+      if (l.contains("pre_ff_norm")) {
+        layer.pre_ff_norm = keep_float(l["pre_ff_norm"].cast<at::Tensor>());
+        layer.post_ff_norm = keep_float(l["post_ff_norm"].cast<at::Tensor>());
+      }
       if (l.contains("q_norm")) {
         layer.q_norm = keep_float(l["q_norm"].cast<at::Tensor>(), head_dim_);
         layer.k_norm = keep_float(l["k_norm"].cast<at::Tensor>(), head_dim_);
       }
-      layers_.push_back(layer);
+      layer.window = l["window"].cast<int64_t>();
+      layer.local_rope = l["local_rope"].cast<bool>();
+      if (l.contains("router")) {
+        layer.experts = std::make_unique<Experts>();
+        layer.experts->router = weight(l["router"].cast<py::tuple>());
+        for (auto e : l["experts_gate_up"]) layer.experts->gate_up.push_back(weight(e.cast<py::tuple>()));
+        for (auto e : l["experts_down"]) layer.experts->down.push_back(weight(e.cast<py::tuple>()));
+        const auto& x = *layer.experts;
+        TORCH_CHECK(x.router.k == hidden_ && x.router.n == static_cast<int64_t>(x.gate_up.size()) &&
+                        x.down.size() == x.gate_up.size() && top_k_ >= 1 && top_k_ <= std::min<int64_t>(64, x.router.n),
+                    "one gate/up and one down matrix per expert, top-k within the experts");
+        num_experts_ = x.router.n;
+        for (size_t e = 0; e < x.gate_up.size(); ++e) {
+          TORCH_CHECK(x.gate_up[e].n == 2 * expert_size_ && x.gate_up[e].k == hidden_ && x.down[e].n == hidden_ &&
+                          x.down[e].k == expert_size_, "expert weight shapes do not match the config");
+        }
+      }
+      layers_.push_back(std::move(layer));
     }
     TORCH_CHECK(k_buffers_.size() == layers_.size() && v_buffers_.size() == layers_.size(), "one K and V buffer per layer");
     const auto kv_dtype = k_buffers_[0].scalar_type();
@@ -90,8 +142,8 @@ class DecodeStep {
     TORCH_CHECK(embed_.k == hidden_ && lm_head_.k == hidden_ && lm_head_.n == vocab_, "embedding/lm_head shapes");
     for (const auto& l : layers_) {
       TORCH_CHECK(l.qkv.n == qkv && l.qkv.k == hidden_ && l.o.n == hidden_ && l.o.k == heads_ * head_dim_ &&
-                      l.gate_up.n == 2 * inter_ && l.gate_up.k == hidden_ && l.down.n == hidden_ && l.down.k == inter_,
-                  "layer weight shapes do not match the config");
+                      (l.experts || (l.gate_up.n == 2 * inter_ && l.gate_up.k == hidden_ && l.down.n == hidden_ &&
+                                     l.down.k == inter_)), "layer weight shapes do not match the config");
     }
   }
 
@@ -103,7 +155,8 @@ class DecodeStep {
     out["attention"] = profile_[kAttention];
     out["norms, rope, KV writes, activation"] = profile_[kOther];
     out["logits"] = profile_[kLogits];
-    std::fill(profile_, profile_ + 4, 0.0);
+    out["experts (router, products, activation)"] = profile_[kExperts];
+    std::fill(profile_, profile_ + kKinds, 0.0);
     profiling_ = keep_on;
     return out;
   }
@@ -135,7 +188,7 @@ class DecodeStep {
     at::Tensor logits = at::empty({rows, vocab_}, input_ids.options().dtype(at::kFloat));
     if (!scratch_ || scratch_->rows < rows) {  // kept between steps: fresh pages each step cost faults
       scratch_ = std::make_unique<Scratch>(rows, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_,
-                                           inter_);
+                                           inter_, num_experts_, top_k_, expert_size_);
     }
     Scratch& s = *scratch_;
     Batch b{rows, ids, positions.data_ptr<int64_t>(), out_cache_loc.data_ptr<int64_t>(), req_to_token.data_ptr<int64_t>(),
@@ -164,9 +217,20 @@ class DecodeStep {
   struct Scratch {
     int64_t rows;  // the largest batch it holds
     Buffer x, h, tmp, qkv, att, gate_up, act;
-    Scratch(int64_t m, int64_t hidden, int64_t qkv_n, int64_t q_n, int64_t inter)
+    Buffer router, expert_gate_up, expert_act, expert_out;  // a mixture of experts': one row per (token, choice)
+    Scratch(int64_t m, int64_t hidden, int64_t qkv_n, int64_t q_n, int64_t inter, int64_t experts, int64_t top_k,
+            int64_t expert_size)
         : rows(m), x(m * hidden), h(m * hidden), tmp(m * hidden), qkv(m * qkv_n), att(m * q_n),
-          gate_up(m * 2 * inter), act(m * inter) {}
+          gate_up(m * 2 * inter), act(m * inter), router(m * experts), expert_gate_up(m * top_k * 2 * expert_size),
+          expert_act(m * top_k * expert_size), expert_out(m * top_k * hidden) {}
+  };
+
+  // A batch's routing: its (token, choice) pairs grouped by expert, ascending (as layers/moe.py).
+  struct Routing {
+    std::vector<int64_t> row;       // each pair's token
+    std::vector<float> weight;      // its routing weight
+    std::vector<int64_t> start;     // expert e's pairs: start[e] .. start[e + 1] - 1
+    std::vector<std::vector<int64_t>> of_row;  // each token's pairs, experts ascending
   };
 
   Weight weight(py::tuple t) {
@@ -187,7 +251,7 @@ class DecodeStep {
     return keep_.back().data_ptr<float>();
   }
 
-  // out = x * rsqrt(mean(x^2) + eps) * w, one row.
+  // out = x * rsqrt(mean(x^2) + eps) * w, one row (may be x).
   void rms_norm(const float* x, const float* w, float* out) const {
     float ss = 0.f;
     for (int64_t i = 0; i < hidden_; ++i) ss += x[i] * x[i];
@@ -195,29 +259,84 @@ class DecodeStep {
     for (int64_t i = 0; i < hidden_; ++i) out[i] = w[i] * (x[i] * r);
   }
 
+  // Thread tid's share (its output columns) of out[rows, w.n] = x[rows, w.k] w^T; xb: its
+  // bfloat16 copy of x when the products go in bfloat16.
+  void linear(const Weight& w, const float* x, int64_t rows, float* out, int tid, int nt,
+              std::vector<uint16_t>& xb) const {
+    int64_t n0, n1;
+    split_range(w.n, tid, nt, n0, n1);
+#if defined(__AVX512BF16__)
+    if (bf16_products_ && rows >= kBF16MinRows && w.k % 32 == 0) {
+      xb.resize(rows * w.k);
+      to_bf16_rows(x, w.k, rows, w.k, xb.data());
+      product_bf16(w, xb.data(), rows, out, w.n, n0, n1);
+      return;
+    }
+#endif
+    (void)xb;
+    product(w, x, w.k, rows, out, w.n, n0, n1);
+  }
+
+  // The activation of a gate/up row into out[0 .. n): SiLU(gate) * up or GELU-tanh(gate) * up,
+  // values i0 .. i1 - 1.
+  void activate(const float* g, int64_t n, float* out, int64_t i0, int64_t i1) const {
+    if (gelu_) {
+      constexpr float kC = 0.7978845608028654f;  // sqrt(2 / pi)
+      for (int64_t i = i0; i < i1; ++i) {
+        const float v = g[i];
+        out[i] = 0.5f * v * (1.f + std::tanh(kC * (v + 0.044715f * v * v * v))) * g[n + i];
+      }
+      return;
+    }
+    for (int64_t i = i0; i < i1; ++i) out[i] = -g[i];
+    exp_inplace(out + i0, i1 - i0);
+    for (int64_t i = i0; i < i1; ++i) out[i] = g[i] / (1.f + out[i]) * g[n + i];
+  }
+
+  // Each token's top-k experts from its router logits, as layers/moe.py's route: softmax over all
+  // experts, the k largest (the lower index first on a tie), optionally renormalised to sum to one.
+  void route(const float* logits, int64_t rows, Routing& r) const {
+    const int64_t E = num_experts_, K = top_k_;
+    std::vector<std::vector<std::pair<int64_t, float>>> by_expert(E);
+    std::vector<float> p(E);
+    for (int64_t m = 0; m < rows; ++m) {
+      const float* l = logits + m * E;
+      const float mx = *std::max_element(l, l + E);
+      float sum = 0.f;
+      for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(l[e] - mx));
+      for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+      int64_t chosen[64];
+      float w[64], picked = 0.f;
+      for (int64_t k = 0; k < K; ++k) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e) {
+          if (std::find(chosen, chosen + k, e) == chosen + k && (best < 0 || p[e] > p[best])) best = e;
+        }
+        chosen[k] = best;
+        picked += (w[k] = p[best]);
+      }
+      for (int64_t k = 0; k < K; ++k) by_expert[chosen[k]].push_back({m, renormalize_ ? w[k] / picked : w[k]});
+    }
+    r.row.clear();
+    r.weight.clear();
+    r.start.assign(1, 0);
+    r.of_row.assign(rows, {});
+    for (int64_t e = 0; e < E; ++e) {
+      for (const auto& [m, w] : by_expert[e]) {
+        r.of_row[m].push_back(static_cast<int64_t>(r.row.size()));
+        r.row.push_back(m);
+        r.weight.push_back(w);
+      }
+      r.start.push_back(static_cast<int64_t>(r.row.size()));
+    }
+  }
+
   template <typename T>
   void forward(const Batch& b, Scratch& s, int nthreads) {
     const int64_t H = hidden_, M = b.rows;
     pool_.run(nthreads, [&](int tid, int nt) {
       const FlushDenormals flush;
-      auto my_rows = [&](int64_t n, int64_t& begin, int64_t& end) {
-        begin = n * tid / nt;
-        end = n * (tid + 1) / nt;
-      };
       std::vector<uint16_t> xb;  // this thread's bfloat16 copy of a product's activations
-      auto linear = [&](const Weight& w, const float* x, float* out) {
-        int64_t n0, n1;
-        split_range(w.n, tid, nt, n0, n1);
-#if defined(__AVX512BF16__)
-        if (bf16_products_ && M >= kBF16MinRows && w.k % 32 == 0) {
-          xb.resize(M * w.k);
-          to_bf16_rows(x, w.k, M, w.k, xb.data());
-          product_bf16(w, xb.data(), M, out, w.n, n0, n1);
-          return;
-        }
-#endif
-        product(w, x, w.k, M, out, w.n, n0, n1);
-      };
       // Thread 0 charges the time since its last mark (its op and the wait for the others) to
       // one of matmul / attention / the rest when profiling is on.
       auto last = std::chrono::steady_clock::now();
@@ -228,16 +347,18 @@ class DecodeStep {
         last = now;
       };
       int64_t r0, r1;
-      my_rows(M, r0, r1);
+      split_range(M, tid, nt, r0, r1);
       for (int64_t m = r0; m < r1; ++m) {
-        dequantize_row(embed_, b.ids[m], s.x.data() + m * H);
-        rms_norm(s.x.data() + m * H, layers_[0].norm_in, s.h.data() + m * H);
+        float* x = s.x.data() + m * H;
+        dequantize_row(embed_, b.ids[m], x);
+        if (embed_scale_ != 1.f) for (int64_t i = 0; i < H; ++i) x[i] *= embed_scale_;
+        rms_norm(x, layers_[0].norm_in, s.h.data() + m * H);
       }
       pool_.barrier();
       mark(kOther);
       for (size_t li = 0; li < layers_.size(); ++li) {
         const Layer& l = layers_[li];
-        linear(l.qkv, s.h.data(), s.qkv.data());
+        linear(l.qkv, s.h.data(), M, s.qkv.data(), tid, nt, xb);
         pool_.barrier();
         mark(kMatmul);
         rope_and_store<T>(b, s, li, tid, nt);
@@ -246,52 +367,108 @@ class DecodeStep {
         attend<T>(b, s, li, tid, nt);
         pool_.barrier();
         mark(kAttention);
-        linear(l.o, s.att.data(), s.tmp.data());
+        linear(l.o, s.att.data(), M, s.tmp.data(), tid, nt, xb);
         pool_.barrier();
         mark(kMatmul);
         for (int64_t m = r0; m < r1; ++m) {
           float* x = s.x.data() + m * H;
-          for (int64_t i = 0; i < H; ++i) x[i] += s.tmp[m * H + i];
-          rms_norm(x, l.norm_post, s.h.data() + m * H);
+          float* o = s.tmp.data() + m * H;
+          if (l.pre_ff_norm != nullptr) rms_norm(o, l.norm_post, o);  // Gemma: the output normalised first
+          for (int64_t i = 0; i < H; ++i) x[i] += o[i];
+          rms_norm(x, l.pre_ff_norm != nullptr ? l.pre_ff_norm : l.norm_post, s.h.data() + m * H);
         }
         pool_.barrier();
         mark(kOther);
-        linear(l.gate_up, s.h.data(), s.gate_up.data());
-        pool_.barrier();
-        mark(kMatmul);
-        for (int64_t m = 0; m < M; ++m) {  // SiLU(gate) * up, each thread a share of every row
+        if (l.experts) {
+          experts(*l.experts, s, M, tid, nt, xb, mark);
+        } else {
+          linear(l.gate_up, s.h.data(), M, s.gate_up.data(), tid, nt, xb);
+          pool_.barrier();
+          mark(kMatmul);
           int64_t i0, i1;
-          my_rows(inter_, i0, i1);
-          const float* g = s.gate_up.data() + m * 2 * inter_;
-          float* a = s.act.data() + m * inter_;
-          for (int64_t i = i0; i < i1; ++i) a[i] = -g[i];
-          exp_inplace(a + i0, i1 - i0);
-          for (int64_t i = i0; i < i1; ++i) a[i] = g[i] / (1.f + a[i]) * g[inter_ + i];
+          split_range(inter_, tid, nt, i0, i1);
+          for (int64_t m = 0; m < M; ++m) activate(s.gate_up.data() + m * 2 * inter_, inter_, s.act.data() + m * inter_, i0, i1);
+          pool_.barrier();
+          mark(kOther);
+          linear(l.down, s.act.data(), M, s.tmp.data(), tid, nt, xb);
+          pool_.barrier();
+          mark(kMatmul);
         }
-        pool_.barrier();
-        mark(kOther);
-        linear(l.down, s.act.data(), s.tmp.data());
-        pool_.barrier();
-        mark(kMatmul);
         const float* next_norm = li + 1 < layers_.size() ? layers_[li + 1].norm_in : final_norm_;
         for (int64_t m = r0; m < r1; ++m) {
           float* x = s.x.data() + m * H;
-          for (int64_t i = 0; i < H; ++i) x[i] += s.tmp[m * H + i];
+          float* out = s.tmp.data() + m * H;
+          if (l.experts) {  // the weighted sum of the token's experts, in ascending expert order
+            std::fill(out, out + H, 0.f);
+            for (const int64_t pair : routing_.of_row[m]) {
+              const float* d = s.expert_out.data() + pair * H;
+              const float w = routing_.weight[pair];
+              for (int64_t i = 0; i < H; ++i) out[i] += d[i] * w;
+            }
+          }
+          if (l.post_ff_norm != nullptr) rms_norm(out, l.post_ff_norm, out);
+          for (int64_t i = 0; i < H; ++i) x[i] += out[i];
           rms_norm(x, next_norm, s.h.data() + m * H);
         }
         pool_.barrier();
         mark(kOther);
       }
-      linear(lm_head_, s.h.data(), b.logits);
+      linear(lm_head_, s.h.data(), M, b.logits, tid, nt, xb);
+      if (softcap_ > 0.f) {  // Gemma: this thread's columns squashed into (-cap, cap)
+        int64_t n0, n1;
+        split_range(vocab_, tid, nt, n0, n1);
+        for (int64_t m = 0; m < M; ++m) {
+          float* row = b.logits + m * vocab_;
+          for (int64_t j = n0; j < n1; ++j) row[j] = std::tanh(row[j] / softcap_) * softcap_;
+        }
+      }
       mark(kLogits);  // thread 0's share: the pool waits for the others before run() returns
     });
   }
 
-  // Rotates each row's queries and keys to its position (rotate-half layout; the sine table
-  // carries the sign) and writes its key and value to its KV slot.
+  // A mixture of experts over s.h: the router's logits, each token's top-k experts (every thread
+  // routes the whole batch, the same way, so no barrier is needed for it), then each active
+  // expert's gate/up product over its tokens, the activation, and its down product into one row
+  // per (token, choice) of s.expert_out; the caller adds them up per token.
+  template <typename Mark>
+  void experts(const Experts& x, Scratch& s, int64_t M, int tid, int nt, std::vector<uint16_t>& xb, Mark& mark) {
+    const int64_t H = hidden_, S = expert_size_;
+    linear(x.router, s.h.data(), M, s.router.data(), tid, nt, xb);
+    pool_.barrier();
+    mark(kExperts);
+    if (tid == 0) route(s.router.data(), M, routing_);
+    pool_.barrier();
+    const Routing& r = routing_;
+    std::vector<float> gathered(r.row.size() * H);  // this thread's copy of the tokens, grouped by expert
+    for (size_t p = 0; p < r.row.size(); ++p) std::memcpy(gathered.data() + p * H, s.h.data() + r.row[p] * H, H * sizeof(float));
+    for (int64_t e = 0; e < num_experts_; ++e) {
+      const int64_t p0 = r.start[e], n = r.start[e + 1] - p0;
+      if (n > 0) linear(x.gate_up[e], gathered.data() + p0 * H, n, s.expert_gate_up.data() + p0 * 2 * S, tid, nt, xb);
+    }
+    pool_.barrier();
+    mark(kExperts);
+    int64_t i0, i1;
+    split_range(S, tid, nt, i0, i1);
+    for (size_t p = 0; p < r.row.size(); ++p) activate(s.expert_gate_up.data() + p * 2 * S, S, s.expert_act.data() + p * S, i0, i1);
+    pool_.barrier();
+    mark(kExperts);
+    for (int64_t e = 0; e < num_experts_; ++e) {
+      const int64_t p0 = r.start[e], n = r.start[e + 1] - p0;
+      if (n > 0) linear(x.down[e], s.expert_act.data() + p0 * S, n, s.expert_out.data() + p0 * H, tid, nt, xb);
+    }
+    pool_.barrier();
+    mark(kExperts);
+  }
+
+  // Rotates each row's queries and keys to its position (rotate-half layout over the tables'
+  // first values, the rest passing through; the sine table carries the sign) and writes its key
+  // and value to its KV slot.
   template <typename T>
   void rope_and_store(const Batch& b, Scratch& s, size_t layer, int tid, int nt) {
-    const int64_t D = head_dim_, half = D / 2, qk_heads = heads_ + kv_heads_;
+    const int64_t D = head_dim_, R = cos_.size(1), half = R / 2, qk_heads = heads_ + kv_heads_;
+    const Layer& l = layers_[layer];
+    const float* cos = (l.local_rope ? local_cos_ : cos_).data_ptr<float>();
+    const float* sin = (l.local_rope ? local_sin_ : sin_).data_ptr<float>();
     const int64_t qkv_n = (heads_ + 2 * kv_heads_) * D, tasks = b.rows * (qk_heads + kv_heads_);
     T* kp = k_buffers_[layer].data_ptr<T>();
     T* vp = v_buffers_[layer].data_ptr<T>();
@@ -301,18 +478,17 @@ class DecodeStep {
       float* v = s.qkv.data() + m * qkv_n + h * D;
       const int64_t slot = b.loc[m] * kv_heads_ * D;
       if (h < qk_heads) {
-        const Layer& l = layers_[layer];
-        if (l.q_norm != nullptr) {  // Qwen3: this head's RMSNorm before rope
+        if (l.q_norm != nullptr) {  // Qwen3, Gemma: this head's RMSNorm before rope
           const float* w = h < heads_ ? l.q_norm : l.k_norm;
           float ss = 0.f;
           for (int64_t i = 0; i < D; ++i) ss += v[i] * v[i];
           const float r = 1.f / std::sqrt(ss / D + eps_);
           for (int64_t i = 0; i < D; ++i) v[i] = w[i] * (v[i] * r);
         }
-        const float* c = cos_.data_ptr<float>() + b.pos[m] * D;
-        const float* sn = sin_.data_ptr<float>() + b.pos[m] * D;
-        for (int64_t i = 0; i < D; ++i) tmp[i] = v[i] * c[i] + v[(i + half) % D] * sn[i];
-        std::memcpy(v, tmp, D * sizeof(float));
+        const float* c = cos + b.pos[m] * R;
+        const float* sn = sin + b.pos[m] * R;
+        for (int64_t i = 0; i < R; ++i) tmp[i] = v[i] * c[i] + v[(i + half) % R] * sn[i];
+        std::memcpy(v, tmp, R * sizeof(float));
         if (h >= heads_) {
           T* dst = kp + slot + (h - heads_) * D;
           for (int64_t i = 0; i < D; ++i) dst[i] = from_float<T>(v[i]);
@@ -326,30 +502,36 @@ class DecodeStep {
 
   // A task is a row's KV heads kvh0 .. kvh0 + H - 1: all of them when there are rows enough to
   // share out (a slot's heads are adjacent in the pool and read as one run: a batch-32 step's
-  // attention took 0.7x the time of head by head), else one (so a single row still splits).
+  // attention took 0.7x the time of head by head), else one (so a single row still splits). In a
+  // windowed layer the new token (position len - 1) sees the last `window` slots of its row.
   template <typename T>
   void attend(const Batch& b, Scratch& s, size_t layer, int tid, int nt) {
     const int64_t D = head_dim_, G = heads_ / kv_heads_, qkv_n = (heads_ + 2 * kv_heads_) * D;
     const int64_t H = b.rows >= 4 * nt ? kv_heads_ : 1, groups = kv_heads_ / H, tasks = b.rows * groups;
     const KVPool<T> kv{k_buffers_[layer].data_ptr<T>(), v_buffers_[layer].data_ptr<T>(), kv_heads_, D};
-    const float scale = 1.f / std::sqrt(static_cast<float>(D));
+    const int64_t window = layers_[layer].window;
     AttnScratch ws;
     for (int64_t t = tasks * tid / nt; t < tasks * (tid + 1) / nt; ++t) {
       const int64_t m = t / groups, kvh0 = (t % groups) * H;
-      attend_row(kv, s.qkv.data() + m * qkv_n + kvh0 * G * D, scale, b.table + b.req[m] * b.width, b.lens[m], kvh0, H, G,
-                 s.att.data() + m * heads_ * D + kvh0 * G * D, ws);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, b.lens[m] - window) : 0;
+      attend_row(kv, s.qkv.data() + m * qkv_n + kvh0 * G * D, attn_scale_, b.table + b.req[m] * b.width + first,
+                 b.lens[m] - first, kvh0, H, G, s.att.data() + m * heads_ * D + kvh0 * G * D, ws);
     }
   }
 
   int64_t hidden_, heads_, kv_heads_, head_dim_, inter_, vocab_;
-  float eps_;
-  enum { kMatmul, kAttention, kOther, kLogits };
+  float eps_, attn_scale_, embed_scale_, softcap_;  // softcap_ 0: none
+  bool gelu_;  // GELU-tanh (Gemma), else SiLU
+  int64_t top_k_, expert_size_, num_experts_ = 0;  // a mixture of experts' (num_experts_ 0: none)
+  bool renormalize_;
+  Routing routing_;  // the current layer's (thread 0 routes, the others read)
+  enum { kMatmul, kAttention, kOther, kLogits, kExperts, kKinds };
   bool profiling_ = false;
-  double profile_[4] = {};
+  double profile_[kKinds] = {};
   bool bf16_products_;  // bfloat16 dtype on a CPU with AVX512_BF16: batches use vdpbf16ps
   SpinPool pool_;
   std::unique_ptr<Scratch> scratch_;  // run() is called by one thread at a time (the scheduler's)
-  at::Tensor cos_, sin_;
+  at::Tensor cos_, sin_, local_cos_, local_sin_;
   std::vector<at::Tensor> k_buffers_, v_buffers_, keep_;
   Weight embed_, lm_head_;
   const float* final_norm_ = nullptr;
@@ -363,7 +545,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bsgl::register_ops(m);
   py::class_<bsgl::DecodeStep>(m, "DecodeStep")
       .def(py::init<py::dict, py::list, py::tuple, py::tuple, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    std::vector<at::Tensor>, std::vector<at::Tensor>>())
+                    const at::Tensor&, const at::Tensor&, std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("run", &bsgl::DecodeStep::run)
       .def("profile", &bsgl::DecodeStep::profile);
 }

@@ -32,8 +32,8 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-        self.fn = rms_norm_offset if offset else rms_norm  # offset: Gemma's, scaled by 1 + weight
+        self.eps, self.offset = eps, offset  # offset: Gemma's, scaled by 1 + weight
+        self.fn = rms_norm_offset if offset else rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fn(x, self.weight, self.eps)

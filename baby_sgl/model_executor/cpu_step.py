@@ -1,5 +1,6 @@
-"""The CPU decode step in one call (csrc/cpu_step.cpp): a decode pass of a Llama-family model with
-no Python between its ops and threads that spin between them instead of sleeping.
+"""The CPU decode step in one call (csrc/cpu_step.cpp): a decode pass of any family the decoder
+serves (models/llama.py: dense, mixtures of experts, sliding windows, partial rope, Gemma's norms)
+with no Python between its ops and threads that spin between them instead of sleeping.
 
 It reads the model's weights where they are (quantized blocks, or plain float32 / bfloat16
 matrices) and the runner's KV pool, and returns the logits. It takes every decode batch: measured
@@ -14,34 +15,68 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from baby_sgl.layers.quantization import DENSE_TYPES, QuantizedWeight
 from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
+from baby_sgl.layers.layernorm import RMSNorm
+from baby_sgl.layers.moe import SparseMoE
+from baby_sgl.layers.quantization import DENSE_TYPES, QuantizedWeight
+from baby_sgl.model_config import ModelConfig
+from baby_sgl.models.llama import SandwichDecoderLayer
 
 if TYPE_CHECKING:
-    from baby_sgl.models.llama import MLP, DecoderLayer, LlamaForCausalLM
+    from baby_sgl.models.llama import DecoderLayer, LlamaForCausalLM
 
 
 def can_run(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
-    """A Llama/Qwen2/Qwen3-shaped model (no experts, sliding window, partial rope or Gemma norms), every matrix in a format the kernel
-    reads, activations in float32 or bfloat16, heads of a multiple of 16 values (whole vectors)."""
+    """Any family the decoder serves, every matrix in a format the kernel reads (the experts' and
+    the router's plain), activations in float32 or bfloat16, heads of a multiple of 16 values
+    (whole vectors), at most 64 experts per token."""
     cfg = model.config
-    if dtype not in DENSE_TYPES or cfg.head_dim % 16 or cfg.norm_offset or cfg.num_experts or cfg.sliding_window \
-            or cfg.rotary_dim:
-        return False  # the kernel has no Gemma norms, experts, windows or partial rope (yet): op by op
+    if dtype not in DENSE_TYPES or cfg.head_dim % 16 or cfg.num_experts_per_tok > 64:
+        return False
     linears = [model.embed_tokens, model.lm_head] + [m for layer in model.layers for m in
                                                       (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                       _mlp(layer).gate_up_proj, _mlp(layer).down_proj)]
-    return all(isinstance(m.weight, QuantizedWeight) or
-               (m.weight.dtype in DENSE_TYPES and not m.weight.is_mkldnn) for m in linears)
+                                                       *_mlp_linears(layer))]
+    experts = [t for layer in model.layers if isinstance(layer.mlp, SparseMoE)
+               for t in (layer.mlp.experts_gate_up, layer.mlp.experts_down)]
+    return all(isinstance(m.weight, QuantizedWeight) or _plain(cast(torch.Tensor, m.weight)) for m in linears) and \
+        all(_plain(t) for t in experts)
 
 
-def _mlp(layer: DecoderLayer) -> MLP:
-    return cast("MLP", layer.mlp)  # dense in every model can_run accepts
+def _plain(t: torch.Tensor) -> bool:
+    return t.dtype in DENSE_TYPES and not t.is_mkldnn
 
 
-def _qk_norms(layer: DecoderLayer) -> dict[str, torch.Tensor]:
-    norms = layer.self_attn.qk_norm_weights()
-    return {} if norms is None else {"q_norm": norms[0].detach(), "k_norm": norms[1].detach()}
+def _mlp_linears(layer: DecoderLayer) -> tuple[torch.nn.Module, ...]:
+    m = layer.mlp
+    return (m.gate,) if isinstance(m, SparseMoE) else (m.gate_up_proj, m.down_proj)
+
+
+def _norm(module: RMSNorm) -> torch.Tensor:
+    """The scale a norm applies: its weight, or 1 + weight (Gemma), in float32."""
+    w = module.weight.detach().float()
+    return w + 1.0 if module.offset else w
+
+
+def _layer(layer: DecoderLayer, cfg: ModelConfig) -> dict[str, Any]:
+    a = layer.self_attn
+    out: dict[str, Any] = dict(qkv=_weight(a.qkv_proj), o=_weight(a.o_proj), norm_in=_norm(layer.input_layernorm),
+                               norm_post=_norm(layer.post_attention_layernorm),
+                               window=cfg.sliding_window if a.windowed else 0,
+                               local_rope=a.windowed and cfg.local_rope_theta is not None)
+    if a.qk_norm_weights() is not None:
+        out |= dict(q_norm=_norm(a.q_norm), k_norm=_norm(a.k_norm))
+    if isinstance(layer, SandwichDecoderLayer):
+        out |= dict(pre_ff_norm=_norm(layer.pre_feedforward_layernorm),
+                    post_ff_norm=_norm(layer.post_feedforward_layernorm))
+    m = layer.mlp
+    if isinstance(m, SparseMoE):
+        return out | dict(router=_weight(m.gate), experts_gate_up=[_matrix(w) for w in m.experts_gate_up.detach()],
+                          experts_down=[_matrix(w) for w in m.experts_down.detach()])
+    return out | dict(gate_up=_weight(m.gate_up_proj), down=_weight(m.down_proj))
+
+
+def _matrix(w: torch.Tensor) -> tuple:
+    return (w, int(DENSE_TYPES[w.dtype]), w.shape[0], w.shape[1], None)
 
 
 def _weight(module: torch.nn.Module) -> tuple:
@@ -50,23 +85,25 @@ def _weight(module: torch.nn.Module) -> tuple:
     bias = getattr(module, "bias", None)
     if isinstance(w, QuantizedWeight):
         return (w.data, int(w.qtype), *w.shape, bias)
-    return (w.detach(), int(DENSE_TYPES[w.dtype]), w.shape[0], w.shape[1], bias)
+    return (*_matrix(w.detach())[:4], bias)
 
 
 class CpuDecodeStep:
     def __init__(self, ops: Any, model: LlamaForCausalLM, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> None:
         cfg = model.config
-        layers = [dict(qkv=_weight(l.self_attn.qkv_proj), o=_weight(l.self_attn.o_proj),
-                       gate_up=_weight(_mlp(l).gate_up_proj), down=_weight(_mlp(l).down_proj),
-                       norm_in=l.input_layernorm.weight.detach(), norm_post=l.post_attention_layernorm.weight.detach(),
-                       **_qk_norms(l))
-                  for l in model.layers]
+        # Gemma's embedding scale, rounded to the model's dtype as the op-by-op path rounds it.
+        embed_scale = torch.tensor(cfg.embed_scale, dtype=model.norm.weight.dtype).item()
         config = dict(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                       head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
                       rms_norm_eps=cfg.rms_norm_eps, num_threads=torch.get_num_threads(),
-                      bf16_products=kv_pool.dtype == torch.bfloat16)
-        self.step = ops.DecodeStep(config, layers, _weight(model.embed_tokens), _weight(model.lm_head),
-                                   model.norm.weight.detach(), model.rotary.cos_cache, model.rotary.sin_cache,
+                      bf16_products=kv_pool.dtype == torch.bfloat16, attn_scale=model.layers[0].self_attn.scale,
+                      embed_scale=embed_scale, final_logit_softcap=cfg.final_logit_softcap or 0.0,
+                      hidden_act=cfg.hidden_act, num_experts_per_tok=cfg.num_experts_per_tok,
+                      moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob)
+        local = model.rotary_local or model.rotary
+        self.step = ops.DecodeStep(config, [_layer(l, cfg) for l in model.layers], _weight(model.embed_tokens),
+                                   _weight(model.lm_head), _norm(model.norm), model.rotary.cos_cache,
+                                   model.rotary.sin_cache, local.cos_cache, local.sin_cache,
                                    kv_pool.k_buffers, kv_pool.v_buffers)
         self.req_to_token = req_to_token_pool.req_to_token
 

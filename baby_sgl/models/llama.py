@@ -124,8 +124,8 @@ class DecoderLayer(nn.Module):
         self.mlp: MLP | SparseMoE = (
             SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                       cfg.norm_topk_prob) if layer_id in cfg.moe_layers else MLP(cfg))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 dense: DenseFns) -> torch.Tensor:

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from baby_sgl import Engine
-from helpers import CONFIGS, GREEDY, assert_first_step_logprobs, hf_greedy, random_prompts, shared_prefix_prompts
+from baby_sgl import Engine, toolchain
+from helpers import ARCHS, CONFIGS, GREEDY, build_for, assert_first_step_logprobs, hf_greedy, random_prompts, shared_prefix_prompts
 
 MAX_NEW = 24
 
@@ -44,10 +44,26 @@ def test_greedy_matches_transformers(case, config):
             assert info["mixed_steps"] > 0, "prefill chunks were meant to share passes with decodes"
         if CONFIGS[config].get("enable_torch_compile"):
             assert engine.scheduler.runner.compiled is not None, "compiled graphs were meant to run"
+        elif engine.scheduler.runner.device.type == "cpu" and toolchain.cxx_compiler() is not None:
+            assert engine.scheduler.runner.step is not None, "every family decodes in the one-call CPU step"
         if not CONFIGS[config].get("disable_radix_cache") and "retract" not in config:
             page = CONFIGS[config].get("page_size", 1)
             for p, out in zip(prompts, second):
                 assert out["meta_info"]["cached_tokens"] >= (len(p) - 1) // page * page
+        engine.check_memory()
+
+
+@pytest.mark.cpu_only("the CPU's one-call decode step")
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "native"])
+def test_every_instruction_set_gives_the_same_tokens(case, arch, monkeypatch):
+    """The one-call step built for AVX2 (x86-64-v3) and for no SIMD at all (x86-64) gives every
+    family's greedy ids too (experts, windows, partial rope, Gemma's norms included)."""
+    path, prompts, expected, _ = case
+    build_for(arch, monkeypatch)
+    with Engine(path, dtype="float32", page_size=4) as engine:
+        assert engine.scheduler.runner.step is not None
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW})
+        assert [o["output_ids"] for o in outs] == expected
         engine.check_memory()
 
 
