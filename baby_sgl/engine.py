@@ -64,7 +64,7 @@ class Engine:
     def _build(self) -> None:
         args = self.engine_args
         loaded = load_model(args.model_path, quantized=self._serve_quantized())
-        self.model_config = cfg = ModelConfig.from_hf(loaded.hf_config)
+        self.model_config = cfg = ModelConfig.from_hf(loaded.hf_config, args.context_length)
         self.dtype = self._pick_dtype(loaded.hf_config)
         self.tokenizer_path = loaded.tokenizer_path  # a directory AutoTokenizer loads (also for a .gguf)
         self.tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_path)
@@ -77,7 +77,7 @@ class Engine:
         self.tp: TensorParallel | None = None
         if args.tp_size > 1:
             tp_plan.plan(cfg, args.tp_size)  # refuses a split the model does not allow, before any process starts
-            self.tp = TensorParallel(args.tp_size, loaded.source, self.dtype, self.device)
+            self.tp = TensorParallel(args.tp_size, loaded.source, self.dtype, self.device, args.context_length)
         try:
             self._start(cfg, loaded)
         except BaseException:

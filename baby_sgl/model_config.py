@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,12 +54,16 @@ class ModelConfig:
         return self.rotary_dim or self.head_dim
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+    def from_hf(cls, cfg: dict[str, Any], context_length: int | None = None) -> ModelConfig:
+        """context_length: the longest sequence served (--context-length; None: the model's), which
+        picks Phi-3's longrope factors."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         heads = cfg["num_attention_heads"]
         # transformers 5 moved rope settings into "rope_parameters"; accept both spellings.
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+            scaling = cls._longrope(cfg, scaling, context_length)
         eos = cfg.get("eos_token_id")
         layers = cfg["num_hidden_layers"]
         experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
@@ -100,6 +105,26 @@ class ModelConfig:
             rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
             sliding_layers=cls._sliding_layers(cfg, layers) if window else (),
         )
+
+    @staticmethod
+    def _longrope(cfg: dict[str, Any], scaling: dict, context_length: int | None) -> dict:
+        """Phi-3's longrope settled for the context served: the long factors when it is longer than
+        the pre-training context (original_max_position_embeddings), else the short ones, for every
+        position; and the attention factor, sqrt(1 + ln(s) / ln(original)) for s = max / original
+        unless the config gives it. transformers switches factors by the current sequence's length
+        instead (a prompt within the original context starts short and switches once it grows past
+        it), which no cache can follow: a position's keys would depend on how long its sequence
+        became. The rule by the served context (llama.cpp's) keeps them fixed."""
+        max_pos = cfg.get("max_position_embeddings", 4096)
+        original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") \
+            or max_pos
+        factor = scaling.get("factor") or max_pos / original
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+        served = min(context_length or max_pos, max_pos)
+        return {**scaling, "rope_type": "longrope", "original_max_position_embeddings": original,
+                "attention_factor": attention, "long": served > original}
 
     @staticmethod
     def _sliding_layers(cfg: dict[str, Any], layers: int) -> tuple[int, ...]:

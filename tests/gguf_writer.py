@@ -4,6 +4,7 @@ way llama.cpp's converter lays it out, and gives the float32 weights those block
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -67,6 +68,14 @@ def write_tiny_gguf(hf_dir: str, path: str, qtype: GGMLQuantizationType,
         w.add_rope_dimension_count(int(cfg["hidden_size"] // cfg["num_attention_heads"] * partial))
     if cfg.get("sliding_window") and cfg["model_type"] == "phi3":
         w.add_sliding_window(cfg["sliding_window"])
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":  # Phi-3: its factors as tensors, as llama.cpp's converter writes them
+        original = rope["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(cfg["max_position_embeddings"] / original)
+                                                  / math.log(original)))
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
     gemma = arch == "gemma3"
     if gemma:  # the global layers' rope (scaled) and the windowed layers' own base, as llama.cpp writes them
         full, local = cfg["rope_parameters"]["full_attention"], cfg["rope_parameters"]["sliding_attention"]

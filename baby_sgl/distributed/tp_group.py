@@ -100,7 +100,8 @@ class TensorParallel:
     """Rank 0's handle on the group: starts the other ranks, joins the process group with them,
     and stops them. One per process at a time (torch.distributed has one default group)."""
 
-    def __init__(self, tp_size: int, model_path: str, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, tp_size: int, model_path: str, dtype: torch.dtype, device: torch.device,
+                 context_length: int | None = None) -> None:
         if dist.is_initialized():
             raise RuntimeError("this process already runs a tensor-parallel engine or another "
                                "torch.distributed group; shut it down first")
@@ -115,6 +116,8 @@ class TensorParallel:
                         str(tp_size), "--init-address", address, "--model-path", model_path,
                         "--dtype", str(dtype).removeprefix("torch."), "--device", str(device),
                         "--threads", str(len(cores[rank])), "--parent-pid", str(os.getpid())]
+                if context_length is not None:  # settles the model's rope (longrope) as on rank 0
+                    argv += ["--context-length", str(context_length)]
                 env = dict(os.environ, OMP_NUM_THREADS=str(len(cores[rank])))
                 self.procs.append(subprocess.Popen(argv, env=env, preexec_fn=child_setup(cores[rank])))
             # Rank 0 keeps running in the caller's process (not pinned: its server and scheduler

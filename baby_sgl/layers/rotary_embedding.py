@@ -1,5 +1,5 @@
-"""Rotary position embedding (rotate-half layout), with linear and llama3 frequency scaling, over
-the whole head or (partial rotary, Phi-4-mini) its first values."""
+"""Rotary position embedding (rotate-half layout), with linear, llama3 and longrope (Phi-3) frequency
+scaling, over the whole head or (partial rotary, Phi-4-mini) its first values."""
 
 from __future__ import annotations
 
@@ -9,15 +9,24 @@ import torch
 from torch import nn
 
 
+def _kind(scaling: dict | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    kind = _kind(scaling)
     if kind == "default":
         return inv_freq
     if kind == "linear" and scaling is not None:
         return inv_freq / scaling["factor"]
     if kind == "llama3" and scaling is not None:
         return _llama3_inv_freq(inv_freq, scaling)
+    if kind == "longrope" and scaling is not None:
+        # Phi-3: a factor per frequency, the long set when the served context passes the
+        # pre-training one (ModelConfig resolves which: "long").
+        factors = torch.tensor(scaling["long_factor" if scaling["long"] else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     raise ValueError(f"unsupported rope scaling type {kind!r}")
 
 
@@ -43,8 +52,10 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         # rotate_half(x) = cat(-x2, x1) equals roll(x, D/2) * (-1 on the first half), exactly:
         # the sign is folded into the sine table, so applying rope is roll, two muls and an add.
-        self.cos_cache = torch.cat((freqs, freqs), dim=-1).cos()
-        self.sin_cache = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        # longrope scales both tables by its attention factor, as transformers does.
+        mscale = (scaling or {}).get("attention_factor", 1.0) if _kind(scaling) == "longrope" else 1.0
+        self.cos_cache = torch.cat((freqs, freqs), dim=-1).cos() * mscale
+        self.sin_cache = torch.cat((-freqs.sin(), freqs.sin()), dim=-1) * mscale
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The tables for one forward pass, [T, 1, D] each; every layer reuses them."""

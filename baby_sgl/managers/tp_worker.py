@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                         ("--model-path", "the checkpoint rank 0 serves"), ("--dtype", "rank 0's resolved dtype"),
                         ("--device", "this rank's device")):
         p.add_argument(flag, required=True, help=help_)
+    p.add_argument("--context-length", type=int, default=None, help="rank 0's --context-length")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp{args.rank} %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                             world_size=args.tp_size, timeout=COLLECTIVE_TIMEOUT)
     group = TPGroup(args.rank, args.tp_size)
     loaded = load_model(args.model_path)
-    runner = ModelRunner(ModelConfig.from_hf(loaded.hf_config), loaded.weights, getattr(torch, args.dtype), device,
+    runner = ModelRunner(ModelConfig.from_hf(loaded.hf_config, args.context_length), loaded.weights, getattr(torch, args.dtype), device,
                          tp=group)
     loaded.weights = iter(())  # the runner holds its own copies: free the checkpoint's
     try:

@@ -62,6 +62,7 @@ _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_do
 _MIXTRAL_NAMES = {".mlp.gate.": ".block_sparse_moe.gate.", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 # llama.cpp keeps Llama 3.1's rope scaling as this tensor of per-frequency divisors, not as metadata.
 _ROPE_FREQS = "rope_freqs.weight"
+_LONGROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
 
 
 # GGUF block formats the CPU kernel multiplies as they are.
@@ -143,7 +144,7 @@ def _convert_weights(path: str, keep_quantized: bool = False) \
     config = _hf_config(reader, tensors)
     state_dict: dict[str, torch.Tensor | QuantizedWeight] = {}
     for name, tensor in tensors.items():
-        if name == _ROPE_FREQS:  # already folded into config["rope_scaling"]
+        if name in (_ROPE_FREQS, *_LONGROPE_FACTORS.values()):  # already folded into config["rope_scaling"]
             continue
         # GGUF lists dimensions innermost first; Hugging Face (and numpy) outermost first: [out, in].
         shape = [int(d) for d in reversed(tensor.shape)]
@@ -298,6 +299,13 @@ def _gemma3_config(meta: Callable[..., Any], tensors: dict[str, ReaderTensor], h
 def _rope_scaling(
     meta: Callable[..., Any], arch: str, tensors: dict[str, ReaderTensor], head_dim: int, theta: float
 ) -> dict | None:
+    if _LONGROPE_FACTORS["long_factor"] in tensors:  # Phi-3's longrope, its factors as tensors
+        factors = {key: np.asarray(dequantize(tensors[t].data, tensors[t].tensor_type), np.float64).tolist()
+                   for key, t in _LONGROPE_FACTORS.items()}
+        attention = meta(f"{arch}.rope.scaling.attn_factor")
+        return factors | {"rope_type": "longrope",
+                          "original_max_position_embeddings": meta(f"{arch}.rope.scaling.original_context_length")} | (
+            {"attention_factor": float(attention)} if attention is not None else {})
     kind = meta(f"{arch}.rope.scaling.type", "none")
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(meta(f"{arch}.rope.scaling.factor"))}

@@ -81,10 +81,12 @@ def test_prepacked_bfloat16_experts_compute_what_the_stacked_ones_do():
     torch.testing.assert_close(layer(x).float(), before.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral", "tiny_phi3", "tiny_gemma3"])
+@pytest.mark.parametrize("family", ["tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral", "tiny_phi3", "tiny_gemma3",
+                                    "tiny_phi3_longrope"])
 def test_a_gguf_gives_the_ids_of_its_hugging_face_directory(family, request, tmp_path):
     """Written as llama.cpp lays each family out (qwen3; qwen3moe and Mixtral's llama with experts
-    stacked per layer; phi3 with q/k/v and gate/up fused, its window and rope width; gemma3 with its
+    stacked per layer; phi3 with q/k/v and gate/up fused, its window and rope width, longrope's
+    factors as tensors; gemma3 with its
     norms stored as 1 + weight, its layer pattern and two rope bases), quantized to Q8_0: served from the file (matrices as stored, experts
     dequantized) it gives transformers' greedy ids on the weights the blocks stand for."""
     import shutil
@@ -99,7 +101,8 @@ def test_a_gguf_gives_the_ids_of_its_hugging_face_directory(family, request, tmp
     shutil.copytree(hf_dir, ref_dir)
     save_file({k: v.contiguous() for k, v in reference.items()}, ref_dir / "model.safetensors")
     hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
-    prompts = random_prompts(8, 512, 3, 60)
+    # longrope: prompts past its pre-training context, where transformers uses the long factors throughout.
+    prompts = random_prompts(8, 512, *((70, 90) if "longrope" in family else (3, 60)))
     expected = hf_greedy(hf, prompts, 16)
     with Engine(str(tmp_path / "model.gguf"), dtype="float32", page_size=4) as engine:
         assert engine.model_config.architecture == hf.config.architectures[0]
@@ -119,3 +122,37 @@ def test_which_layers_attend_over_the_window():
     assert ModelConfig.from_hf(qwen).sliding_layers == (2, 3)  # Qwen2's rule: from max_window_layers on
     typed = qwen | {"layer_types": ["sliding_attention", "full_attention"] * 2}
     assert ModelConfig.from_hf(typed).sliding_layers == (0, 2)  # transformers 5 names each layer's kind
+
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0, 1.3, 1.7, 2.5], "long_factor": [1.0, 3.0, 9.0, 27.0],
+            "original_max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="module")
+def tiny_phi3_longrope(tmp_path_factory) -> str:
+    """The tiny Phi-3 with longrope scaling: pre-trained context 64, served up to 1024 (so an
+    attention factor of sqrt(1 + ln 16 / ln 64)), rope on half of each head."""
+    from conftest import _save_tiny
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-phi3-longrope"), "phi3", rope_parameters=LONGROPE,
+                      original_max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("context, lengths", [(64, (3, 40)), (None, (70, 90))])
+def test_phi3_longrope_matches_transformers(tiny_phi3_longrope, context, lengths):
+    """Served within the pre-training context the short factors apply, beyond it the long ones;
+    transformers picks the same for sequences that stay on one side of it (a prompt within it that
+    grows past it is where the two differ: ModelConfig._longrope says why)."""
+    prompts = random_prompts(8, 512, *lengths)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_phi3_longrope, dtype=torch.float32).eval()
+    new = 64 - lengths[1] if context else 16
+    expected = hf_greedy(hf, prompts, new)
+    with Engine(tiny_phi3_longrope, dtype="float32", context_length=context, page_size=4) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": new})
+        assert [o["output_ids"] for o in outs] == expected
+        engine.check_memory()
+    if context:  # the factors matter: served with the long ones, these prompts come out otherwise
+        with Engine(tiny_phi3_longrope, dtype="float32", page_size=4) as engine:
+            outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": new})
+            assert [o["output_ids"] for o in outs] != expected
