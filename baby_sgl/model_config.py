@@ -59,41 +59,37 @@ class ModelConfig:
         picks Phi-3's longrope factors."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        layers = cfg["num_hidden_layers"]
+        eos = cfg.get("eos_token_id")
+        # Qwen2/Qwen3 configs carry a sliding_window that applies only with use_sliding_window.
+        window = (cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None) or None
+        common: dict[str, Any] = dict(
+            architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=layers, num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            sliding_window=window)
+        if arch == "Gemma3ForCausalLM":
+            return cls(**common, **cls._gemma3(cfg, head_dim, layers, window))
         # transformers 5 moved rope settings into "rope_parameters"; accept both spellings.
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
             scaling = cls._longrope(cfg, scaling, context_length)
-        eos = cfg.get("eos_token_id")
-        layers = cfg["num_hidden_layers"]
         experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
         dense_layers = set(cfg.get("mlp_only_layers") or [])
         step = cfg.get("decoder_sparse_step") or 1
         moe_layers = tuple(i for i in range(layers) if experts and i not in dense_layers and (i + 1) % step == 0)
-        # Qwen2/Qwen3 configs carry a sliding_window that applies only with use_sliding_window.
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
-        gemma = arch == "Gemma3ForCausalLM"
-        if gemma:
-            return cls._gemma3(cfg, arch, heads, head_dim, layers, eos, window)
         return cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=layers,
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            **common,
             rope_theta=cfg.get("rope_theta") or rope.get("rope_theta", 10000.0),
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             # Qwen2 always has q/k/v biases; Llama only when attention_bias is set.
             attention_bias=arch == "Qwen2ForCausalLM" or cfg.get("attention_bias", False),
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             num_experts=experts if moe_layers else 0,
             num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
@@ -101,7 +97,6 @@ class ModelConfig:
             moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
             norm_topk_prob=cfg.get("norm_topk_prob", True) if arch == "Qwen3MoeForCausalLM" else True,
             moe_layers=moe_layers,
-            sliding_window=window or None,
             rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
             sliding_layers=cls._sliding_layers(cfg, layers) if window else (),
         )
@@ -136,12 +131,12 @@ class ModelConfig:
             return tuple(range(cfg["max_window_layers"], layers))
         return tuple(range(layers))
 
-    @classmethod
-    def _gemma3(cls, cfg: dict[str, Any], arch: str, heads: int, head_dim: int, layers: int, eos: Any,
-                window: int | None) -> ModelConfig:
-        """Gemma 3's text decoder: the config of transformers 5 (layer_types, rope_parameters per
-        layer type) or of the checkpoints' original format (sliding_window_pattern, rope_theta,
-        rope_local_base_freq, rope_scaling for the global layers)."""
+    @staticmethod
+    def _gemma3(cfg: dict[str, Any], head_dim: int, layers: int, window: int | None) -> dict[str, Any]:
+        """Gemma 3's text decoder, what it sets beyond the common fields: from the config of
+        transformers 5 (layer_types, rope_parameters per layer type) or of the checkpoints'
+        original format (sliding_window_pattern, rope_theta, rope_local_base_freq, rope_scaling for
+        the global layers)."""
         if cfg.get("attn_logit_softcapping") is not None:
             raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported")
         if cfg.get("use_bidirectional_attention"):
@@ -158,15 +153,10 @@ class ModelConfig:
         def scaling(r: dict) -> dict | None:
             return r if r.get("rope_type", r.get("type", "default")) != "default" else None
 
-        return cls(
-            architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"], num_layers=layers, num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=full["rope_theta"], rope_scaling=scaling(full),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        return dict(
+            rope_theta=full["rope_theta"], rope_scaling=scaling(full),
             tie_word_embeddings=cfg.get("tie_word_embeddings", True), attention_bias=cfg.get("attention_bias", False),
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-            qk_norm=True, sliding_window=window or None,
+            qk_norm=True,
             sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else (),
             local_rope_theta=local["rope_theta"], local_rope_scaling=scaling(local), norm_offset=True,
             embed_scale=cfg["hidden_size"] ** 0.5, hidden_act="gelu_tanh", sandwich_norms=True,

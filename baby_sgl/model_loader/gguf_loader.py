@@ -239,22 +239,7 @@ def _hf_config(reader: GGUFReader, tensors: dict[str, ReaderTensor]) -> dict:
                # Layers without a router keep a dense MLP.
                "mlp_only_layers": [i for i in range(meta(f"{arch}.block_count"))
                                    if f"blk.{i}.ffn_gate_inp.weight" not in tensors]}
-    if arch == "gemma3":
-        return _gemma3_config(meta, tensors, head_dim, rope_theta) | {
-            "hidden_size": hidden, "intermediate_size": meta(f"{arch}.feed_forward_length"),
-            "num_hidden_layers": meta(f"{arch}.block_count"), "num_attention_heads": heads,
-            "num_key_value_heads": meta(f"{arch}.attention.head_count_kv", heads), "head_dim": head_dim,
-            "rms_norm_eps": float(str(np.float32(meta(f"{arch}.attention.layer_norm_rms_epsilon")))),
-            "max_position_embeddings": meta(f"{arch}.context_length"),
-            "vocab_size": int(tensors["token_embd.weight"].shape[-1]), "tie_word_embeddings": "output.weight" not in tensors,
-            "bos_token_id": meta("tokenizer.ggml.bos_token_id"), "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
-            "torch_dtype": "float32"}
-    rope_dims = meta(f"{arch}.rope.dimension_count") or head_dim
-    window = meta(f"{arch}.attention.sliding_window")
-    return moe | ({"partial_rotary_factor": rope_dims / head_dim} if rope_dims != head_dim else {}) | (
-        {"sliding_window": int(window)} if window else {}) | {
-        "architectures": [hf_arch],
-        "model_type": "mixtral" if hf_arch == "MixtralForCausalLM" else arch,
+    common = {
         "hidden_size": hidden,
         "intermediate_size": meta(f"{arch}.feed_forward_length") or moe.get("moe_intermediate_size"),
         "num_hidden_layers": meta(f"{arch}.block_count"),
@@ -263,16 +248,25 @@ def _hf_config(reader: GGUFReader, tensors: dict[str, ReaderTensor]) -> dict:
         "head_dim": head_dim,
         # GGUF stores it as float32; its shortest decimal gives back the checkpoint's 1e-05, not 9.99999974e-06.
         "rms_norm_eps": float(str(np.float32(meta(f"{arch}.attention.layer_norm_rms_epsilon")))),
-        "rope_theta": rope_theta,
-        "rope_scaling": _rope_scaling(meta, arch, tensors, head_dim, rope_theta),
         "max_position_embeddings": meta(f"{arch}.context_length"),
         # The embedding's row count, not the token list's length: some vocabularies are padded.
         "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": "blk.0.attn_q.bias" in tensors,
         "bos_token_id": meta("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
         "torch_dtype": "float32",
+    }
+    if arch == "gemma3":
+        return common | _gemma3_config(meta, tensors, head_dim, rope_theta)
+    rope_dims = meta(f"{arch}.rope.dimension_count") or head_dim
+    window = meta(f"{arch}.attention.sliding_window")
+    return common | moe | ({"partial_rotary_factor": rope_dims / head_dim} if rope_dims != head_dim else {}) | (
+        {"sliding_window": int(window)} if window else {}) | {
+        "architectures": [hf_arch],
+        "model_type": "mixtral" if hf_arch == "MixtralForCausalLM" else arch,
+        "rope_theta": rope_theta,
+        "rope_scaling": _rope_scaling(meta, arch, tensors, head_dim, rope_theta),
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
     }
 
 
