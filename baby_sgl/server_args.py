@@ -62,6 +62,15 @@ class EngineArgs:
     torch_compile_max_bs: int = _setting(32, "largest decode batch with a compiled graph")
     max_sessions: int = _setting(1024, "open sessions at most")
     tp_size: int = _setting(1, "split the model over this many processes (tensor parallelism, torch.distributed)")
+    speculative_algorithm: str | None = _setting(
+        None, "NGRAM: decode several tokens per pass where the text repeats what the request or the prefix "
+              "cache already holds (drafts by n-gram match, verified in one pass)")
+    speculative_num_draft_tokens: int = _setting(
+        8, "tokens a request verifies per pass, its last token included (so up to this minus one drafts)")
+    speculative_ngram_min_match_window_size: int = _setting(2, "shortest suffix of the request's tokens matched")
+    speculative_ngram_max_match_window_size: int = _setting(12, "longest suffix of the request's tokens matched")
+    speculative_ngram_capacity: int = _setting(
+        1_000_000, "tokens of the prefix cache's text indexed for drafts (the oldest go first)")
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -83,6 +92,13 @@ class EngineArgs:
                 raise ValueError(f"{name} must be >= 1")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.speculative_algorithm not in (None, "NGRAM"):
+            raise ValueError(f"speculative_algorithm must be NGRAM (or unset), got {self.speculative_algorithm!r}")
+        if self.speculative_num_draft_tokens < 2:
+            raise ValueError("speculative_num_draft_tokens must be >= 2 (the last token and one draft)")
+        if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
+            raise ValueError("need 1 <= speculative_ngram_min_match_window_size <= "
+                             "speculative_ngram_max_match_window_size")
         if self.tp_size > 1 and self.enable_torch_compile:
             raise ValueError("--enable-torch-compile does not work with --tp-size > 1 yet (the compiled layer "
                              "parts have no all-reduce inside); leave one of them out")

@@ -31,6 +31,11 @@ class Req:
         self.to_abort: str | None = None  # set by an abort; honoured at the next step
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (max over prefills)
         self.num_retractions = 0  # times retracted to free KV (its prompt and output prefilled again)
+        # Speculative decoding: its drafting state (speculative/ngram.py), the verify passes in
+        # which it had drafts, and the drafts accepted.
+        self.draft_state: Any = None
+        self.spec_verify_ct = 0
+        self.spec_accepted_tokens = 0
         self.session: Any = None  # the Session this request is a turn of (session_controller.py)
         # Log-probabilities, SGLang's format: [logprob, token_id, None] per token (see
         # sampling/logprobs.py); prompt ones from position logprob_start_len on.

@@ -25,6 +25,9 @@ class ScheduleBatch:
         self.out_cache_loc: torch.Tensor | None = None
         self.num_decode_reqs = 0  # MIXED: the last requests of the batch decode one token each
         self.input_logprob_spans: list[InputLogprobSpan] = []  # prompt logprobs this pass computes
+        # DECODE with speculative decoding: each request's draft tokens, verified in this pass
+        # after its last token (one row each; scheduler_spec.py). Empty lists: plain decode.
+        self.drafts: list[list[int]] = [[] for _ in reqs]
 
     # ---- KV slots ------------------------------------------------------------------------
     def alloc_token_slots(self, prefix_lens: list[int], seq_lens: list[int]) -> torch.Tensor | None:
@@ -38,7 +41,7 @@ class ScheduleBatch:
         return alloc.alloc_extend(prefix_lens, seq_lens, last_locs)
 
     def decode_pages_needed(self) -> int:
-        return sum(self.allocator.pages_needed(r.kv_len, r.kv_len + 1) for r in self.reqs)
+        return sum(self.allocator.pages_needed(r.kv_len, r.kv_len + 1 + len(d)) for r, d in zip(self.reqs, self.drafts))
 
     # ---- extend --------------------------------------------------------------------------
     def prepare_for_extend(self) -> None:
@@ -65,8 +68,9 @@ class ScheduleBatch:
 
     # ---- decode --------------------------------------------------------------------------
     def prepare_for_decode(self) -> None:
+        """Slots for each request's last token (and its drafts, if any)."""
         self.prefix_lens = [r.kv_len for r in self.reqs]
-        self.seq_lens = [r.kv_len + 1 for r in self.reqs]
+        self.seq_lens = [r.kv_len + 1 + len(d) for r, d in zip(self.reqs, self.drafts)]
         self.out_cache_loc = self.alloc_token_slots(self.prefix_lens, self.seq_lens)
         assert self.out_cache_loc is not None, "decode was scheduled without enough KV slots"
         self._write_rows()
@@ -76,6 +80,7 @@ class ScheduleBatch:
         requests (`decoding`, prepared for decode), which come after the extend requests."""
         self.mode, self.num_decode_reqs = ForwardMode.MIXED, len(decoding.reqs)
         self.reqs = self.reqs + decoding.reqs
+        self.drafts = self.drafts + decoding.drafts
         self.prefix_lens = self.prefix_lens + decoding.prefix_lens
         self.seq_lens = self.seq_lens + decoding.seq_lens
         self.out_cache_loc = torch.cat([self.slots(), decoding.slots()])
@@ -97,6 +102,7 @@ class ScheduleBatch:
         retracted = []
         while len(order) > 1 and not self.can_decode():
             victim = order.pop()
+            del self.drafts[self.reqs.index(victim)]
             self.reqs.remove(victim)
             self.tree_cache.release_req(victim)
             victim.num_retractions += 1
@@ -104,20 +110,29 @@ class ScheduleBatch:
         return retracted
 
     # ---- hand-off to the model runner ------------------------------------------------------
+    def _decode_worker_batch(self) -> ModelWorkerBatch:
+        """One row per token: a request's last token, then its drafts at the next positions, each
+        row seeing the request's slots up to its own (the drafts before it included)."""
+        input_ids: list[int] = []
+        seq_lens: list[int] = []
+        rows: list[int] = []
+        for r, prefix, drafts in zip(self.reqs, self.prefix_lens, self.drafts):
+            input_ids += [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1], *drafts]
+            seq_lens += range(prefix + 1, prefix + 2 + len(drafts))
+            rows += [r.row()] * (1 + len(drafts))
+        return ModelWorkerBatch(
+            mode=self.mode, input_ids=input_ids, positions=torch.tensor(seq_lens, device="cpu") - 1,
+            out_cache_loc=self.slots(), req_pool_indices=rows, seq_lens=seq_lens,
+            extend_prefix_lens=[n - 1 for n in seq_lens], extend_seq_lens=[1] * len(seq_lens))
+
     def get_model_worker_batch(self) -> ModelWorkerBatch:
         if self.mode == ForwardMode.DECODE:
-            input_ids = [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1] for r in self.reqs]
-            positions = torch.tensor(self.prefix_lens, dtype=torch.long, device="cpu")
-            ext = [1] * len(self.reqs)
-        else:  # EXTEND, or MIXED (a decoding request's one new token is the last of its fill_ids)
-            input_ids = [t for r, a, b in zip(self.reqs, self.prefix_lens, self.seq_lens) for t in r.fill_ids[a:b]]
-            positions = torch.cat([torch.arange(a, b, device="cpu") for a, b in zip(self.prefix_lens, self.seq_lens)])
-            ext = [b - a for a, b in zip(self.prefix_lens, self.seq_lens)]
-        logprob_rows = None
-        if self.mode != ForwardMode.DECODE:
-            rows, self.input_logprob_spans = plan_input_logprobs(self.reqs, self.prefix_lens, self.seq_lens,
-                                                                 len(self.reqs) - self.num_decode_reqs)
-            logprob_rows = rows or None
+            return self._decode_worker_batch()
+        # EXTEND, or MIXED (a decoding request's one new token is the last of its fill_ids).
+        input_ids = [t for r, a, b in zip(self.reqs, self.prefix_lens, self.seq_lens) for t in r.fill_ids[a:b]]
+        positions = torch.cat([torch.arange(a, b, device="cpu") for a, b in zip(self.prefix_lens, self.seq_lens)])
+        rows, self.input_logprob_spans = plan_input_logprobs(self.reqs, self.prefix_lens, self.seq_lens,
+                                                             len(self.reqs) - self.num_decode_reqs)
         return ModelWorkerBatch(
             mode=self.mode,
             input_ids=input_ids,
@@ -126,7 +141,7 @@ class ScheduleBatch:
             req_pool_indices=[r.row() for r in self.reqs],
             seq_lens=self.seq_lens,
             extend_prefix_lens=self.prefix_lens,
-            extend_seq_lens=ext,
+            extend_seq_lens=[b - a for a, b in zip(self.prefix_lens, self.seq_lens)],
             num_decode_reqs=self.num_decode_reqs,
-            input_logprob_rows=logprob_rows,
+            input_logprob_rows=rows or None,
         )

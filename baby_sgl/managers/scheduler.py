@@ -25,6 +25,7 @@ from baby_sgl.core.req import Req
 from baby_sgl.managers.schedule_batch import ScheduleBatch
 from baby_sgl.managers.scheduler_batches import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, BatchFormation
 from baby_sgl.managers.scheduler_output import OutputProcessing
+from baby_sgl.managers.scheduler_spec import Speculation, make_drafter
 from baby_sgl.managers.schedule_policy import CACHE_AWARE_POLICIES
 from baby_sgl.managers.session_controller import SessionController
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
@@ -61,7 +62,7 @@ class Progress:
     last_forward: float  # time.monotonic() when the last forward pass ended
 
 
-class Scheduler(BatchFormation, OutputProcessing):
+class Scheduler(BatchFormation, OutputProcessing, Speculation):
     def __init__(self, args: EngineArgs, runner: ModelRunner, tokenizer: PreTrainedTokenizerBase, eos_token_ids: list[int],
                  max_total_tokens: int, context_len: int, max_input_len: int) -> None:
         self.args, self.runner, self.tokenizer = args, runner, tokenizer
@@ -77,6 +78,9 @@ class Scheduler(BatchFormation, OutputProcessing):
                                                        on_evict=self.activity.record_eviction))
         self.sessions = SessionController(self.tree_cache, max_input_len, tokenizer.bos_token_id, args.max_sessions)
         self.sampler = Sampler(runner.cfg.vocab_size, sorted(self.eos_token_ids), args.random_seed)
+        self.drafter = make_drafter(args.speculative_algorithm, args.speculative_ngram_min_match_window_size,
+                                    args.speculative_ngram_max_match_window_size, args.speculative_ngram_capacity,
+                                    share=not args.disable_radix_cache)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         cache_aware = args.schedule_policy in CACHE_AWARE_POLICIES
@@ -93,7 +97,8 @@ class Scheduler(BatchFormation, OutputProcessing):
         self.chunk_size = chunk if chunk > 0 else None  # None: unchunked
         self.mixed_chunk = args.enable_mixed_chunk and chunk > 0
         self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
-                      "forward_steps": 0, "mixed_steps": 0, "num_failed_reqs": 0}
+                      "forward_steps": 0, "mixed_steps": 0, "num_failed_reqs": 0,
+                      "spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self.inbox: queue.Queue[Message] = queue.Queue()
         self._stop = threading.Event()
         self.error: BaseException | None = None  # the last failure the loop survived
@@ -289,7 +294,10 @@ class Scheduler(BatchFormation, OutputProcessing):
         if batch.input_logprob_spans:
             assert logprob_hidden is not None, "the pass computed no hidden states for prompt logprobs"
             self._record_input_logprobs(batch, logprob_hidden)
-        self._process_result(batch, logits)
+        if any(batch.drafts):
+            self._process_verify(batch, logits)
+        else:
+            self._process_result(batch, logits)
         self.activity.record_step(self.stats)
         return True
 

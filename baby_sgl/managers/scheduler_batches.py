@@ -119,5 +119,6 @@ class BatchFormation(SchedulerState):
                 return None
         else:
             self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, self.min_ratio)
+        self._plan_drafts(batch)
         batch.prepare_for_decode()
         return batch

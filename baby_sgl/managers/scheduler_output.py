@@ -147,6 +147,8 @@ class OutputProcessing(SchedulerState):
         if not self.sessions.keep_row(req):
             self.tree_cache.release_req(req)
         self.sessions.turn_ended(req)
+        if self.drafter is not None:  # its text joins what later requests may draft from
+            self.drafter.add_cached_text(req.fill_ids)
 
     def _emit(self, req: Req) -> None:
         """Sends the new text and ids to whoever waits for this request (stream) or the whole

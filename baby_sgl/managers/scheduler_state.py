@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
     from baby_sgl.model_executor.model_runner import ModelRunner
     from baby_sgl.sampling.sampler import Sampler
+    from baby_sgl.speculative.ngram import NgramDrafter
     from baby_sgl.server_args import EngineArgs
     from baby_sgl.trace import Tracer
 
@@ -33,6 +34,7 @@ class SchedulerState:
     tracer: Tracer | None
     activity: Activity  # recent batches, evictions and counters, for the dashboard
     sampler: Sampler
+    drafter: NgramDrafter | None  # --speculative-algorithm NGRAM's
     # Memory: request rows, KV slots, the prefix cache, the sessions' held rows.
     req_to_token_pool: ReqToTokenPool
     allocator: PagedTokenAllocator
@@ -53,7 +55,15 @@ class SchedulerState:
     mixed_chunk: bool
     stats: dict[str, int]
 
-    if TYPE_CHECKING:  # each part calls these two, defined by the part that owns them
+    if TYPE_CHECKING:  # the parts call each other's, defined by the part that owns them
         def _finish(self, req: Req, reason: dict[str, Any]) -> None: ...  # scheduler_output.py
 
+        def _append_token(self, req: Req, token: int) -> None: ...  # scheduler_output.py
+
+        def _release(self, req: Req) -> None: ...  # scheduler_output.py
+
+        def _emit(self, req: Req) -> None: ...  # scheduler_output.py
+
         def _fail_req(self, req: Req, message: str) -> None: ...  # scheduler.py
+
+        def _plan_drafts(self, batch: ScheduleBatch) -> None: ...  # scheduler_spec.py

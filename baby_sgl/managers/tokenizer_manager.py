@@ -130,6 +130,10 @@ class TokenizerManager:
             "cached_tokens": req.cached_tokens,
             "finish_reason": req.finished_reason,
             "num_retractions": req.num_retractions,
+            # Speculative decoding (as SGLang): verify passes in which the request had drafts, and
+            # the drafts they accepted.
+            "spec_verify_ct": req.spec_verify_ct,
+            "spec_accepted_tokens": req.spec_accepted_tokens,
             "weight_version": WEIGHT_VERSION,
             "e2e_latency": (ts.finished or ts.created) - ts.created,
             "ttft": (ts.first_token - ts.created) if ts.first_token else None,

@@ -42,6 +42,10 @@ def test_greedy_matches_transformers(case, config):
             assert per_request == info["num_retractions"], "each retraction is counted on its request"
         if CONFIGS[config].get("enable_mixed_chunk"):
             assert info["mixed_steps"] > 0, "prefill chunks were meant to share passes with decodes"
+        if CONFIGS[config].get("speculative_algorithm"):
+            assert info["spec_verify_steps"] > 0, "drafts were meant to be verified"
+            if not CONFIGS[config].get("disable_radix_cache"):  # the second round drafts from the first's text
+                assert info["spec_accepted_tokens"] > 0, "drafts from the cache's text were meant to be accepted"
         if CONFIGS[config].get("enable_torch_compile"):
             assert engine.scheduler.runner.compiled is not None, "compiled graphs were meant to run"
         elif engine.scheduler.runner.device.type == "cpu" and toolchain.cxx_compiler() is not None:

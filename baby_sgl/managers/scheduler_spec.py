@@ -1,0 +1,139 @@
+"""Speculative decoding in the scheduler (--speculative-algorithm NGRAM; a part of Scheduler, run
+in its thread): which running requests get drafts (speculative/ngram.py), and how a verify pass's
+logits become each request's tokens.
+
+A verify pass is a decode pass in which a request with k drafts has k + 1 rows: its last token
+and the drafts, at consecutive positions. Every row writes its KV before any row attends, and row
+j attends to the request's slots up to its own, so it sees the drafts before it and none after:
+the causal mask over the drafts comes for free, in the one-call CPU step and op by op alike.
+
+Row j's logits give the token that follows draft j. The tokens are then produced one by one as
+plain decoding would produce them: the sampler on row j, with the request's grammar, penalties,
+min_new_tokens, logprobs and seed as they stand after the tokens before. The run stops at the
+first token that differs from its draft (that token is kept: it is what decoding would have
+chosen there), or when the request finishes. So greedy output is decoding's own; sampled output
+keeps its distribution, since drawing x from the target distribution p and keeping the draft d
+only if x == d accepts d with probability p(d) and otherwise yields x ~ p restricted to x != d,
+which is speculative sampling's rejection step for a draft that is certain of d; and a seeded
+request draws the very numbers it would draw without drafts. The KV of rejected drafts never
+counts as computed: whole pages past the last accepted token go back to the pool at once, and the
+rest of the last page is overwritten by the next pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from baby_sgl.constrained.grammar import ConstraintError
+from baby_sgl.managers.scheduler_state import SchedulerState
+from baby_sgl.speculative.ngram import NgramDrafter, RequestDrafts
+
+if TYPE_CHECKING:
+    from baby_sgl.core.req import Req
+    from baby_sgl.managers.schedule_batch import ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+# The batch rule, fixed and measured (scripts/profile_step.py, default model, Q4_1, bfloat16, this
+# 2-core Xeon): a one-call decode step's matmuls took 13.1 ms for 1 row, 14.0 for 2, 19.0 for 4,
+# 22.0 for 8 and 28.1 for 16: up to ~16 rows a pass costs little more than one row, since the
+# weights are read (and dequantized) once for all of them. Past that a row costs nearly what a
+# whole token does, so a verify pass carries at most MAX_VERIFY_ROWS rows, and with more than
+# MAX_SPEC_REQUESTS requests running nobody drafts (their own rows already fill the pass).
+MAX_VERIFY_ROWS, MAX_SPEC_REQUESTS = 16, 8
+
+
+def make_drafter(algorithm: str | None, min_n: int, max_n: int, capacity: int, share: bool) -> NgramDrafter | None:
+    return NgramDrafter(min_n, max_n, capacity, share) if algorithm == "NGRAM" else None
+
+
+class Speculation(SchedulerState):
+    """Scheduler's speculative decoding; the state it reads and writes is the Scheduler's."""
+
+    def _plan_drafts(self, batch: ScheduleBatch) -> None:
+        """Each running request's drafts for this decode pass, within the batch rule, each
+        request's max_new_tokens and the context length; none if the pool cannot hold them."""
+        drafter = self.drafter
+        if drafter is None or len(batch.reqs) > MAX_SPEC_REQUESTS:
+            return
+        rows = len(batch.reqs)
+        for i, req in enumerate(batch.reqs):
+            p = req.sampling_params
+            room = min(self.args.speculative_num_draft_tokens - 1, p.max_new_tokens - len(req.output_ids) - 1,
+                       self.context_len - req.seqlen, MAX_VERIFY_ROWS - rows)
+            if room <= 0 or req.to_abort:
+                continue
+            if req.draft_state is None:
+                req.draft_state = RequestDrafts(drafter.min_n, drafter.max_n)
+            batch.drafts[i] = drafter.draft(req.draft_state, req.fill_ids, room)
+            rows += len(batch.drafts[i])
+        if not batch.can_decode():  # the drafts' slots are not there: decode one token each
+            batch.drafts = [[] for _ in batch.reqs]
+
+    def _process_verify(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
+        """The tokens of a decode pass with drafts, request by request (an error ends one)."""
+        still_running = []
+        row = 0
+        for req, drafts in zip(batch.reqs, batch.drafts):
+            rows = logits[row : row + 1 + len(drafts)]
+            row += 1 + len(drafts)
+            try:
+                if req.to_abort:
+                    self._finish(req, {"type": "abort", "message": req.to_abort})
+                    continue
+                self._accept(req, rows, drafts)
+                if req.finished:
+                    self._release(req)
+                else:
+                    still_running.append(req)
+                self._emit(req)
+            except ConstraintError as e:  # the request's own constraint, not our error
+                logger.warning("request %s: %s", req.rid, e)
+                self._finish(req, {"type": "abort", "message": str(e)})
+            except Exception as e:
+                logger.exception("request %s failed", req.rid)
+                self._fail_req(req, f"internal error while handling this request: {e!r}")
+        self.running = still_running
+
+    def _accept(self, req: Req, rows: torch.Tensor, drafts: list[int]) -> None:
+        """Appends the tokens decoding would produce from rows, up to the first that differs from
+        its draft; the request's KV then covers the tokens before the last one appended."""
+        targets = rows[:, : self.sampler.vocab_size].argmax(dim=-1).tolist() if _plain_greedy(req) else None
+        appended = 0
+        for j in range(len(drafts) + 1):
+            token = targets[j] if targets is not None else self.sampler(rows[j : j + 1], [req])[0]
+            self._append_token(req, token)
+            appended += 1
+            if req.finished or j == len(drafts) or token != drafts[j]:
+                break
+        req.kv_len += appended  # the last token and the accepted drafts were computed
+        if drafts:
+            accepted = sum(1 for t, d in zip(req.output_ids[-appended:], drafts) if t == d)
+            req.spec_verify_ct += 1
+            req.spec_accepted_tokens += accepted
+            self.stats["spec_verify_steps"] += 1
+            self.stats["spec_draft_tokens"] += len(drafts)
+            self.stats["spec_accepted_tokens"] += accepted
+            assert req.draft_state is not None, "a request with drafts has a drafting state"
+            req.draft_state.record(len(drafts), accepted)
+        self._drop_rejected_slots(req)
+
+    def _drop_rejected_slots(self, req: Req) -> None:
+        """Whole pages past the last computed token go back to the pool (they held only rejected
+        drafts); the row keeps what it had before the pass plus the accepted tokens."""
+        page = self.allocator.page_size
+        keep = -(-req.kv_len // page) * page
+        if req.alloc_len > keep:
+            self.allocator.free(self.req_to_token_pool.req_to_token[req.row(), keep : req.alloc_len].cpu())
+        req.alloc_len = req.kv_len
+
+
+def _plain_greedy(req: Req) -> bool:
+    """Greedy with nothing that depends on the tokens before (no grammar, penalties, bias, pending
+    min_new_tokens or logprobs): every row's token is its argmax, all taken at once."""
+    p = req.sampling_params
+    return (p.is_greedy and req.grammar is None and not req.return_logprob and not p.has_penalties
+            and not p.logit_bias and len(req.output_ids) >= p.min_new_tokens)

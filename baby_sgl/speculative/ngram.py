@@ -1,0 +1,113 @@
+"""N-gram drafts for speculative decoding (--speculative-algorithm NGRAM): no draft model, the
+next tokens are guessed by finding the request's last few tokens earlier in some text and
+proposing what followed them there.
+
+Two places are searched, in order: the request's own prompt and output (code being rewritten, a
+document being quoted), then the text of every request the prefix cache has taken in (an answer
+another request already gave, the previous turns of other chats). Each is an index from every
+n-gram (n between the min and max match window) to the position after its latest occurrence; the
+longest suffix of the request that occurs wins. The model verifies the drafts in one pass
+(scheduler_spec.py), so a wrong guess costs compute, never correctness.
+
+When drafting does not pay it stops: a request whose recent drafts were mostly rejected pauses
+(RequestDrafts.record); the batch rule is in scheduler_spec.py.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+# A request pauses drafting when, over its last verifies (at least MIN_DRAFTED draft tokens), fewer
+# than MIN_ACCEPT_RATE of its drafts were accepted: at batch 1 a verify of 8 rows cost ~1.7x a
+# one-token step (scripts/profile_step.py on the default model), so a draft accepted less than a
+# quarter of the time loses. It drafts again after PAUSE_STEPS decode steps (the text may change).
+RECENT_VERIFIES, MIN_DRAFTED, MIN_ACCEPT_RATE, PAUSE_STEPS = 8, 8, 0.25, 32
+
+
+class NgramIndex:
+    """n-gram -> (the sequence it was last seen in, the position after it there)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.table: dict[tuple[int, ...], tuple[list[int], int]] = {}
+
+    def add(self, seq: list[int], start: int, end: int) -> None:
+        """Indexes the n-grams of seq that end right before position p, for p in [start, end)."""
+        table, lo = self.table, self.min_n
+        for p in range(max(start, lo), end):
+            for n in range(lo, min(self.max_n, p) + 1):
+                table[tuple(seq[p - n : p])] = (seq, p)
+
+    def remove(self, seq: list[int]) -> None:
+        """Forgets seq's n-grams (those not seen since in another sequence)."""
+        for p in range(self.min_n, len(seq)):
+            for n in range(self.min_n, min(self.max_n, p) + 1):
+                key = tuple(seq[p - n : p])
+                if self.table.get(key, (None,))[0] is seq:
+                    del self.table[key]
+
+    def continuation(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the longest indexed suffix of tokens (none if no suffix
+        of at least min_n tokens is indexed)."""
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            hit = self.table.get(tuple(tokens[-n:]))
+            if hit is not None:
+                seq, p = hit
+                return seq[p : p + k]
+        return []
+
+
+class RequestDrafts:
+    """One request's drafting state: its own text, indexed as it grows, and its recent acceptance."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.tokens: list[int] = []
+        self.index = NgramIndex(min_n, max_n)
+        self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_VERIFIES)  # (drafted, accepted)
+        self.paused = 0  # decode steps left without drafting
+
+    def sync(self, fill_ids: list[int]) -> None:
+        """Takes in the tokens the request gained since the last call."""
+        old = len(self.tokens)
+        self.tokens.extend(fill_ids[old:])
+        self.index.add(self.tokens, old, len(self.tokens))
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.recent.append((drafted, accepted))
+        total = sum(d for d, _ in self.recent)
+        if total >= MIN_DRAFTED and sum(a for _, a in self.recent) < MIN_ACCEPT_RATE * total:
+            self.paused, self.recent = PAUSE_STEPS, deque(maxlen=RECENT_VERIFIES)
+
+
+class NgramDrafter:
+    def __init__(self, min_n: int, max_n: int, capacity: int, share: bool) -> None:
+        self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
+        self.share = share  # draft from other requests' text too (the prefix cache is on)
+        self.cache_index = NgramIndex(min_n, max_n)
+        self.cached: deque[list[int]] = deque()  # the sequences cache_index holds, oldest first
+        self.cached_tokens = 0
+
+    def draft(self, state: RequestDrafts, fill_ids: list[int], k: int) -> list[int]:
+        """Up to k tokens to verify after fill_ids; [] while the request is paused."""
+        state.sync(fill_ids)
+        if state.paused > 0:
+            state.paused -= 1
+            return []
+        own = state.index.continuation(state.tokens, k)
+        if own or not self.share:
+            return own
+        return self.cache_index.continuation(state.tokens, k)
+
+    def add_cached_text(self, tokens: list[int]) -> None:
+        """A finished request's prompt and output, as the prefix cache takes them in; the oldest
+        text leaves the index beyond its capacity."""
+        if not self.share or len(tokens) <= self.min_n:
+            return
+        seq = list(tokens)
+        self.cache_index.add(seq, 0, len(seq))
+        self.cached.append(seq)
+        self.cached_tokens += len(seq)
+        while self.cached_tokens > self.capacity and len(self.cached) > 1:
+            old = self.cached.popleft()
+            self.cached_tokens -= len(old)
+            self.cache_index.remove(old)
