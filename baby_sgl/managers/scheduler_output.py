@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,21 +36,25 @@ class OutputProcessing(SchedulerState):
         num_extend = 0 if batch.mode == ForwardMode.DECODE else len(batch.reqs) - batch.num_decode_reqs
         for i, (req, seq_len, token) in enumerate(zip(batch.reqs, batch.seq_lens, tokens)):
             req.kv_len = seq_len
-            try:
-                if isinstance(token, Exception):
-                    raise token
-                if self._advance(req, i < num_extend, token):
-                    still_running.append(req)
-            except ConstraintError as e:  # the request's own constraint, not our error
-                logger.warning("request %s: %s", req.rid, e)
-                self._finish(req, {"type": "abort", "message": str(e)})
-            except Exception as e:
-                logger.exception("request %s failed", req.rid)
-                self._fail_req(req, f"internal error while handling this request: {e!r}")
+            if self._guarded(req, partial(self._advance, req, i < num_extend, token)):
+                still_running.append(req)
         if batch.mode == ForwardMode.EXTEND:
             self.running.extend(still_running)
         else:  # a decode or mixed batch held every running request
             self.running = still_running
+
+    def _guarded(self, req: Req, step: Callable[[], bool]) -> bool:
+        """Runs one request's share of a pass (step: True if it keeps decoding); an error, or an
+        exception in place of its token, ends that request alone (False)."""
+        try:
+            return step()
+        except ConstraintError as e:  # the request's own constraint, not our error
+            logger.warning("request %s: %s", req.rid, e)
+            self._finish(req, {"type": "abort", "message": str(e)})
+        except Exception as e:
+            logger.exception("request %s failed", req.rid)
+            self._fail_req(req, f"internal error while handling this request: {e!r}")
+        return False
 
     def _needs_token(self, req: Req) -> bool:
         return not req.is_chunked and not req.to_abort and req.sampling_params.max_new_tokens > 0
@@ -74,9 +80,11 @@ class OutputProcessing(SchedulerState):
                 out[i] = e
         return out
 
-    def _advance(self, req: Req, extended: bool, token: int | None) -> bool:
+    def _advance(self, req: Req, extended: bool, token: int | Exception | None) -> bool:
         """Applies one pass to one request (`extended`: the pass computed part of its prompt
         rather than one decode step); True if it keeps decoding."""
+        if isinstance(token, Exception):  # its sampling failed
+            raise token
         if req.is_chunked:  # more of its prompt to come; it stays the chunked request
             self.tree_cache.cache_unfinished_req(req)
             return False

@@ -22,20 +22,17 @@ rest of the last page is overwritten by the next pass.
 
 from __future__ import annotations
 
-import logging
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
-from baby_sgl.constrained.grammar import ConstraintError
 from baby_sgl.managers.scheduler_state import SchedulerState
 from baby_sgl.speculative.ngram import NgramDrafter, RequestDrafts
 
 if TYPE_CHECKING:
     from baby_sgl.core.req import Req
     from baby_sgl.managers.schedule_batch import ScheduleBatch
-
-logger = logging.getLogger(__name__)
 
 # The batch rule, fixed and measured (scripts/profile_step.py, default model, Q4_1, bfloat16, this
 # 2-core Xeon): a one-call decode step's matmuls took 13.1 ms for 1 row, 14.0 for 2, 19.0 for 4,
@@ -80,23 +77,20 @@ class Speculation(SchedulerState):
         for req, drafts in zip(batch.reqs, batch.drafts):
             rows = logits[row : row + 1 + len(drafts)]
             row += 1 + len(drafts)
-            try:
-                if req.to_abort:
-                    self._finish(req, {"type": "abort", "message": req.to_abort})
-                    continue
-                self._accept(req, rows, drafts)
-                if req.finished:
-                    self._release(req)
-                else:
-                    still_running.append(req)
-                self._emit(req)
-            except ConstraintError as e:  # the request's own constraint, not our error
-                logger.warning("request %s: %s", req.rid, e)
-                self._finish(req, {"type": "abort", "message": str(e)})
-            except Exception as e:
-                logger.exception("request %s failed", req.rid)
-                self._fail_req(req, f"internal error while handling this request: {e!r}")
+            if self._guarded(req, partial(self._verify, req, rows, drafts)):
+                still_running.append(req)
         self.running = still_running
+
+    def _verify(self, req: Req, rows: torch.Tensor, drafts: list[int]) -> bool:
+        """One request's share of a verify pass; True if it keeps decoding."""
+        if req.to_abort:
+            self._finish(req, {"type": "abort", "message": req.to_abort})
+            return False
+        self._accept(req, rows, drafts)
+        if req.finished:
+            self._release(req)
+        self._emit(req)
+        return not req.finished
 
     def _accept(self, req: Req, rows: torch.Tensor, drafts: list[int]) -> None:
         """Appends the tokens decoding would produce from rows, up to the first that differs from

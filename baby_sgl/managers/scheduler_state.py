@@ -5,6 +5,7 @@ Scheduler.__init__ sets every field. Only the scheduler thread touches it."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -63,6 +64,8 @@ class SchedulerState:
         def _release(self, req: Req) -> None: ...  # scheduler_output.py
 
         def _emit(self, req: Req) -> None: ...  # scheduler_output.py
+
+        def _guarded(self, req: Req, step: Callable[[], bool]) -> bool: ...  # scheduler_output.py
 
         def _fail_req(self, req: Req, message: str) -> None: ...  # scheduler.py
 
