@@ -325,6 +325,8 @@ class Engine:
                 return False
             self.scheduler.tree_cache.evict(self.max_total_tokens)
             self.grammars.clear()  # as SGLang: flushing forgets compiled grammars too
+            if self.scheduler.drafter is not None:  # and the cache's text that drafts come from
+                self.scheduler.drafter.clear()
             return True
 
         return self.scheduler.call(flush)

@@ -69,6 +69,8 @@ class EngineArgs:
         8, "tokens a request verifies per pass, its last token included (so up to this minus one drafts)")
     speculative_ngram_min_match_window_size: int = _setting(2, "shortest suffix of the request's tokens matched")
     speculative_ngram_max_match_window_size: int = _setting(12, "longest suffix of the request's tokens matched")
+    speculative_ngram_request_only: bool = _setting(
+        False, "draft from the request's own prompt and output only, not from the prefix cache's text")
     speculative_ngram_capacity: int = _setting(
         1_000_000, "tokens of the prefix cache's text indexed for drafts (the oldest go first)")
 

@@ -1,5 +1,6 @@
 """`baby-sgl bench offline`: throughput of the engine on a fixed workload, optionally next to
-transformers (`--compare hf`) on the very same prompts, in the same run."""
+transformers, another engine, or itself in another setting (`--compare ...`) on the very same
+prompts, in the same run."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, cast
 
 import torch
 
+from baby_sgl.bench.copy_workload import copy_workload, multi_turn_workload
 from baby_sgl.bench.peers import PEERS, run_peer
 from baby_sgl.bench.roofline import measure_roofs
 from baby_sgl.bench.workloads import Workload, one_batch_workload, random_workload, shared_prefix_workload
@@ -42,14 +44,15 @@ def run_engine(engine: Engine, wl: Workload, constraint: dict | None = None) -> 
     engine.generate(input_ids=wl.prompts[:1], sampling_params={**params[0], "max_new_tokens": 2})
     compile_s = time.perf_counter() - compile_s
     engine.flush_cache()
+    before = engine.get_server_info()
     t0 = time.perf_counter()
     outs = cast(list[dict], engine.generate(input_ids=wl.prompts, sampling_params=params))
     dt = time.perf_counter() - t0
+    extra = speculation_stats(before, engine.get_server_info())
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
-    extra = {}
     if constraint:
-        extra = {"engine": "baby-sgl json-schema", "warmup_with_compile_s": compile_s,
+        extra |= {"engine": "baby-sgl json-schema", "warmup_with_compile_s": compile_s,
                  "closed_by_grammar": sum(o["meta_info"]["finish_reason"]["type"] == "stop" for o in outs)}
     return {
         "engine": "baby-sgl", **extra, "seconds": dt, "requests_per_s": len(outs) / dt,
@@ -60,6 +63,18 @@ def run_engine(engine: Engine, wl: Workload, constraint: dict | None = None) -> 
         "ttft_mean_s": sum(o["meta_info"]["ttft"] for o in outs) / len(outs),
         "outputs": [o["output_ids"] for o in outs],
     }
+
+
+def speculation_stats(before: dict, after: dict) -> dict:
+    """Speculative decoding over a run: tokens per verify pass (the accepted drafts plus the
+    model's own token), and how often a decoding request found a draft."""
+    steps = after.get("spec_verify_steps", 0) - before.get("spec_verify_steps", 0)
+    if not steps:
+        return {}
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    chances = after["spec_draft_chances"] - before["spec_draft_chances"]
+    return {"spec_accept_length": 1 + accepted / steps, "spec_draft_hit_rate": steps / max(chances, 1),
+            "spec_draft_accept_rate": accepted / max(after["spec_draft_tokens"] - before["spec_draft_tokens"], 1)}
 
 
 def run_one_batch(engine: Engine, wl: Workload) -> dict:
@@ -104,7 +119,12 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def build_workload(args: argparse.Namespace, vocab: int) -> Workload:
+def build_workload(args: argparse.Namespace, engine: Engine) -> Workload:
+    vocab = engine.model_config.vocab_size
+    if args.workload == "copy":
+        return copy_workload(engine.tokenizer, args.output_len, args.repeats)
+    if args.workload == "multi-turn":
+        return multi_turn_workload(engine.tokenizer, args.output_len)
     if args.workload == "random":
         return random_workload(args.num_prompts, vocab, (args.input_min, args.input_max),
                                (args.output_min, args.output_max), args.seed)
@@ -118,8 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="baby-sgl bench offline",
                                 description="the engine in-process on a synthetic workload, against the machine's "
                                             "roofs and, with --compare, another engine")
-    p.add_argument("--workload", choices=["random", "shared-prefix", "one-batch"], default="random",
-                   help="random prompts, groups sharing a system prompt, or one batch at once (default: random)")
+    p.add_argument("--workload", choices=["random", "shared-prefix", "one-batch", "copy", "multi-turn"],
+                   default="random",
+                   help="random prompts, groups sharing a system prompt, one batch at once, chat tasks that copy "
+                        "text (rewrite code, quote a passage, fill JSON from a document), or users asking the "
+                        "same questions in chats of their own (default: random)")
+    p.add_argument("--repeats", type=int, default=1, help="copy: times each task is asked (default: 1)")
     p.add_argument("--seed", type=int, default=1, help="seed of the prompts (default: 1)")
     p.add_argument("--num-prompts", type=int, default=64, help="random: prompts (default: 64)")
     p.add_argument("--input-min", type=int, default=32, help="random: shortest prompt, tokens (default: 32)")
@@ -131,15 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system-len", type=int, default=1024, help="shared-prefix: system prompt tokens (default: 1024)")
     p.add_argument("--question-len", type=int, default=64, help="shared-prefix: question tokens (default: 64)")
     p.add_argument("--output-len", type=int, default=64,
-                   help="shared-prefix and one-batch: output tokens per prompt (default: 64)")
+                   help="shared-prefix, one-batch, copy, multi-turn: output tokens per prompt (default: 64)")
     p.add_argument("--batch", type=int, default=1, help="one-batch: prompts in the batch (default: 1)")
     p.add_argument("--input-len", type=int, default=128, help="one-batch: tokens per prompt (default: 128)")
-    p.add_argument("--compare", choices=["hf", "vllm", "llama.cpp", "float32", "bfloat16", "json-schema"],
-                   default=None,
-                   help="hf: also run transformers on the same prompts; vllm, llama.cpp: that engine on the same "
-                        "prompts (scripts/setup_peers.sh installs them); a dtype: also run baby-sgl in that dtype "
-                        "and report how many greedy outputs match; json-schema: run again with every request "
-                        "constrained to a JSON schema (the cost of constrained decoding)")
+    p.add_argument("--compare", nargs="+", default=[],
+                   choices=["hf", "vllm", "llama.cpp", "float32", "bfloat16", "json-schema", "no-speculation",
+                            "request-only-drafts"],
+                   help="one or more of: hf: transformers on the same prompts; vllm, llama.cpp: that engine on the "
+                        "same prompts (scripts/setup_peers.sh installs them; llama.cpp with its prompt-lookup "
+                        "decoding when --speculative-algorithm is set); a dtype: baby-sgl in that dtype, with how "
+                        "many greedy outputs match; json-schema: every request constrained to a JSON schema; "
+                        "no-speculation: baby-sgl without --speculative-algorithm; request-only-drafts: with "
+                        "drafts from each request's own text only"),
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
     EngineArgs.add_cli_args(p)
@@ -152,15 +179,19 @@ def main(argv: list[str]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     kwargs = engine_kwargs(args)
-    if args.compare == "json-schema" and args.workload == "one-batch":
-        p.error("--compare json-schema runs the random or shared-prefix workload")
+    if "json-schema" in args.compare and args.workload == "one-batch":
+        p.error("--compare json-schema runs the other workloads")
+    if {"no-speculation", "request-only-drafts"} & set(args.compare) and not args.speculative_algorithm:
+        p.error("--compare no-speculation / request-only-drafts need --speculative-algorithm")
     run: Callable[..., dict] = run_one_batch if args.workload == "one-batch" else run_engine
     with Engine(**kwargs) as engine:
-        wl = build_workload(args, engine.model_config.vocab_size)
+        wl = build_workload(args, engine)
         result = run(engine, wl)
+        if args.speculative_algorithm:
+            result["engine"] = f"baby-sgl {args.speculative_algorithm}"
         # Before the roof measurement and any comparison run, which would raise the high-water mark.
         report_rss = peak_rss_mb()
-        if args.compare == "json-schema":
+        if "json-schema" in args.compare:
             report_constrained = run(engine, wl, {"json_schema": json.dumps(BENCH_SCHEMA)})
         roofs = run_in_own_thread(lambda: measure_roofs(engine))  # see threads.py
         model_path, dtype = engine.model_path, engine.dtype
@@ -176,18 +207,9 @@ def main(argv: list[str]) -> int:
     if "prefill_s" in result:  # one batch: the prompt tokens' pass against the matmul roof
         result["prefill_tok_s"] = wl.input_tokens / result["prefill_s"]
         result["prefill_roof_fraction"] = result["prefill_tok_s"] / roofs["compute_roof_tok_s"]
-    if args.compare == "hf":
-        from baby_sgl.bench.hf_baseline import compare_hf
-
-        report["results"] += compare_hf(model_path, dtype, wl)
-    elif args.compare in PEERS:
-        report["results"].append(run_peer(args.compare, model_path, dtype, wl, args.workload == "one-batch",
-                                          torch.get_num_threads(), result))
-    elif args.compare == "json-schema":
-        report["results"].append(report_constrained)
-    elif args.compare:
-        with Engine(**{**kwargs, "dtype": args.compare}) as other:
-            report["results"].append(dtype_variant(run(other, wl), str(other.dtype), result))
+    for compare in args.compare:
+        report["results"] += compare_with(compare, args, kwargs, wl, run, result, model_path, dtype,
+                                          report_constrained if compare == "json-schema" else None)
     print_report(report)
     if args.output_file:
         for r in report["results"]:
@@ -195,6 +217,32 @@ def main(argv: list[str]) -> int:
         with open(args.output_file, "a") as f:
             f.write(json.dumps(report) + "\n")
     return 0
+
+
+def compare_with(compare: str, args: argparse.Namespace, kwargs: dict, wl: Workload, run: Callable[..., dict],
+                 base: dict, model_path: str, dtype: torch.dtype, constrained: dict | None) -> list[dict]:
+    """The result rows of one --compare choice."""
+    if compare == "hf":
+        from baby_sgl.bench.hf_baseline import compare_hf
+
+        return compare_hf(model_path, dtype, wl)
+    if compare in PEERS:
+        return [run_peer(compare, model_path, dtype, wl, args.workload == "one-batch", torch.get_num_threads(), base,
+                         prompt_lookup=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0)]
+    if compare == "json-schema":
+        assert constrained is not None
+        return [constrained]
+    if compare in ("no-speculation", "request-only-drafts"):
+        other_args = {"speculative_algorithm": None} if compare == "no-speculation" else \
+            {"speculative_ngram_request_only": True}
+        with Engine(**{**kwargs, **other_args}) as other:
+            row = run(other, wl)
+        row["engine"] = f"baby-sgl {compare}"
+        if "outputs" in base:
+            row["greedy_identical_frac"] = sum(a == b for a, b in zip(base["outputs"], row["outputs"])) / len(wl.prompts)
+        return [row]
+    with Engine(**{**kwargs, "dtype": compare}) as other:
+        return [dtype_variant(run(other, wl), str(other.dtype), base)]
 
 
 def print_report(report: dict) -> None:

@@ -58,11 +58,12 @@ def hf_dir_for(model_source: str) -> str:
 
 
 def run_peer(name: str, model_source: str, dtype: torch.dtype, wl: Workload, one_batch: bool, threads: int,
-             base: dict) -> dict:
+             base: dict, prompt_lookup: int = 0) -> dict:
     """Runs the peer on wl; returns a result row shaped like baby-sgl's, with the ratio inputs
-    and how many greedy outputs equal baby-sgl's (base)."""
+    and how many greedy outputs equal baby-sgl's (base). prompt_lookup > 0: llama.cpp drafts that
+    many tokens by prompt lookup (LlamaPromptLookupDecoding)."""
     spec = {"prompts": wl.prompts, "output_lens": wl.output_lens, "one_batch": one_batch, "threads": threads,
-            "max_model_len": max(map(len, wl.prompts)) + max(wl.output_lens) + 16}
+            "max_model_len": max(map(len, wl.prompts)) + max(wl.output_lens) + 16, "prompt_lookup": prompt_lookup}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if name == "vllm":
         spec.update(model=hf_dir_for(model_source), dtype=str(dtype).removeprefix("torch."))
@@ -72,7 +73,8 @@ def run_peer(name: str, model_source: str, dtype: torch.dtype, wl: Workload, one
         if not model_source.endswith(".gguf"):
             raise SystemExit("--compare llama.cpp needs a GGUF model (the default model is one)")
         spec["model"] = model_source
-        label = "llama.cpp (GGUF weights, one prompt at a time)"
+        label = "llama.cpp (GGUF weights, one prompt at a time)" + \
+            (f", prompt lookup of {prompt_lookup}" if prompt_lookup else "")
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))

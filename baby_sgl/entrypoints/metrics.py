@@ -34,6 +34,10 @@ class Metrics:
         self.hit_rate = gauge("sglang:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt "
                               "tokens, since start")
         self.retractions = gauge("sglang:num_retractions", "Decode requests retracted for lack of KV, since start")
+        self.spec_accept_length = gauge("sglang:spec_accept_length", "Speculative decoding: tokens a request gains "
+                                        "per verify pass (accepted drafts + 1), since start")
+        self.spec_hit_rate = gauge("sglang:spec_draft_hit_rate", "Speculative decoding: decode steps of a request "
+                                   "that found a draft / those that looked for one, since start")
         self.prompt_tokens = counter("sglang:prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("sglang:generation_tokens", "Generated tokens of finished requests")
         self.requests = counter("sglang:num_requests", "Finished requests")
@@ -65,4 +69,7 @@ class Metrics:
         self.cached_kv.set(info["kv_cached_tokens"])
         self.hit_rate.set(info["cached_tokens"] / info["prompt_tokens"] if info["prompt_tokens"] else 0.0)
         self.retractions.set(info.get("num_retractions", 0))
+        steps = info.get("spec_verify_steps", 0)
+        self.spec_accept_length.set(1 + info["spec_accepted_tokens"] / steps if steps else 0.0)
+        self.spec_hit_rate.set(steps / info["spec_draft_chances"] if info.get("spec_draft_chances") else 0.0)
         return generate_latest(self.registry)

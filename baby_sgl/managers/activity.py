@@ -17,7 +17,8 @@ HISTORY_S = 300  # seconds of per-second counters
 RECENT = 40  # batches and evictions kept
 HEAD_TOKENS = 24  # tokens kept of an evicted node, to show its text
 # Per-second history: its name -> the scheduler's cumulative counter (Scheduler.stats).
-_COUNTERS = {"generated": "generation_tokens", "prompt": "prompt_tokens", "cached": "cached_tokens"}
+_COUNTERS = {"generated": "generation_tokens", "prompt": "prompt_tokens", "cached": "cached_tokens",
+             "spec_steps": "spec_verify_steps", "spec_accepted": "spec_accepted_tokens"}
 
 
 class Activity:
@@ -37,8 +38,7 @@ class Activity:
     def _bucket(self) -> dict[str, float]:
         second = int(time.monotonic() - self.t0)
         if not self.history or self.history[-1]["t"] != second:
-            self.history.append({"t": second, "generated": 0, "prompt": 0, "cached": 0, "ttft_sum": 0.0,
-                                 "ttft_n": 0})
+            self.history.append({"t": second, "ttft_sum": 0.0, "ttft_n": 0, **{name: 0 for name in _COUNTERS}})
         return self.history[-1]
 
     def record_batch(self, batch: ScheduleBatch) -> None:
@@ -48,6 +48,7 @@ class Activity:
             "t": self._now(), "mode": batch.mode.name, "extend_reqs": n_extend,
             "decode_reqs": len(batch.reqs) - n_extend, "extend_tokens": sum(b - a for _, a, b in spans),
             "cached_tokens": sum(r.cached_tokens for r, a, _ in spans if a == r.cached_tokens),
+            "draft_tokens": sum(map(len, batch.drafts)),
         })
         for req, start, _ in spans:
             if start == req.cached_tokens and req.last_node is not None:  # its first pass: the cache hit

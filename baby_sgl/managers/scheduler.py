@@ -80,7 +80,7 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         self.sampler = Sampler(runner.cfg.vocab_size, sorted(self.eos_token_ids), args.random_seed)
         self.drafter = make_drafter(args.speculative_algorithm, args.speculative_ngram_min_match_window_size,
                                     args.speculative_ngram_max_match_window_size, args.speculative_ngram_capacity,
-                                    share=not args.disable_radix_cache)
+                                    share=not (args.disable_radix_cache or args.speculative_ngram_request_only))
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         cache_aware = args.schedule_policy in CACHE_AWARE_POLICIES
@@ -98,7 +98,8 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         self.mixed_chunk = args.enable_mixed_chunk and chunk > 0
         self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
                       "forward_steps": 0, "mixed_steps": 0, "num_failed_reqs": 0,
-                      "spec_verify_steps": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+                      "spec_draft_chances": 0, "spec_verify_steps": 0, "spec_draft_tokens": 0,
+                      "spec_accepted_tokens": 0}
         self.inbox: queue.Queue[Message] = queue.Queue()
         self._stop = threading.Event()
         self.error: BaseException | None = None  # the last failure the loop survived

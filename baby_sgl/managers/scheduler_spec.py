@@ -65,6 +65,7 @@ class Speculation(SchedulerState):
                 continue
             if req.draft_state is None:
                 req.draft_state = RequestDrafts(drafter.min_n, drafter.max_n)
+            self.stats["spec_draft_chances"] += 1
             batch.drafts[i] = drafter.draft(req.draft_state, req.fill_ids, room)
             rows += len(batch.drafts[i])
         if not batch.can_decode():  # the drafts' slots are not there: decode one token each

@@ -98,6 +98,11 @@ class NgramDrafter:
             return own
         return self.cache_index.continuation(state.tokens, k)
 
+    def clear(self) -> None:
+        self.cache_index.table.clear()
+        self.cached.clear()
+        self.cached_tokens = 0
+
     def add_cached_text(self, tokens: list[int]) -> None:
         """A finished request's prompt and output, as the prefix cache takes them in; the oldest
         text leaves the index beyond its capacity."""

@@ -1,8 +1,9 @@
 """Runs a benchmark workload on llama.cpp (llama-cpp-python), one prompt at a time (its Python
 API has no batch scheduler). Usage: python llama_cpp_runner.py SPEC.json OUT.json
 
-SPEC: {"model": GGUF file, "threads", "prompts": [[ids]], "output_lens": [n], "max_model_len"}.
-Greedy, end-of-sequence ignored (its logit is masked), every prompt given as token ids."""
+SPEC: {"model": GGUF file, "threads", "prompts": [[ids]], "output_lens": [n], "max_model_len",
+"prompt_lookup": drafts per step by prompt lookup, 0 for none}. Greedy, end-of-sequence ignored (its
+logit is masked), every prompt given as token ids."""
 
 import json
 import sys
@@ -13,8 +14,13 @@ def main() -> None:
     spec = json.load(open(sys.argv[1]))
     from llama_cpp import Llama, LogitsProcessorList
 
+    draft = None
+    if spec.get("prompt_lookup"):
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=spec["prompt_lookup"])
     llm = Llama(model_path=spec["model"], n_ctx=spec["max_model_len"], n_threads=spec["threads"],
-                n_threads_batch=spec["threads"], n_batch=512, seed=0, verbose=False)
+                n_threads_batch=spec["threads"], n_batch=512, seed=0, verbose=False, draft_model=draft)
     eos = llm.token_eos()
 
     def no_eos(_ids, scores):
