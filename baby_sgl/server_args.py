@@ -66,7 +66,7 @@ class EngineArgs:
         None, "NGRAM: decode several tokens per pass where the text repeats what the request or the prefix "
               "cache already holds (drafts by n-gram match, verified in one pass)")
     speculative_num_draft_tokens: int = _setting(
-        8, "tokens a request verifies per pass, its last token included (so up to this minus one drafts)")
+        4, "tokens a request verifies per pass, its last token included (so up to this minus one drafts)")
     speculative_ngram_min_match_window_size: int = _setting(2, "shortest suffix of the request's tokens matched")
     speculative_ngram_max_match_window_size: int = _setting(12, "longest suffix of the request's tokens matched")
     speculative_ngram_request_only: bool = _setting(

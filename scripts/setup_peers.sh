@@ -24,6 +24,16 @@ if [ "$WHICH" = all ] || [ "$WHICH" = vllm ]; then
 fi
 if [ "$WHICH" = all ] || [ "$WHICH" = llama.cpp ]; then
   venv llama.cpp
-  .peers/llama.cpp/bin/python -m pip install -q llama-cpp-python
+  # Built here for this CPU (never a wheel cached on another). ggml's AMX kernels, which
+  # -march=native turns on where the CPU has AMX, crashed in llama_decode on a Sapphire Rapids VM
+  # (the default model, Q4_1): on such CPUs the build names the instruction sets instead, AMX out.
+  if grep -qw amx_tile /proc/cpuinfo; then
+    flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+    for f in avx512f:AVX512 avx512_vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 avx_vnni:AVX_VNNI; do
+      if grep -qw "${f%%:*}" /proc/cpuinfo; then flags="$flags -DGGML_${f##*:}=ON"; fi
+    done
+    export CMAKE_ARGS="$flags"
+  fi
+  .peers/llama.cpp/bin/python -m pip install -q --no-cache-dir --no-binary llama-cpp-python llama-cpp-python
   echo "llama.cpp is set up in .peers/llama.cpp"
 fi

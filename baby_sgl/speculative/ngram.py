@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from collections import deque
 
-# A request pauses drafting when, over its last verifies (at least MIN_DRAFTED draft tokens), fewer
-# than MIN_ACCEPT_RATE of its drafts were accepted: at batch 1 a verify of 8 rows cost ~1.7x a
-# one-token step (scripts/profile_step.py on the default model), so a draft accepted less than a
-# quarter of the time loses. It drafts again after PAUSE_STEPS decode steps (the text may change).
-RECENT_VERIFIES, MIN_DRAFTED, MIN_ACCEPT_RATE, PAUSE_STEPS = 8, 8, 0.25, 32
+# A request proposes at most twice its recent mean accepted run plus two tokens (a wrong draft's
+# rows are paid for: at batch 1 a pass of 8 rows took ~2.2x a one-token step's time, logits and
+# sampling included, on the default model), and pauses drafting when, over its last verifies (at
+# least MIN_DRAFTED draft tokens), fewer than MIN_ACCEPT_RATE of its drafts were accepted. It
+# drafts again after PAUSE_STEPS decode steps (the text may change).
+RECENT_VERIFIES, MIN_DRAFTED, MIN_ACCEPT_RATE, PAUSE_STEPS = 8, 16, 0.1, 16
 
 
 class NgramIndex:
@@ -72,6 +73,11 @@ class RequestDrafts:
         self.tokens.extend(fill_ids[old:])
         self.index.add(self.tokens, old, len(self.tokens))
 
+    def max_drafts(self, limit: int) -> int:
+        if not self.recent:
+            return limit
+        return min(limit, 2 + 2 * sum(a for _, a in self.recent) // len(self.recent))
+
     def record(self, drafted: int, accepted: int) -> None:
         self.recent.append((drafted, accepted))
         total = sum(d for d, _ in self.recent)
@@ -93,6 +99,7 @@ class NgramDrafter:
         if state.paused > 0:
             state.paused -= 1
             return []
+        k = state.max_drafts(k)
         own = state.index.continuation(state.tokens, k)
         if own or not self.share:
             return own
