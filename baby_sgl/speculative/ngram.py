@@ -22,7 +22,7 @@ from collections import deque
 # sampling included, on the default model), and pauses drafting when, over its last verifies (at
 # least MIN_DRAFTED draft tokens), fewer than MIN_ACCEPT_RATE of its drafts were accepted. It
 # drafts again after PAUSE_STEPS decode steps (the text may change).
-RECENT_VERIFIES, MIN_DRAFTED, MIN_ACCEPT_RATE, PAUSE_STEPS = 8, 16, 0.1, 16
+RECENT_VERIFIES, MIN_DRAFTED, MIN_ACCEPT_RATE, PAUSE_STEPS = 8, 8, 0.1, 16
 
 
 class NgramIndex:

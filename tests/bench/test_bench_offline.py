@@ -35,6 +35,22 @@ def test_bench_offline_runs_each_workload(tiny_llama, tmp_path, capsys):
     assert "roofs" in capsys.readouterr().out
 
 
+def test_bench_offline_speculative_workloads(tiny_llama, tmp_path):
+    """The copy and multi-turn chat workloads with n-gram drafts, next to plain decoding and to
+    drafts from each request alone: float32, so all three give the same greedy outputs."""
+    out = tmp_path / "bench.jsonl"
+    common = ["--model-path", tiny_llama, "--output-file", str(out), "--dtype", "float32", "--output-len", "16",
+              "--max-running-requests", "1", "--speculative-algorithm", "NGRAM"]
+    assert main(["--workload", "copy", "--compare", "no-speculation", "request-only-drafts", *common]) == 0
+    assert main(["--workload", "multi-turn", *common]) == 0
+    copy, multi = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (copy["workload"], copy["num_prompts"], multi["workload"], multi["num_prompts"]) == ("copy", 4, "multi-turn", 12)
+    rows = copy["results"]
+    assert [r["engine"] for r in rows] == ["baby-sgl NGRAM", "baby-sgl no-speculation", "baby-sgl request-only-drafts"]
+    assert rows[1]["greedy_identical_frac"] == 1.0 and rows[2]["greedy_identical_frac"] == 1.0
+    assert "spec_accept_length" not in rows[1]
+
+
 def test_a_peer_that_is_not_installed_says_how_to_install_it(tiny_llama, monkeypatch, tmp_path):
     monkeypatch.setattr("baby_sgl.bench.peers.PEERS_DIR", tmp_path)
     with pytest.raises(SystemExit, match="scripts/setup_peers.sh vllm"):

@@ -22,7 +22,8 @@ from helpers import CONFIGS, GREEDY, TINY_KW, hf_greedy, random_prompts, shared_
 
 MAX_NEW = 24
 # The cache settings of invariant 6 (compile is refused with tensor parallelism, tested below).
-TP_CONFIGS = ["radix", "no-radix", "page16", "chunked", "retract", "mixed-chunk-retract"]
+TP_CONFIGS = ["radix", "no-radix", "page16", "chunked", "retract", "mixed-chunk-retract",
+              "spec-ngram-page4-chunked-retract"]
 
 # Ranks are CPU processes over gloo here; on GPUs they would need NCCL and a GPU each.
 pytestmark = pytest.mark.cpu_only("tensor parallelism between CPU processes over gloo")
