@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections import deque
 
 # A request proposes at most twice its recent mean accepted run plus two tokens (a wrong draft's
-# rows are paid for: at batch 1 a pass of 8 rows took ~2.2x a one-token step's time, logits and
+# rows are paid for: at batch 1 a pass of 8 rows took ~2x a one-token step's time, logits and
 # sampling included, on the default model), and pauses drafting when, over its last verifies (at
-# least MIN_DRAFTED draft tokens), fewer than MIN_ACCEPT_RATE of its drafts were accepted. It
-# drafts again after PAUSE_STEPS decode steps (the text may change).
-RECENT_VERIFIES, MIN_DRAFTED, MIN_ACCEPT_RATE, PAUSE_STEPS = 8, 8, 0.1, 16
+# least MIN_DRAFTED draft tokens, or RECENT_VERIFIES verifies), fewer than MIN_ACCEPT_RATE of its
+# drafts were accepted. It drafts again after PAUSE_STEPS decode steps (the text may change).
+RECENT_VERIFIES, MIN_DRAFTED, MIN_ACCEPT_RATE, PAUSE_STEPS = 8, 16, 0.1, 16
 
 
 class NgramIndex:
@@ -81,7 +81,8 @@ class RequestDrafts:
     def record(self, drafted: int, accepted: int) -> None:
         self.recent.append((drafted, accepted))
         total = sum(d for d, _ in self.recent)
-        if total >= MIN_DRAFTED and sum(a for _, a in self.recent) < MIN_ACCEPT_RATE * total:
+        judged = total >= MIN_DRAFTED or len(self.recent) == RECENT_VERIFIES
+        if judged and sum(a for _, a in self.recent) < MIN_ACCEPT_RATE * total:
             self.paused, self.recent = PAUSE_STEPS, deque(maxlen=RECENT_VERIFIES)
 
 

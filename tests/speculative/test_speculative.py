@@ -14,7 +14,7 @@ import math
 import pytest
 
 from baby_sgl import Engine
-from baby_sgl.speculative.ngram import MIN_DRAFTED, PAUSE_STEPS, NgramDrafter, RequestDrafts
+from baby_sgl.speculative.ngram import MIN_DRAFTED, PAUSE_STEPS, RECENT_VERIFIES, NgramDrafter, RequestDrafts
 from helpers import GREEDY, random_prompts
 
 PROMPTS = random_prompts(4, 512, 20, 40, seed=11)
@@ -186,9 +186,18 @@ def test_drafts_come_from_the_request_first_then_the_cache():
 
 def test_a_request_whose_drafts_fail_pauses():
     state = RequestDrafts(2, 4)
-    for _ in range(MIN_DRAFTED):
-        state.record(1, 0)
+    for _ in range(MIN_DRAFTED // 3 + 1):  # drafts of 3, none accepted: judged once MIN_DRAFTED are in
+        assert state.paused == 0
+        state.record(3, 0)
     assert state.paused == PAUSE_STEPS
+    one_by_one = RequestDrafts(2, 4)
+    for _ in range(RECENT_VERIFIES):  # or once RECENT_VERIFIES verifies are in
+        one_by_one.record(1, 0)
+    assert one_by_one.paused == PAUSE_STEPS
+    kept = RequestDrafts(2, 4)
+    for _ in range(RECENT_VERIFIES):
+        kept.record(3, 1)  # a third accepted: it pays
+    assert kept.paused == 0
     drafter = NgramDrafter(2, 4, 100, share=True)
     tokens = [1, 2, 3, 1, 2]
     for _ in range(PAUSE_STEPS):
