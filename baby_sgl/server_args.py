@@ -72,7 +72,8 @@ class EngineArgs:
     speculative_ngram_request_only: bool = _setting(
         False, "draft from the request's own prompt and output only, not from the prefix cache's text")
     speculative_ngram_capacity: int = _setting(
-        1_000_000, "tokens of the prefix cache's text indexed for drafts (the oldest go first)")
+        50_000, "tokens of the prefix cache's text indexed for drafts, the oldest dropped first (about 2 KB "
+                "of memory each with the default windows)")
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -141,6 +141,17 @@ tiny_phi3, tiny_gemma3 = _tiny("phi3"), _tiny("gemma3")
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3_longrope(tmp_path_factory) -> str:
+    """The tiny Phi-3 with longrope scaling: pre-trained context 64, served up to 1024 (so an
+    attention factor of sqrt(1 + ln 16 / ln 64)), rope on half of each head."""
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.3, 1.7, 2.5], "long_factor": [1.0, 3.0, 9.0, 27.0],
+                "original_max_position_embeddings": 64}
+    return _save_tiny(tmp_path_factory.mktemp("tiny-phi3-longrope"), "phi3", rope_parameters=longrope,
+                      original_max_position_embeddings=64)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_long(tmp_path_factory) -> str:
     """The tiny Llama with a 32k context, for tests that need a request still running seconds after
     it started: at ~0.2 ms a token, the 1024-token context of tiny_llama ends within a fraction of

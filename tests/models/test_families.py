@@ -124,21 +124,6 @@ def test_which_layers_attend_over_the_window():
     assert ModelConfig.from_hf(typed).sliding_layers == (0, 2)  # transformers 5 names each layer's kind
 
 
-LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-            "short_factor": [1.0, 1.3, 1.7, 2.5], "long_factor": [1.0, 3.0, 9.0, 27.0],
-            "original_max_position_embeddings": 64}
-
-
-@pytest.fixture(scope="module")
-def tiny_phi3_longrope(tmp_path_factory) -> str:
-    """The tiny Phi-3 with longrope scaling: pre-trained context 64, served up to 1024 (so an
-    attention factor of sqrt(1 + ln 16 / ln 64)), rope on half of each head."""
-    from conftest import _save_tiny
-
-    return _save_tiny(tmp_path_factory.mktemp("tiny-phi3-longrope"), "phi3", rope_parameters=LONGROPE,
-                      original_max_position_embeddings=64)
-
-
 @pytest.mark.parametrize("context, lengths", [(64, (3, 40)), (None, (70, 90))])
 def test_phi3_longrope_matches_transformers(tiny_phi3_longrope, context, lengths):
     """Served within the pre-training context the short factors apply, beyond it the long ones;
