@@ -15,6 +15,7 @@ from typing import Any
 QUANTIZATION_CHOICES = ("gguf", "none")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+REASONING_PARSER_NAMES = ("deepseek-r1", "qwen3")  # entrypoints/reasoning.py
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -140,6 +141,9 @@ class ServerArgs(EngineArgs):
     dp_size: int = _setting(1, "this many engine processes behind SGLang's router (sglang-router) on the one port")
     router_policy: str = _setting("cache_aware", "the router's choice of worker with --dp-size: "
                                                  + ", ".join(ROUTER_POLICIES))
+    reasoning_parser: str | None = _setting(
+        None, "split a thinking model's <think>...</think> into reasoning_content on /v1/chat/completions: "
+              + ", ".join(REASONING_PARSER_NAMES))
     dp_rank: int = _setting(0, "this server's rank among the workers of --dp-size (the front process sets it); "
                                "/get_load reports it")
 
@@ -153,6 +157,9 @@ class ServerArgs(EngineArgs):
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         if self.dp_rank < 0:
             raise ValueError(f"dp_rank must be >= 0, got {self.dp_rank}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSER_NAMES:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSER_NAMES)}, "
+                             f"got {self.reasoning_parser!r}")
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.router_policy!r}")
         if self.max_queued_requests is not None and self.max_queued_requests <= 0:

@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
@@ -14,6 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from baby_sgl.entrypoints.reasoning import REASONING_PARSERS, ReasoningSplitter, prompt_opens_reasoning
 from baby_sgl.entrypoints.responses import Chunks, first_item, sse, sse_stream
 
 
@@ -103,25 +104,34 @@ def add_openai_routes(app: FastAPI) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        ids = await asyncio.to_thread(engine.apply_chat_template, [m.as_template_message() for m in body.messages])
+        ids = await asyncio.to_thread(engine.apply_chat_template, [m.as_template_message() for m in body.messages],
+                                      body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         item = {"input_ids": ids, "sampling_params": body.sampling_params(max_tokens),
                 "return_logprob": body.logprobs, "top_logprobs_num": body.top_logprobs or 0}
         logprobs = (lambda meta, start: _chat_logprobs(engine, meta, start)) if body.logprobs \
             else (lambda meta, start: None)
-        return await _respond(app, request, _copies(item, body.n), body, "chat.completion", logprobs)
+        parser = app.state.server_settings.get("reasoning_parser")
+        splitter = None
+        if parser is not None and body.separate_reasoning:
+            # The template may have opened the thinking block already: the output then starts in it.
+            starts_inside = REASONING_PARSERS[parser] or prompt_opens_reasoning(_decode(engine, ids[-16:]))
+            splitter = lambda: ReasoningSplitter(starts_inside)  # noqa: E731 - one per choice
+        return await _respond(app, request, _copies(item, body.n), body, "chat.completion", logprobs,
+                              splitter=splitter)
 
 
 async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind: str, logprobs,
-                   echoed: list[str] | None = None):
+                   echoed: list[str] | None = None, splitter: Callable[[], ReasoningSplitter] | None = None):
     rid, created = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": body.model or app.state.model_name}
     chunks = app.state.async_engine.generate(items, body.stream, request.is_disconnected)
     if body.stream:
         first = await first_item(chunks)  # raises ValueError -> 400 before the stream starts
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_openai_sse(first, chunks, head, kind, body.n, include_usage, logprobs, echoed),
-                                 media_type="text/event-stream")
+        reasoning = None if splitter is None else (splitter, body.stream_reasoning)
+        return StreamingResponse(_openai_sse(first, chunks, head, kind, body.n, include_usage, logprobs, echoed,
+                                             reasoning), media_type="text/event-stream")
     finals = {i: chunk async for i, chunk in chunks}
     if await request.is_disconnected():
         return Response(status_code=499)  # nobody to answer; the requests were aborted
@@ -129,7 +139,13 @@ async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind
     for i in sorted(finals):
         meta, text = finals[i]["meta_info"], (echoed[i] if echoed else "") + finals[i]["text"]
         choice = {"index": i, "logprobs": logprobs(meta, 0), "finish_reason": _finish_reason(meta)}
-        choice |= {"message": {"role": "assistant", "content": text}} if kind == "chat.completion" else {"text": text}
+        if kind != "chat.completion":
+            choice["text"] = text
+        elif splitter is None:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            thought, answer = splitter().split(text)
+            choice["message"] = {"role": "assistant", "content": answer, "reasoning_content": thought or None}
         choices.append(choice)
     return {**head, "object": kind, "choices": choices, "usage": _usage(metas, body.n)}
 
@@ -148,17 +164,34 @@ def _decode(engine: Engine, ids: list[int]) -> str:
 
 
 def _openai_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, head: dict[str, Any], kind: str, n: int,
-                include_usage: bool, logprobs: Any, echoed: list[str] | None) -> AsyncIterator[str]:
+                include_usage: bool, logprobs: Any, echoed: list[str] | None,
+                reasoning: tuple[Callable[[], ReasoningSplitter], bool] | None = None) -> AsyncIterator[str]:
+    """reasoning: (a splitter per choice, whether the reasoning streams as it comes)."""
     obj = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     sent: dict[int, int] = {}  # tokens already reported per choice (for logprobs)
     metas: dict[int, dict] = {}
+    splitters: dict[int, ReasoningSplitter] = {}
+    held: dict[int, str] = {}  # reasoning kept for the last piece (stream_reasoning false)
+
+    def chat_delta(i: int, chunk: dict) -> dict[str, Any]:
+        if reasoning is None:
+            return {"content": chunk["text"]}
+        splitter = splitters.setdefault(i, reasoning[0]())
+        thought, answer = splitter.feed(chunk["text"])
+        if chunk["finished"]:
+            tail_thought, tail_answer = splitter.flush()
+            thought, answer = thought + tail_thought, answer + tail_answer
+        if not reasoning[1]:
+            held[i] = held.get(i, "") + thought
+            thought = held.pop(i) if chunk["finished"] else ""
+        return {"content": answer} | ({"reasoning_content": thought} if thought else {})
 
     def event(i: int, chunk: dict) -> str:
         meta = chunk["meta_info"]
         start, sent[i] = sent.get(i, 0), meta["completion_tokens"]
         choice = {"index": i, "logprobs": logprobs(meta, start), "finish_reason": _finish_reason(meta)}
         if kind == "chat.completion":
-            choice["delta"] = {"content": chunk["text"]} | ({"role": "assistant"} if start == 0 else {})
+            choice["delta"] = chat_delta(i, chunk) | ({"role": "assistant"} if start == 0 else {})
         else:  # echo: the prompt comes with the first piece
             choice["text"] = (echoed[i] if echoed and start == 0 else "") + chunk["text"]
         if chunk["finished"]:

@@ -99,7 +99,7 @@ class ResponseFormat(StrictModel):
 
 # SGLang's extensions of OpenAI's requests that we do not implement (SGLang's router sends some of
 # them on every request): accepted at their defaults only.
-_OPENAI_DEFAULT_ONLY = {"return_hidden_states": False, "continue_final_message": False, "chat_template_kwargs": None,
+_OPENAI_DEFAULT_ONLY = {"return_hidden_states": False, "continue_final_message": False,
                         "best_of": (None, 1), "lora_path": None, "custom_logit_processor": None, "custom_params": None,
                         "priority": None, "rid": None, "session_params": None, "structural_tag": None}
 
@@ -135,8 +135,8 @@ class _OpenAISampling(SGLangInput):
     no_stop_trim: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    # Separating a model's reasoning from its answer needs a reasoning parser; there is none, so
-    # these change nothing (SGLang's router sends both as true).
+    # With --reasoning-parser: the thinking goes to reasoning_content (else it stays in content),
+    # and is streamed as it comes (else sent whole with the last piece).
     separate_reasoning: bool = True
     stream_reasoning: bool = True
 
@@ -183,6 +183,9 @@ class ChatMessage(StrictModel):
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    # Variables for the chat template (enable_thinking, ...): names and plain values only.
+    chat_template_kwargs: Annotated[dict[Annotated[Text, Field(max_length=64)], bool | int | float | Text | None],
+                                    Field(max_length=16)] | None = None
     max_completion_tokens: NonNegInt32 | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobsNum | None = None

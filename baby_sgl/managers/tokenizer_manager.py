@@ -182,7 +182,7 @@ class TokenizerManager:
                      prompt_token_ids=out["req"].origin_input_ids)
         return chunk
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
         chars = 0
@@ -194,6 +194,11 @@ class TokenizerManager:
         if chars > self.max_prompt_chars:
             raise ValueError(f"prompt is too long: the messages hold {chars} characters, more than "
                              f"{self.max_input_len} tokens can hold")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        reserved = {"add_generation_prompt", "tokenize", "conversation", "messages", "chat_template", "tools",
+                    "documents", "return_dict", "continue_final_message", "tokenizer_kwargs"}
+        if clash := sorted(reserved & set(template_kwargs or {})):
+            raise ValueError(f"chat_template_kwargs may not set {clash[0]!r}")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  **(template_kwargs or {}))
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
