@@ -69,7 +69,7 @@ class Speculation(SchedulerState):
             if req.draft_state is None:
                 req.draft_state = RequestDrafts(drafter.min_n, drafter.max_n)
             self.stats["spec_draft_chances"] += 1
-            batch.drafts[i] = drafter.draft(req.draft_state, req.fill_ids, room)
+            batch.drafts[i] = drafter.draft(req.draft_state, req.origin_input_ids, req.output_ids, room)
             rows += len(batch.drafts[i])
         if not batch.can_decode():  # the drafts' slots are not there: decode one token each
             batch.drafts = [[] for _ in batch.reqs]

@@ -67,10 +67,11 @@ class RequestDrafts:
         self.recent: deque[tuple[int, int]] = deque(maxlen=RECENT_VERIFIES)  # (drafted, accepted)
         self.paused = 0  # decode steps left without drafting
 
-    def sync(self, fill_ids: list[int]) -> None:
-        """Takes in the tokens the request gained since the last call."""
+    def sync(self, prompt: list[int], output: list[int]) -> None:
+        """Takes in the tokens the request gained since the last call (without copying the rest)."""
         old = len(self.tokens)
-        self.tokens.extend(fill_ids[old:])
+        self.tokens.extend(prompt[old:] if old < len(prompt) else ())
+        self.tokens.extend(output[max(0, old - len(prompt)):])
         self.index.add(self.tokens, old, len(self.tokens))
 
     def max_drafts(self, limit: int) -> int:
@@ -94,9 +95,9 @@ class NgramDrafter:
         self.cached: deque[list[int]] = deque()  # the sequences cache_index holds, oldest first
         self.cached_tokens = 0
 
-    def draft(self, state: RequestDrafts, fill_ids: list[int], k: int) -> list[int]:
-        """Up to k tokens to verify after fill_ids; [] while the request is paused."""
-        state.sync(fill_ids)
+    def draft(self, state: RequestDrafts, prompt: list[int], output: list[int], k: int) -> list[int]:
+        """Up to k tokens to verify after prompt + output; [] while the request is paused."""
+        state.sync(prompt, output)
         if state.paused > 0:
             state.paused -= 1
             return []

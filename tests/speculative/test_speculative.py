@@ -170,18 +170,22 @@ def test_drafts_come_from_the_request_first_then_the_cache():
     drafter = NgramDrafter(min_n=2, max_n=4, capacity=30, share=True)
     state = RequestDrafts(2, 4)
     own = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
-    assert drafter.draft(state, own, 3) == [4, 5, 9]  # the longest suffix (1 2 3) seen before
+    assert drafter.draft(state, own, [], 3) == [4, 5, 9]  # the longest suffix (1 2 3) seen before
     drafter.add_cached_text([7, 7, 2, 3, 8, 8, 8])
-    assert drafter.draft(state, own, 3) == [4, 5, 9], "the request's own text comes first"
+    assert drafter.draft(state, own, [], 3) == [4, 5, 9], "the request's own text comes first"
     other = RequestDrafts(2, 4)
-    assert drafter.draft(other, [50, 51, 7, 2, 3], 2) == [8, 8], "then the cache's"
-    assert drafter.draft(RequestDrafts(2, 4), [60, 61, 62], 2) == []
+    assert drafter.draft(other, [50, 51, 7, 2, 3], [], 2) == [8, 8], "then the cache's"
+    assert drafter.draft(RequestDrafts(2, 4), [60, 61, 62], [], 2) == []
     drafter.add_cached_text(list(range(100, 130)))  # past the capacity: the oldest text leaves
-    assert drafter.draft(RequestDrafts(2, 4), [50, 51, 7, 2, 3], 2) == []
-    assert drafter.draft(RequestDrafts(2, 4), [100, 101, 102], 2) == [103, 104]
+    assert drafter.draft(RequestDrafts(2, 4), [50, 51, 7, 2, 3], [], 2) == []
+    assert drafter.draft(RequestDrafts(2, 4), [100, 101, 102], [], 2) == [103, 104]
+    split = RequestDrafts(2, 4)  # the text arrives as a prompt and an output growing over calls
+    assert drafter.draft(split, [1, 2, 3, 4], [5], 2) == []
+    assert drafter.draft(split, [1, 2, 3, 4], [5, 1, 2], 2) == [3, 4]
+    assert split.tokens == [1, 2, 3, 4, 5, 1, 2]
     alone = NgramDrafter(min_n=2, max_n=4, capacity=30, share=False)  # no prefix cache: own text only
     alone.add_cached_text([7, 7, 2, 3, 8, 8, 8])
-    assert alone.draft(RequestDrafts(2, 4), [50, 51, 7, 2, 3], 2) == []
+    assert alone.draft(RequestDrafts(2, 4), [50, 51, 7, 2, 3], [], 2) == []
 
 
 def test_a_request_whose_drafts_fail_pauses():
@@ -201,8 +205,8 @@ def test_a_request_whose_drafts_fail_pauses():
     drafter = NgramDrafter(2, 4, 100, share=True)
     tokens = [1, 2, 3, 1, 2]
     for _ in range(PAUSE_STEPS):
-        assert drafter.draft(state, tokens, 4) == []
-    assert drafter.draft(state, tokens, 4) == [3, 1, 2]
+        assert drafter.draft(state, tokens, [], 4) == []
+    assert drafter.draft(state, tokens, [], 4) == [3, 1, 2]
 
 
 def test_the_flags_are_checked():
