@@ -101,11 +101,12 @@ def memory_budget(engine: Engine) -> dict[str, float]:
     return {"weights_mb": weights / 1e6, "kv_pool_mb": kv / 1e6, "budget_mb": (weights + kv) / 1e6 + 600}
 
 
-def dtype_variant(result: dict, dtype: str, base: dict) -> dict:
-    """The same workload in another dtype: how many greedy outputs equal the base run's, and on
-    average what fraction of each output agrees before the first differing token."""
-    result["engine"] = f"baby-sgl {dtype.removeprefix('torch.')}"
-    if "outputs" in result:
+def variant(result: dict, label: str, base: dict) -> dict:
+    """The same workload in another setting (a dtype, no speculation, ...): how many greedy
+    outputs equal the base run's, and on average what fraction of each output agrees before the
+    first differing token."""
+    result["engine"] = f"baby-sgl {label}"
+    if "outputs" in result and "outputs" in base:
         pairs = list(zip(base["outputs"], result["outputs"]))
         result["greedy_identical_frac"] = sum(a == b for a, b in pairs) / len(pairs)
         result["greedy_agree_prefix_frac"] = sum(_common_prefix(a, b) / max(len(a), 1) for a, b in pairs) / len(pairs)
@@ -236,13 +237,9 @@ def compare_with(compare: str, args: argparse.Namespace, kwargs: dict, wl: Workl
         other_args = {"speculative_algorithm": None} if compare == "no-speculation" else \
             {"speculative_ngram_request_only": True}
         with Engine(**{**kwargs, **other_args}) as other:
-            row = run(other, wl)
-        row["engine"] = f"baby-sgl {compare}"
-        if "outputs" in base:
-            row["greedy_identical_frac"] = sum(a == b for a, b in zip(base["outputs"], row["outputs"])) / len(wl.prompts)
-        return [row]
+            return [variant(run(other, wl), compare, base)]
     with Engine(**{**kwargs, "dtype": compare}) as other:
-        return [dtype_variant(run(other, wl), str(other.dtype), base)]
+        return [variant(run(other, wl), str(other.dtype).removeprefix("torch."), base)]
 
 
 def print_report(report: dict) -> None:

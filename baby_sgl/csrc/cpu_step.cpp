@@ -439,7 +439,10 @@ class DecodeStep {
     if (tid == 0) route(s.router.data(), M, routing_);
     pool_.barrier();
     const Routing& r = routing_;
-    std::vector<float> gathered(r.row.size() * H);  // this thread's copy of the tokens, grouped by expert
+    // This thread's copy of the tokens, grouped by expert (kept between layers and steps: the
+    // pool's threads live as long as the step).
+    thread_local std::vector<float> gathered;
+    gathered.resize(r.row.size() * H);
     for (size_t p = 0; p < r.row.size(); ++p) std::memcpy(gathered.data() + p * H, s.h.data() + r.row[p] * H, H * sizeof(float));
     for (int64_t e = 0; e < num_experts_; ++e) {
       const int64_t p0 = r.start[e], n = r.start[e + 1] - p0;
