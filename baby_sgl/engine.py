@@ -279,10 +279,12 @@ class Engine:
         return self.generate(input_ids=self.apply_chat_template(messages), sampling_params=sampling_params,
                              stream=stream, **kw)
 
-    def apply_chat_template(self, messages: list[dict], template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], template_kwargs: dict[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The chat template applied to messages (with template_kwargs as its variables, e.g.
-        enable_thinking) and tokenized, ending where the answer starts."""
-        return self.tokenizer_manager.apply_chat_template(messages, template_kwargs)
+        enable_thinking, and tools, OpenAI's function definitions) and tokenized, ending where
+        the answer starts."""
+        return self.tokenizer_manager.apply_chat_template(messages, template_kwargs, tools)
 
     def token_text(self, token: int) -> str:
         """One token's text, special tokens included."""

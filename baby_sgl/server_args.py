@@ -16,6 +16,7 @@ QUANTIZATION_CHOICES = ("gguf", "none")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 REASONING_PARSER_NAMES = ("deepseek-r1", "qwen3")  # entrypoints/reasoning.py
+TOOL_CALL_PARSER_NAMES = ("qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic")  # entrypoints/tool_parsers.py
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -144,6 +145,9 @@ class ServerArgs(EngineArgs):
     reasoning_parser: str | None = _setting(
         None, "split a thinking model's <think>...</think> into reasoning_content on /v1/chat/completions: "
               + ", ".join(REASONING_PARSER_NAMES))
+    tool_call_parser: str | None = _setting(
+        None, "read tool calls in the model's output (OpenAI tools, Anthropic tool_use) in this format: "
+              + ", ".join(TOOL_CALL_PARSER_NAMES))
     dp_rank: int = _setting(0, "this server's rank among the workers of --dp-size (the front process sets it); "
                                "/get_load reports it")
 
@@ -160,6 +164,9 @@ class ServerArgs(EngineArgs):
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSER_NAMES:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSER_NAMES)}, "
                              f"got {self.reasoning_parser!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSER_NAMES:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSER_NAMES)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.router_policy!r}")
         if self.max_queued_requests is not None and self.max_queued_requests <= 0:

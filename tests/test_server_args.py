@@ -70,7 +70,7 @@ def test_settings_are_frozen_and_split():
     assert not set(engine_kwargs(args)) & set(SERVER_ONLY)
     assert set(SERVER_ONLY) == {"host", "port", "log_level", "api_key", "max_request_bytes", "request_body_timeout",
                                 "max_queued_requests", "disable_dashboard", "incremental_streaming_output",
-                                "reasoning_parser", "dp_size", "router_policy", "dp_rank"}
+                                "reasoning_parser", "tool_call_parser", "dp_size", "router_policy", "dp_rank"}
 
 
 def test_engine_keeps_its_settings_as_resolved(tiny_llama):

@@ -196,7 +196,7 @@ class GrammarCache:
                     return ValueError(f"json_schema is not valid JSON: {e}")
                 if schema is False:
                     return ValueError("invalid json_schema: false allows no value")
-                schema = {} if schema is True else _closed_objects(schema)
+                schema = {} if schema is True else closed_objects(schema)
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_DEFAULTS)
             elif kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(text)
@@ -236,21 +236,21 @@ def _short(message: str) -> str:
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def _closed_objects(schema: Any) -> Any:
+def closed_objects(schema: Any) -> Any:
     """As SGLang's default (xgrammar's strict mode) and OpenAI's structured output: an object
     schema that lists its properties and says nothing of others takes no others."""
     if isinstance(schema, list):
-        return [_closed_objects(s) for s in schema]
+        return [closed_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema: the names are data
-            out[key] = {name: _closed_objects(sub) for name, sub in value.items()}
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
         elif key in ("enum", "const", "default", "examples", "required"):
             out[key] = value
         else:
-            out[key] = _closed_objects(value)
+            out[key] = closed_objects(value)
     if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

@@ -14,7 +14,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from baby_sgl.entrypoints.reasoning import REASONING_PARSERS, ReasoningSplitter, prompt_opens_reasoning
+from baby_sgl.core.sampling_params import GRAMMAR_KINDS
+from baby_sgl.entrypoints.chat import ChatReader, Reasoning, prepare
+from baby_sgl.entrypoints.tool_parsers import CallArgs, CallStart, Content
 from baby_sgl.entrypoints.responses import Chunks, first_item, sse, sse_stream
 
 
@@ -104,34 +106,41 @@ def add_openai_routes(app: FastAPI) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        ids = await asyncio.to_thread(engine.apply_chat_template, [m.as_template_message() for m in body.messages],
-                                      body.chat_template_kwargs)
+        turn = await asyncio.to_thread(prepare, engine, app.state.server_settings, body.chat_request())
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        item = {"input_ids": ids, "sampling_params": body.sampling_params(max_tokens),
+        params = {k: v for k, v in body.sampling_params(max_tokens).items() if k not in GRAMMAR_KINDS}
+        item = {"input_ids": turn.input_ids, "sampling_params": params | turn.constraint,
                 "return_logprob": body.logprobs, "top_logprobs_num": body.top_logprobs or 0}
         logprobs = (lambda meta, start: _chat_logprobs(engine, meta, start)) if body.logprobs \
             else (lambda meta, start: None)
-        parser = app.state.server_settings.get("reasoning_parser")
-        splitter = None
-        if parser is not None and body.separate_reasoning:
-            # The template may have opened the thinking block already: the output then starts in it.
-            starts_inside = REASONING_PARSERS[parser] or prompt_opens_reasoning(_decode(engine, ids[-16:]))
-            splitter = lambda: ReasoningSplitter(starts_inside)  # noqa: E731 - one per choice
+        reader = turn.reader if turn.starts_inside is not None or turn.tool_format else None
         return await _respond(app, request, _copies(item, body.n), body, "chat.completion", logprobs,
-                              splitter=splitter)
+                              reader=reader, reasoning=turn.starts_inside is not None)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _chat_finish(meta: dict, called: bool) -> str | None:
+    reason = _finish_reason(meta)
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind: str, logprobs,
-                   echoed: list[str] | None = None, splitter: Callable[[], ReasoningSplitter] | None = None):
+                   echoed: list[str] | None = None, reader: Callable[[], ChatReader] | None = None,
+                   reasoning: bool = False):
+    """reader: a reader of each choice's output (reasoning and tool calls); reasoning: the
+    message has reasoning_content."""
     rid, created = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": body.model or app.state.model_name}
     chunks = app.state.async_engine.generate(items, body.stream, request.is_disconnected)
     if body.stream:
         first = await first_item(chunks)  # raises ValueError -> 400 before the stream starts
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        reasoning = None if splitter is None else (splitter, body.stream_reasoning)
+        chat = None if reader is None else (reader, body.stream_reasoning)
         return StreamingResponse(_openai_sse(first, chunks, head, kind, body.n, include_usage, logprobs, echoed,
-                                             reasoning), media_type="text/event-stream")
+                                             chat), media_type="text/event-stream")
     finals = {i: chunk async for i, chunk in chunks}
     if await request.is_disconnected():
         return Response(status_code=499)  # nobody to answer; the requests were aborted
@@ -141,11 +150,17 @@ async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind
         choice = {"index": i, "logprobs": logprobs(meta, 0), "finish_reason": _finish_reason(meta)}
         if kind != "chat.completion":
             choice["text"] = text
-        elif splitter is None:
+        elif reader is None:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            thought, answer = splitter().split(text)
-            choice["message"] = {"role": "assistant", "content": answer, "reasoning_content": thought or None}
+            thought, answer, calls = reader().read(text)
+            message: dict[str, Any] = {"role": "assistant", "content": answer or (None if calls else "")}
+            if reasoning:
+                message["reasoning_content"] = thought or None
+            if calls:
+                message["tool_calls"] = [{"id": _call_id(), "type": "function",
+                                          "function": {"name": name, "arguments": args}} for name, args in calls]
+            choice["message"], choice["finish_reason"] = message, _chat_finish(meta, bool(calls))
         choices.append(choice)
     return {**head, "object": kind, "choices": choices, "usage": _usage(metas, body.n)}
 
@@ -165,26 +180,38 @@ def _decode(engine: Engine, ids: list[int]) -> str:
 
 def _openai_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, head: dict[str, Any], kind: str, n: int,
                 include_usage: bool, logprobs: Any, echoed: list[str] | None,
-                reasoning: tuple[Callable[[], ReasoningSplitter], bool] | None = None) -> AsyncIterator[str]:
-    """reasoning: (a splitter per choice, whether the reasoning streams as it comes)."""
+                chat: tuple[Callable[[], ChatReader], bool] | None = None) -> AsyncIterator[str]:
+    """chat: (a reader per choice, whether the reasoning streams as it comes)."""
     obj = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     sent: dict[int, int] = {}  # tokens already reported per choice (for logprobs)
     metas: dict[int, dict] = {}
-    splitters: dict[int, ReasoningSplitter] = {}
+    readers: dict[int, ChatReader] = {}
     held: dict[int, str] = {}  # reasoning kept for the last piece (stream_reasoning false)
+    called: set[int] = set()  # choices that made tool calls
 
     def chat_delta(i: int, chunk: dict) -> dict[str, Any]:
-        if reasoning is None:
+        if chat is None:
             return {"content": chunk["text"]}
-        splitter = splitters.setdefault(i, reasoning[0]())
-        thought, answer = splitter.feed(chunk["text"])
-        if chunk["finished"]:
-            tail_thought, tail_answer = splitter.flush()
-            thought, answer = thought + tail_thought, answer + tail_answer
-        if not reasoning[1]:
+        reader = readers.setdefault(i, chat[0]())
+        events = reader.feed(chunk["text"]) + (reader.flush() if chunk["finished"] else [])
+        thought = "".join(e.text for e in events if isinstance(e, Reasoning))
+        answer = "".join(e.text for e in events if isinstance(e, Content))
+        if not chat[1]:
             held[i] = held.get(i, "") + thought
             thought = held.pop(i) if chunk["finished"] else ""
-        return {"content": answer} | ({"reasoning_content": thought} if thought else {})
+        calls: list[dict[str, Any]] = []
+        for e in events:
+            if isinstance(e, CallStart):
+                called.add(i)
+                calls.append({"index": e.index, "id": _call_id(), "type": "function",
+                              "function": {"name": e.name, "arguments": ""}})
+            elif isinstance(e, CallArgs):
+                if calls and calls[-1]["index"] == e.index:
+                    calls[-1]["function"]["arguments"] += e.fragment
+                else:
+                    calls.append({"index": e.index, "function": {"arguments": e.fragment}})
+        delta: dict[str, Any] = {"content": answer} if answer or not calls else {}
+        return delta | ({"reasoning_content": thought} if thought else {}) | ({"tool_calls": calls} if calls else {})
 
     def event(i: int, chunk: dict) -> str:
         meta = chunk["meta_info"]
@@ -192,6 +219,7 @@ def _openai_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, head: 
         choice = {"index": i, "logprobs": logprobs(meta, start), "finish_reason": _finish_reason(meta)}
         if kind == "chat.completion":
             choice["delta"] = chat_delta(i, chunk) | ({"role": "assistant"} if start == 0 else {})
+            choice["finish_reason"] = _chat_finish(meta, i in called)
         else:  # echo: the prompt comes with the first piece
             choice["text"] = (echoed[i] if echoed and start == 0 else "") + chunk["text"]
         if chunk["finished"]:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from baby_sgl.entrypoints.chat import ChatRequest
+from baby_sgl.entrypoints.tool_grammar import Tool
 from baby_sgl.managers.io_struct import (CloseSessionReqInput, LogprobOptions, OpenSessionReqInput,
                                          SessionParams)
 from baby_sgl.core.sampling_params import GRAMMAR_KINDS, Grammar, LogitBias, SamplingParams, StopString
@@ -16,6 +18,11 @@ from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_BATCH, MAX_ID_LEN, MA
                                  NonNegInt32, StrictModel, Text, TokenId, TopLogprobsNum, SGLangInput)
 
 MAX_MESSAGES = 4096
+MAX_TOOLS = 128  # OpenAI's limit on tools per request
+MAX_SCHEMA_DEPTH = 32  # nesting of a tool's parameter schema
+
+# OpenAI's rule for function names (Anthropic's is the same but for dots)
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 
 TokenIds = Annotated[list[TokenId], Field(max_length=2**24)]
 
@@ -170,15 +177,92 @@ class TextPart(StrictModel):
     text: Text
 
 
+def check_schema_depth(schema: Any, where: str) -> Any:
+    """Refuses a schema nested deeper than MAX_SCHEMA_DEPTH (it is walked without recursion)."""
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return schema
+
+
+class FunctionDefinition(StrictModel):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _shallow(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_schema_depth(value, "the parameters schema")
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def tool(self) -> Tool:
+        f = self.function
+        return Tool(f.name, f.description, f.parameters if f.parameters is not None else {"type": "object"},
+                    bool(f.strict))
+
+
+class ToolChoiceFunction(StrictModel):
+    name: FunctionName
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class FunctionCall(StrictModel):
+    name: Annotated[Text, Field(max_length=MAX_ID_LEN)]
+    arguments: Text  # JSON text
+
+
+class ToolCallItem(StrictModel):
+    id: Id
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: NonNegInt32 | None = None  # sent back by some clients that collected a stream
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | Annotated[list[TextPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: Annotated[Text, Field(max_length=MAX_ID_LEN)] | None = None
+    tool_calls: Annotated[list[ToolCallItem], Field(max_length=MAX_TOOLS)] | None = None  # an assistant's calls
+    tool_call_id: Id | None = None  # a tool result: the call it answers
+    reasoning_content: Text | None = None  # an assistant's thinking, for templates that show it
 
-    def as_template_message(self) -> dict[str, str]:
-        """Chat templates expect a string; OpenAI clients may send a list of text parts."""
+    def as_template_message(self, i: int) -> dict[str, Any]:
+        """Chat templates expect a string; OpenAI clients may send a list of text parts. Calls'
+        arguments become values, as templates write them (invalid JSON is refused)."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise ValueError(f"messages[{i}].tool_calls: only an assistant's message has tool calls")
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments,
+                                                                 f"messages[{i}].tool_calls[{j}].function.arguments")}}
+                for j, c in enumerate(self.tool_calls)]
+        return message
+
+
+def _arguments(text: str, where: str) -> Any:
+    try:
+        return check_schema_depth(json.loads(text), where)
+    except (json.JSONDecodeError, RecursionError):
+        raise ValueError(f"{where} is not valid JSON") from None
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -189,3 +273,19 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: NonNegInt32 | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobsNum | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def chat_request(self) -> ChatRequest:
+        tools = [t.tool() for t in self.tools or []]
+        if len({t.name for t in tools}) < len(tools):
+            raise ValueError("tools: two functions have the same name")
+        given = self.tool_choice or ("auto" if tools else "none")
+        choice = given.function.name if isinstance(given, NamedToolChoice) else given
+        if choice == "required" and not tools:
+            raise ValueError("tool_choice is required but no tools were given")
+        constraint = self.sampling_params(None)
+        return ChatRequest([m.as_template_message(i) for i, m in enumerate(self.messages)], tools, choice,
+                           self.parallel_tool_calls, self.chat_template_kwargs, self.separate_reasoning,
+                           {k: constraint[k] for k in GRAMMAR_KINDS if k in constraint})

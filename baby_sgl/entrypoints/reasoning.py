@@ -70,7 +70,7 @@ class ReasoningSplitter:
                 reasoning, text = reasoning + text[:end], text[end + len(END):]
                 self.in_reasoning, self._done, self._after_end = False, True, True
                 continue
-            keep = _partial_suffix(text, END)
+            keep = partial_suffix(text, END)
             reasoning, self._pending = reasoning + text[: len(text) - keep], text[len(text) - keep :]
             break
         return reasoning, content
@@ -83,7 +83,7 @@ class ReasoningSplitter:
         return "", pending.lstrip("\n") if self._after_end else pending
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest suffix of text that is a proper prefix of tag."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):

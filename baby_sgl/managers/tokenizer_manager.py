@@ -6,8 +6,11 @@ it holds no scheduler state."""
 
 from __future__ import annotations
 
+import json
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
+
+from jinja2.exceptions import TemplateError
 
 from baby_sgl.constrained.grammar import GrammarCache
 from baby_sgl.managers.io_struct import ReqOptions
@@ -155,6 +158,12 @@ class TokenizerManager:
         # as SGLang: how many output logprobs there are so far (streamed events carry them all)
         return out | {"output_token_logprobs_length": len(out["output_token_logprobs"])}
 
+    def template_knows_tools(self) -> bool:
+        """The chat template renders `tools` and tool calls itself (else they are written into
+        the messages: entrypoints/chat.py)."""
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        return "tools" in (template if isinstance(template, str) else json.dumps(template))
+
     def token_text(self, token: int) -> str:
         """One token's text, special tokens included (return_text_in_logprobs); kept per engine
         (at most one per vocabulary entry), so nothing outlives the engine."""
@@ -182,15 +191,18 @@ class TokenizerManager:
                      prompt_token_ids=out["req"].origin_input_ids)
         return chunk
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
-        chars = 0
+        chars = len(json.dumps(tools)) if tools else 0
         for i, m in enumerate(messages):
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, str):
                 validate_text(content, f"messages[{i}].content")
                 chars += len(content)
+            if isinstance(m, dict) and m.get("tool_calls"):
+                chars += len(json.dumps(m["tool_calls"]))
         if chars > self.max_prompt_chars:
             raise ValueError(f"prompt is too long: the messages hold {chars} characters, more than "
                              f"{self.max_input_len} tokens can hold")
@@ -198,7 +210,10 @@ class TokenizerManager:
                     "documents", "return_dict", "continue_final_message", "tokenizer_kwargs"}
         if clash := sorted(reserved & set(template_kwargs or {})):
             raise ValueError(f"chat_template_kwargs may not set {clash[0]!r}")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                  **(template_kwargs or {}))
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                      tools=cast(Any, tools), **(template_kwargs or {}))
+        except TemplateError as e:  # the template's own refusal (raise_exception), e.g. roles out of order
+            raise ValueError(f"the chat template refused the messages: {e}") from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 

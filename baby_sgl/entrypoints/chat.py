@@ -1,0 +1,161 @@
+"""A chat request made ready for the engine, and its output read back: what OpenAI's
+/v1/chat/completions and Anthropic's /v1/messages share.
+
+- The prompt: the chat template over the messages (OpenAI's shape: assistant `tool_calls`, `tool`
+  results), with `tools` when the template renders them; a template that knows no tools gets
+  them written into the system message instead, with the calls format the parser reads, and the
+  assistant's earlier calls written in that format.
+- The constraint: forced and strict tool calls become a grammar (tool_grammar.py); with a
+  reasoning parser a json_schema constraint starts after the thinking.
+- The output of each choice, piece by piece: reasoning, content, and tool calls.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from baby_sgl.core.sampling_params import GRAMMAR_KINDS
+from baby_sgl.engine import Engine
+from baby_sgl.entrypoints.reasoning import REASONING_PARSERS, ReasoningSplitter, prompt_opens_reasoning
+from baby_sgl.entrypoints.tool_grammar import Tool, json_after_thinking, tool_grammar
+from baby_sgl.entrypoints.tool_parsers import Content, Event, ToolCallParser, collect, render_calls
+from baby_sgl.server_args import TOOL_CALL_PARSER_NAMES
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    text: str
+
+
+ChatEvent = Reasoning | Event
+
+
+@dataclass
+class ChatRequest:
+    """What both APIs ask of a chat turn."""
+
+    messages: list[dict[str, Any]]  # OpenAI's shape; assistant tool_calls' arguments as values
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: str = "auto"  # none, auto, required, or a function's name (forced)
+    parallel_tool_calls: bool = True
+    template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
+    constraint: dict[str, str] = field(default_factory=dict)  # the request's own (json_schema, regex, ebnf)
+
+
+@dataclass
+class ChatTurn:
+    input_ids: list[int]
+    constraint: dict[str, str]  # sampling params to add
+    starts_inside: bool | None  # the reasoning parser's start (None: no split)
+    tool_format: str | None  # the calls format to read (None: no tools)
+
+    def reader(self) -> ChatReader:
+        return ChatReader(self.starts_inside, self.tool_format)
+
+
+def prepare(engine: Engine, settings: dict[str, Any], req: ChatRequest) -> ChatTurn:
+    """The prompt and constraint of a chat turn (blocking: run it off the event loop)."""
+    fmt: str | None = settings.get("tool_call_parser")
+    tools = req.tools if req.tool_choice != "none" else []
+    if tools and fmt is None:
+        raise ValueError("tools need the server started with --tool-call-parser (one of "
+                         f"{', '.join(TOOL_CALL_PARSER_NAMES)}: the format the model writes calls in)")
+    forced = req.tool_choice not in ("none", "auto")
+    if forced and req.tool_choice != "required":
+        tools = [t for t in tools if t.name == req.tool_choice]
+        if not tools:
+            raise ValueError(f"tool_choice names {req.tool_choice!r}, which is not among the tools")
+    messages, template_tools = req.messages, None
+    if tools and engine.tokenizer_manager.template_knows_tools():
+        template_tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                                            "parameters": t.parameters}} for t in req.tools]
+    elif not engine.tokenizer_manager.template_knows_tools():
+        messages = _without_tool_markup(messages, fmt or "qwen25", tools)
+    ids = engine.apply_chat_template(messages, req.template_kwargs, template_tools)
+
+    reasoning_parser = settings.get("reasoning_parser")
+    starts_inside = None
+    if reasoning_parser is not None:
+        # The template may have opened the thinking block already: the output then starts in it.
+        starts_inside = REASONING_PARSERS[reasoning_parser] or prompt_opens_reasoning(
+            str(engine.tokenizer.decode(ids[-16:])))
+    thinking = None if starts_inside is None else ("open" if starts_inside else "may")
+    constraint = dict(req.constraint)
+    strict = any(t.strict for t in tools)
+    if forced or strict:
+        if constraint:
+            raise ValueError("give response_format (or regex, ebnf, json_schema) or forced or strict tool calls, "
+                             "not both")
+        assert fmt is not None
+        # a named function is called once; `required` and strict calls may be several, if parallel
+        parallel = req.parallel_tool_calls and req.tool_choice in ("auto", "required")
+        constraint = {"ebnf": tool_grammar(fmt, tools, forced, parallel, thinking)}
+    elif thinking is not None and "json_schema" in constraint:
+        constraint = {"ebnf": json_after_thinking(constraint.pop("json_schema"), thinking)}
+    assert set(constraint) <= set(GRAMMAR_KINDS)
+    return ChatTurn(ids, constraint, starts_inside if req.separate_reasoning else None, fmt if tools else None)
+
+
+def _without_tool_markup(messages: list[dict[str, Any]], fmt: str, tools: list[Tool]) -> list[dict[str, Any]]:
+    """Messages for a template that knows no tools: the tools and how to call them at the start
+    of the system message, an assistant's calls written into its content."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = render_calls(fmt, [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]])
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = (m.get("content") or "") + ("\n" if m.get("content") else "") + calls
+        out.append(m)
+    if tools:
+        listing = "\n".join(json.dumps({"name": t.name, "description": t.description or "",
+                                        "parameters": t.parameters}, ensure_ascii=False) for t in tools)
+        example = render_calls(fmt, [("function_name", {"argument": "value"})])
+        note = (f"You can call these functions:\n{listing}\n\nTo call functions, answer with only the calls, "
+                f"written like this:\n{example}\n")
+        if out and out[0].get("role") == "system":
+            out[0] = out[0] | {"content": note + "\n" + (out[0].get("content") or "")}
+        else:
+            out.insert(0, {"role": "system", "content": note})
+    return out
+
+
+class ChatReader:
+    """One choice's output as events: Reasoning, Content, CallStart, CallArgs. feed each piece,
+    flush at the end; any cut of an output into pieces gives the same joined events."""
+
+    def __init__(self, starts_inside: bool | None, tool_format: str | None) -> None:
+        self.splitter = None if starts_inside is None else ReasoningSplitter(starts_inside)
+        self.tools = None if tool_format is None else ToolCallParser(tool_format)
+
+    def feed(self, text: str) -> list[ChatEvent]:
+        if self.splitter is None:
+            return self._answer(text, final=False)
+        thought, answer = self.splitter.feed(text)
+        return ([Reasoning(thought)] if thought else []) + self._answer(answer, final=False)
+
+    def flush(self) -> list[ChatEvent]:
+        events: list[ChatEvent] = []
+        answer = ""
+        if self.splitter is not None:
+            thought, answer = self.splitter.flush()
+            events += [Reasoning(thought)] if thought else []
+        return events + self._answer(answer, final=True)
+
+    def _answer(self, text: str, final: bool) -> list[ChatEvent]:
+        if self.tools is None:
+            return [Content(text)] if text else []
+        events: list[ChatEvent] = list(self.tools.feed(text))
+        return events + list(self.tools.flush()) if final else events
+
+    def read(self, text: str) -> tuple[str, str, list[tuple[str, str]]]:
+        """A whole output: (reasoning, content, [(name, arguments)])."""
+        return summarize(self.feed(text) + self.flush())
+
+
+def summarize(events: list[ChatEvent]) -> tuple[str, str, list[tuple[str, str]]]:
+    """Events joined: (reasoning, content, [(name, arguments)])."""
+    content, calls = collect([e for e in events if not isinstance(e, Reasoning)])
+    return "".join(e.text for e in events if isinstance(e, Reasoning)), content, calls
