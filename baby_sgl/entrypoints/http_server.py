@@ -1,5 +1,6 @@
 """The HTTP app over one Engine: its middleware (request_guard.py), its errors in one JSON shape,
-and its routes: SGLang's native API (native_api.py), OpenAI's (openai_api.py) and the dashboard.
+and its routes: SGLang's native API (native_api.py), OpenAI's (openai_api.py), Anthropic's Messages
+API (anthropic_api.py) and the dashboard.
 The process that serves it is launch_server.py's."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baby_sgl.engine import Engine
+from baby_sgl.entrypoints.anthropic_api import add_anthropic_routes
 from baby_sgl.entrypoints.async_bridge import AsyncEngine
 from baby_sgl.entrypoints.dashboard import add_dashboard_routes
 from baby_sgl.entrypoints.metrics import Metrics
@@ -45,6 +47,7 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
     _install_error_handlers(app)
     add_native_routes(app, args.incremental_streaming_output)
     add_openai_routes(app)
+    add_anthropic_routes(app)
     if not args.disable_dashboard:
         add_dashboard_routes(app)
     return app
@@ -63,27 +66,27 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(message, 400, param)
+        return error_response(message, 400, param, path=request.url.path)
 
     @app.exception_handler(ValueError)  # the engine's word for bad input
-    async def bad_value(_: Request, exc: ValueError) -> JSONResponse:
-        return error_response(str(exc), 400)
+    async def bad_value(request: Request, exc: ValueError) -> JSONResponse:
+        return error_response(str(exc), 400, path=request.url.path)
 
     @app.exception_handler(ServerBusyError)
-    async def busy(_: Request, exc: ServerBusyError) -> JSONResponse:
-        return error_response(str(exc), 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    async def busy(request: Request, exc: ServerBusyError) -> JSONResponse:
+        return error_response(str(exc), 503, headers={"Retry-After": str(RETRY_AFTER_S)}, path=request.url.path)
 
     @app.exception_handler(EngineDeadError)
-    async def dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(str(exc), 503)
+    async def dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(str(exc), 503, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(str(exc.detail), exc.status_code)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(str(exc.detail), exc.status_code, path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def internal(_: Request, exc: Exception) -> JSONResponse:
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("request failed")
-        return error_response(f"internal error: {exc!r}", 500)
+        return error_response(f"internal error: {exc!r}", 500, path=request.url.path)

@@ -41,11 +41,12 @@ class RequestGuard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         refusal = self._check_headers(scope, headers)
         if refusal is None and scope["method"] in ("POST", "PUT", "PATCH"):
-            body, refusal = await self._read_body(headers, receive)
+            body, refusal = await self._read_body(headers, receive, scope["path"])
             if body is None and refusal is None:
                 return  # the client left while sending
             if refusal is None and body and not _is_json(headers.get("content-type", "")):
-                refusal = error_response("the body must be JSON, sent with Content-Type: application/json", 415)
+                refusal = error_response("the body must be JSON, sent with Content-Type: application/json", 415,
+                                         path=scope["path"])
             if refusal is None:
                 receive = _replay(body, receive)
         if refusal is not None:
@@ -56,19 +57,22 @@ class RequestGuard:
     def _check_headers(self, scope: Scope, headers: dict[str, str]):
         origin = headers.get("origin")
         if origin is not None and _origin_host(origin) != headers.get("host"):
-            return error_response(f"cross-origin requests are refused (Origin: {origin!r})", 403)
+            return error_response(f"cross-origin requests are refused (Origin: {origin!r})", 403, path=scope["path"])
         if self.api_key is not None and scope["path"] not in OPEN_PATHS:
             browser = scope["path"].startswith(BROWSER_PREFIX)
-            if not self._authorized(headers.get("authorization", ""), basic=browser):
-                response = error_response("a valid API key is needed: send Authorization: Bearer <key>", 401)
+            key = headers.get("x-api-key")  # Anthropic's clients send the key so
+            if not self._authorized(f"Bearer {key}" if key else headers.get("authorization", ""), basic=browser):
+                response = error_response("a valid API key is needed: send Authorization: Bearer <key> "
+                                          "(or x-api-key: <key>)", 401, path=scope["path"])
                 response.headers["WWW-Authenticate"] = 'Basic realm="baby-sgl"' if browser else "Bearer"
                 return response
         length = headers.get("content-length")
         if length is not None:
             if not length.isdigit():
-                return error_response(f"invalid Content-Length {length!r}", 400)
+                return error_response(f"invalid Content-Length {length!r}", 400, path=scope["path"])
             if int(length) > self.max_bytes:
-                return error_response(f"the request body is {int(length)} bytes; the limit is {self.max_bytes}", 413)
+                return error_response(f"the request body is {int(length)} bytes; the limit is {self.max_bytes}", 413,
+                                      path=scope["path"])
         return None
 
     def _authorized(self, given: str, basic: bool) -> bool:
@@ -82,7 +86,7 @@ class RequestGuard:
             return False
         return self.api_key is not None and hmac.compare_digest(token.strip().encode("latin-1"), self.api_key)
 
-    async def _read_body(self, headers: dict[str, str], receive: Receive):
+    async def _read_body(self, headers: dict[str, str], receive: Receive, path: str):
         """(body, None), or (None, a refusal), or (None, None) if the client disconnected."""
         chunks, size = [], 0
         deadline = time.monotonic() + self.body_timeout
@@ -90,14 +94,15 @@ class RequestGuard:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
             except asyncio.TimeoutError:
-                return None, error_response(f"the request body did not arrive within {self.body_timeout:g} s", 408)
+                return None, error_response(f"the request body did not arrive within {self.body_timeout:g} s", 408,
+                                            path=path)
             if message["type"] == "http.disconnect":
                 return None, None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
                 return None, error_response(f"the request body is larger than the limit of {self.max_bytes} bytes",
-                                            413)
+                                            413, path=path)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks), None

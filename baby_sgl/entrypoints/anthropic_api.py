@@ -1,0 +1,303 @@
+"""Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens, for the agents and
+SDKs that speak it. A request becomes the same chat turn as OpenAI's (chat.py): its system prompt,
+text, tool_use and tool_result blocks become messages, its tools and tool_choice the same tools
+(`any` is OpenAI's `required`); the answer comes back as thinking, text and tool_use blocks, whole
+or as Anthropic's stream of events. Errors have Anthropic's shape (responses.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import Field, field_validator
+
+from baby_sgl.engine import Engine
+from baby_sgl.entrypoints.chat import ChatEvent, ChatReader, ChatRequest, Reasoning, prepare, summarize
+from baby_sgl.entrypoints.protocol import MAX_MESSAGES, MAX_TOOLS, check_schema_depth
+from baby_sgl.entrypoints.responses import first_item, sse_stream
+from baby_sgl.entrypoints.tool_grammar import Tool
+from baby_sgl.entrypoints.tool_parsers import CallArgs, CallStart, Content
+from baby_sgl.core.sampling_params import StopString
+from baby_sgl.validation import MAX_ID_LEN, MAX_STOP, Id, StrictModel, Text
+
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")]
+CacheControl = dict[str, Any] | None  # prompt caching hints: the radix cache needs none
+
+
+class TextBlock(StrictModel):
+    type: Literal["text"]
+    text: Text
+    cache_control: CacheControl = None
+    citations: list[dict[str, Any]] | None = None
+
+
+class ToolUseBlock(StrictModel):
+    type: Literal["tool_use"]
+    id: Id
+    name: ToolName
+    input: dict[str, Any]
+    cache_control: CacheControl = None
+
+    @field_validator("input")
+    @classmethod
+    def _shallow(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_schema_depth(value, "a tool_use block's input")
+
+
+class ToolResultBlock(StrictModel):
+    type: Literal["tool_result"]
+    tool_use_id: Id
+    content: Text | Annotated[list[TextBlock], Field(max_length=MAX_MESSAGES)] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl = None
+
+    def text(self) -> str:
+        text = self.content if isinstance(self.content, str) else "".join(b.text for b in self.content or [])
+        return f"Error: {text}" if self.is_error else text
+
+
+class ThinkingBlock(StrictModel):
+    type: Literal["thinking"]
+    thinking: Text
+    signature: Text | None = None
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+
+
+class MessageParam(StrictModel):
+    role: Literal["user", "assistant"]
+    content: Text | Annotated[list[Block], Field(max_length=MAX_MESSAGES)]
+
+
+class ToolParam(StrictModel):
+    name: ToolName
+    description: Text | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _shallow(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_schema_depth(value, "input_schema")
+
+
+class ToolChoice(StrictModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: ToolName | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingConfig(StrictModel):
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(None, ge=0)
+
+
+class _Conversation(StrictModel):
+    model: Annotated[Text, Field(max_length=MAX_ID_LEN)]
+    messages: list[MessageParam] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: Text | Annotated[list[TextBlock], Field(max_length=MAX_MESSAGES)] | None = None
+    tools: Annotated[list[ToolParam], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None  # with a thinking template: enable_thinking
+
+    def chat_request(self) -> ChatRequest:
+        messages: list[dict[str, Any]] = []
+        if self.system:
+            system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system)
+            messages.append({"role": "system", "content": system})
+        for m in self.messages:
+            messages += _openai_messages(m)
+        tools = [Tool(t.name, t.description, t.input_schema) for t in self.tools or []]
+        if len({t.name for t in tools}) < len(tools):
+            raise ValueError("tools: two tools have the same name")
+        choice = self.tool_choice or ToolChoice(type="auto" if tools else "none")
+        if choice.type == "tool":
+            if choice.name is None:
+                raise ValueError("tool_choice of type tool needs the tool's name")
+            name = choice.name
+        else:
+            name = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if name != "none" and name != "auto" and not tools:
+            raise ValueError(f"tool_choice {choice.type} needs tools")
+        kwargs = None if self.thinking is None else {"enable_thinking": self.thinking.type == "enabled"}
+        return ChatRequest(messages, tools, name, not choice.disable_parallel_tool_use, kwargs)
+
+
+def _openai_messages(m: MessageParam) -> list[dict[str, Any]]:
+    """One Anthropic message as OpenAI-shaped chat messages: tool results first (each its own
+    `tool` message), then the text; an assistant's tool_use blocks as its tool calls."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    out: list[dict[str, Any]] = []
+    text = "".join(b.text for b in m.content if isinstance(b, TextBlock))
+    if m.role == "user":
+        if any(isinstance(b, ToolUseBlock | ThinkingBlock) for b in m.content):
+            raise ValueError("a user message holds text and tool_result blocks only")
+        out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
+                for b in m.content if isinstance(b, ToolResultBlock)]
+        if text or not out:
+            out.append({"role": "user", "content": text})
+        return out
+    if any(isinstance(b, ToolResultBlock) for b in m.content):
+        raise ValueError("an assistant message cannot hold tool_result blocks")
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    thinking = "".join(b.thinking for b in m.content if isinstance(b, ThinkingBlock))
+    if thinking:
+        message["reasoning_content"] = thinking
+    calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+             for b in m.content if isinstance(b, ToolUseBlock)]
+    return [message | ({"tool_calls": calls} if calls else {})]
+
+
+class MessagesRequest(_Conversation):
+    max_tokens: int = Field(ge=1, le=2**31 - 1)
+    stop_sequences: Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, le=2**31 - 1)
+    metadata: dict[str, Any] | None = None  # user_id: nothing to do with it
+
+    def sampling_params(self) -> dict[str, Any]:
+        params = {"max_new_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                  "top_k": self.top_k or None, "stop": self.stop_sequences}
+        return {k: v for k, v in params.items() if v is not None}
+
+
+class CountTokensRequest(_Conversation):
+    pass
+
+
+def add_anthropic_routes(app: FastAPI) -> None:
+    engine: Engine = app.state.engine
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict:
+        turn = await asyncio.to_thread(prepare, engine, app.state.server_settings, body.chat_request())
+        return {"input_tokens": len(turn.input_ids)}
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request):
+        turn = await asyncio.to_thread(prepare, engine, app.state.server_settings, body.chat_request())
+        item = {"input_ids": turn.input_ids, "sampling_params": body.sampling_params() | turn.constraint}
+        chunks = app.state.async_engine.generate([item], body.stream, request.is_disconnected)
+        head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": body.model}
+        stops = set(body.stop_sequences or [])
+        if body.stream:
+            first = await first_item(chunks)  # raises ValueError -> 400 before the stream starts
+            return StreamingResponse(_stream(first, chunks, head, turn.reader(), stops), media_type="text/event-stream")
+        finals = [chunk async for _, chunk in chunks]
+        if await request.is_disconnected():
+            return Response(status_code=499)
+        reader = turn.reader()
+        events = reader.feed(finals[0]["text"]) + reader.flush()
+        called = any(isinstance(e, CallStart) for e in events)
+        return head | {"content": _blocks(events)} | _ending(finals[0]["meta_info"], stops, called)
+
+
+def _blocks(events: list[ChatEvent]) -> list[dict[str, Any]]:
+    thought, content, calls = summarize(events)
+    blocks: list[dict[str, Any]] = []
+    if thought:
+        blocks.append({"type": "thinking", "thinking": thought, "signature": ""})
+    if content:
+        blocks.append({"type": "text", "text": content})
+    blocks += [{"type": "tool_use", "id": _tool_id(), "name": name, "input": _input(args)} for name, args in calls]
+    return blocks
+
+
+def _tool_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+def _input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as tool_use input (an object; arguments cut short give what parses)."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def _ending(meta: dict[str, Any], stops: set[str], called: bool) -> dict[str, Any]:
+    """stop_reason, stop_sequence and usage of a finished answer."""
+    reason = meta.get("finish_reason") or {}
+    matched = reason.get("matched")
+    if reason.get("type") == "length":
+        stop_reason, sequence = "max_tokens", None
+    elif isinstance(matched, str) and matched in stops:
+        stop_reason, sequence = "stop_sequence", matched
+    else:
+        stop_reason, sequence = ("tool_use" if called else "end_turn"), None
+    return {"stop_reason": stop_reason, "stop_sequence": sequence,
+            "usage": {"input_tokens": meta["prompt_tokens"], "output_tokens": meta["completion_tokens"],
+                      "cache_read_input_tokens": meta.get("cached_tokens", 0)}}
+
+
+def _event(kind: str, data: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind} | data, ensure_ascii=False)}\n\n"
+
+
+def _stream(first, chunks, head: dict[str, Any], reader: ChatReader, stops: set[str]):
+    """Anthropic's events: message_start, then per content block content_block_start, its
+    deltas and content_block_stop, then message_delta (stop_reason, usage) and message_stop."""
+    state: dict[str, Any] = {"block": None, "index": -1, "called": False}
+
+    def open_block(kind: str, block: dict[str, Any]) -> list[str]:
+        out = close_block()
+        state["block"], state["index"] = kind, state["index"] + 1
+        return out + [_event("content_block_start", {"index": state["index"], "content_block": block})]
+
+    def close_block() -> list[str]:
+        if state["block"] is None:
+            return []
+        state["block"] = None
+        return [_event("content_block_stop", {"index": state["index"]})]
+
+    def delta(payload: dict[str, Any]) -> str:
+        return _event("content_block_delta", {"index": state["index"], "delta": payload})
+
+    def on_events(events: list[ChatEvent]) -> list[str]:
+        out: list[str] = []
+        for e in events:
+            if isinstance(e, Reasoning):
+                if state["block"] != "thinking":
+                    out += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out.append(delta({"type": "thinking_delta", "thinking": e.text}))
+            elif isinstance(e, Content):
+                if state["block"] != "text":
+                    out += open_block("text", {"type": "text", "text": ""})
+                out.append(delta({"type": "text_delta", "text": e.text}))
+            elif isinstance(e, CallStart):
+                state["called"] = True
+                out += open_block("tool_use", {"type": "tool_use", "id": _tool_id(), "name": e.name, "input": {}})
+            elif isinstance(e, CallArgs):
+                out.append(delta({"type": "input_json_delta", "partial_json": e.fragment}))
+        return out
+
+    def event(_: int, chunk: dict[str, Any]) -> str | None:
+        meta = chunk["meta_info"]
+        out = []
+        if not state.get("started"):
+            state["started"] = True
+            usage = {"input_tokens": meta["prompt_tokens"], "output_tokens": 0}
+            out.append(_event("message_start", {"message": head | {"content": [], "stop_reason": None,
+                                                                   "stop_sequence": None, "usage": usage}}))
+            out.append(_event("ping", {}))
+        out += on_events(reader.feed(chunk["text"]) + (reader.flush() if chunk["finished"] else []))
+        if chunk["finished"]:
+            out += close_block()
+            ending = _ending(meta, stops, state["called"])
+            out.append(_event("message_delta", {"delta": {"stop_reason": ending["stop_reason"],
+                                                          "stop_sequence": ending["stop_sequence"]},
+                                                "usage": {"output_tokens": meta["completion_tokens"]}}))
+            out.append(_event("message_stop", {}))
+        return "".join(out) or None
+
+    return sse_stream(first, chunks, event, done="")
