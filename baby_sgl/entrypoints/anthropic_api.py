@@ -163,6 +163,8 @@ class MessagesRequest(_Conversation):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, le=2**31 - 1)
     metadata: dict[str, Any] | None = None  # user_id: nothing to do with it
+    service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
+    cache_control: CacheControl = None  # the radix cache reuses prefixes anyway
 
     def sampling_params(self) -> dict[str, Any]:
         params = {"max_new_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
