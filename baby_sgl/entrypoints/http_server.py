@@ -1,6 +1,6 @@
-"""The HTTP app over one Engine: its middleware (request_guard.py), its errors in one JSON shape,
-and its routes: SGLang's native API (native_api.py), OpenAI's (openai_api.py), Anthropic's Messages
-API (anthropic_api.py) and the dashboard.
+"""The HTTP app over one Engine: its middleware (request_guard.py), its errors in one JSON shape
+(OpenAI's; Anthropic's on its routes), and its routes: SGLang's native API (native_api.py),
+OpenAI's (openai_api.py), Anthropic's Messages API (anthropic_api.py) and the dashboard.
 The process that serves it is launch_server.py's."""
 
 from __future__ import annotations
