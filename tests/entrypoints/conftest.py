@@ -96,6 +96,18 @@ def serve_in_thread(engine: Engine, server_args: ServerArgs | None = None) -> It
         engine.shutdown()
 
 
+@contextlib.contextmanager
+def thinking_server(model: str, template_dir) -> Iterator[str]:
+    """A server with --reasoning-parser qwen3 over a template that opens the thinking block when
+    enable_thinking is set (as Qwen3's closes it when it is not)."""
+    template = template_dir / "think.jinja"
+    template.write_text("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "assistant: {% if enable_thinking %}<think>{% endif %}")
+    with serve_in_thread(Engine(model, dtype="float32", chat_template=str(template)),
+                         ServerArgs(reasoning_parser="qwen3")) as base:
+        yield base
+
+
 @pytest.fixture(scope="session")
 def server(tiny_llama):
     engine = Engine(tiny_llama, dtype="float32", max_total_tokens=8192, max_running_requests=48)

@@ -13,7 +13,7 @@ import pytest
 
 from baby_sgl import Engine
 from baby_sgl.server_args import ServerArgs
-from entrypoints.conftest import serve_in_thread, wait_idle
+from entrypoints.conftest import serve_in_thread, thinking_server, wait_idle
 
 KEY = "test-key"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
@@ -121,11 +121,7 @@ def test_the_key_comes_as_x_api_key(base):
 
 @pytest.fixture(scope="module")
 def thinking_base(tiny_llama, tmp_path_factory):
-    template = tmp_path_factory.mktemp("think") / "think.jinja"
-    template.write_text("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                        "assistant: {% if enable_thinking %}<think>{% endif %}")
-    engine = Engine(tiny_llama, dtype="float32", chat_template=str(template))
-    with serve_in_thread(engine, ServerArgs(reasoning_parser="qwen3")) as url:
+    with thinking_server(tiny_llama, tmp_path_factory.mktemp("think")) as url:
         yield url
 
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from baby_sgl import Engine
 from baby_sgl.entrypoints.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from baby_sgl.server_args import ServerArgs
-from entrypoints.conftest import serve_in_thread, wait_idle
+from entrypoints.conftest import thinking_server, wait_idle
 
 RECORDED = [  # (starts inside the block, output, reasoning, content)
     (True, "The user wants 2 + 2.\nThat is 4.\n</think>\n\nThe answer is **4**.",
@@ -47,13 +46,7 @@ THINK = {"regex": "<think>[a-z]{4,8}</think>[a-z]{3,6}", "temperature": 0}
 
 @pytest.fixture(scope="module")
 def qwen3_server(tiny_llama, tmp_path_factory):
-    # A template that opens the thinking block when enable_thinking is set, as Qwen3's closes it
-    # when it is not.
-    template = tmp_path_factory.mktemp("template") / "think.jinja"
-    template.write_text("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                        "assistant: {% if enable_thinking %}<think>{% endif %}")
-    engine = Engine(tiny_llama, dtype="float32", chat_template=str(template))
-    with serve_in_thread(engine, ServerArgs(reasoning_parser="qwen3")) as base:
+    with thinking_server(tiny_llama, tmp_path_factory.mktemp("template")) as base:
         yield base
 
 
