@@ -286,6 +286,10 @@ class Engine:
         the answer starts."""
         return self.tokenizer_manager.apply_chat_template(messages, template_kwargs, tools)
 
+    def chat_template_knows_tools(self) -> bool:
+        """The chat template renders `tools` and tool calls itself."""
+        return self.tokenizer_manager.template_knows_tools()
+
     def token_text(self, token: int) -> str:
         """One token's text, special tokens included."""
         return self.tokenizer_manager.token_text(token)

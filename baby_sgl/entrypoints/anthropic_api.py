@@ -13,11 +13,11 @@ from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.chat import ChatEvent, ChatReader, ChatRequest, Reasoning, prepare, summarize
-from baby_sgl.entrypoints.protocol import MAX_MESSAGES, MAX_TOOLS, check_schema_depth
+from baby_sgl.entrypoints.protocol import MAX_MESSAGES, MAX_TOOLS, JsonObject
 from baby_sgl.entrypoints.responses import first_item, sse_stream
 from baby_sgl.entrypoints.tool_grammar import Tool
 from baby_sgl.entrypoints.tool_parsers import CallArgs, CallStart, Content
@@ -39,13 +39,8 @@ class ToolUseBlock(StrictModel):
     type: Literal["tool_use"]
     id: Id
     name: ToolName
-    input: dict[str, Any]
+    input: JsonObject
     cache_control: CacheControl = None
-
-    @field_validator("input")
-    @classmethod
-    def _shallow(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return check_schema_depth(value, "a tool_use block's input")
 
 
 class ToolResultBlock(StrictModel):
@@ -77,14 +72,9 @@ class MessageParam(StrictModel):
 class ToolParam(StrictModel):
     name: ToolName
     description: Text | None = None
-    input_schema: dict[str, Any]
+    input_schema: JsonObject
     type: Literal["custom"] | None = None
     cache_control: CacheControl = None
-
-    @field_validator("input_schema")
-    @classmethod
-    def _shallow(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return check_schema_depth(value, "input_schema")
 
 
 class ToolChoice(StrictModel):

@@ -68,12 +68,13 @@ def prepare(engine: Engine, settings: dict[str, Any], req: ChatRequest) -> ChatT
         tools = [t for t in tools if t.name == req.tool_choice]
         if not tools:
             raise ValueError(f"tool_choice names {req.tool_choice!r}, which is not among the tools")
+    listed = req.tools if tools else []  # the model sees every tool, even when one is forced
     messages, template_tools = req.messages, None
-    if tools and engine.tokenizer_manager.template_knows_tools():
+    if not engine.chat_template_knows_tools():
+        messages = _without_tool_markup(messages, fmt or "qwen25", listed)
+    elif listed:
         template_tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                            "parameters": t.parameters}} for t in req.tools]
-    elif not engine.tokenizer_manager.template_knows_tools():
-        messages = _without_tool_markup(messages, fmt or "qwen25", tools)
+                                                            "parameters": t.parameters}} for t in listed]
     ids = engine.apply_chat_template(messages, req.template_kwargs, template_tools)
 
     reasoning_parser = settings.get("reasoning_parser")

@@ -106,9 +106,10 @@ def add_openai_routes(app: FastAPI) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        turn = await asyncio.to_thread(prepare, engine, app.state.server_settings, body.chat_request())
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = {k: v for k, v in body.sampling_params(max_tokens).items() if k not in GRAMMAR_KINDS}
+        params = body.sampling_params(max_tokens)
+        constraint = {kind: params.pop(kind) for kind in GRAMMAR_KINDS if kind in params}
+        turn = await asyncio.to_thread(prepare, engine, app.state.server_settings, body.chat_request(constraint))
         item = {"input_ids": turn.input_ids, "sampling_params": params | turn.constraint,
                 "return_logprob": body.logprobs, "top_logprobs_num": body.top_logprobs or 0}
         logprobs = (lambda meta, start: _chat_logprobs(engine, meta, start)) if body.logprobs \

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field
 
 from baby_sgl.entrypoints.chat import ChatRequest
 from baby_sgl.entrypoints.tool_grammar import Tool
@@ -177,28 +177,28 @@ class TextPart(StrictModel):
     text: Text
 
 
-def check_schema_depth(schema: Any, where: str) -> Any:
-    """Refuses a schema nested deeper than MAX_SCHEMA_DEPTH (it is walked without recursion)."""
-    stack = [(schema, 1)]
+def check_depth(value: Any, where: str = "the value") -> Any:
+    """Refuses JSON nested deeper than MAX_SCHEMA_DEPTH (walked without recursion): tool schemas
+    and arguments are rendered and compiled recursively."""
+    stack = [(value, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_SCHEMA_DEPTH:
             raise ValueError(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels")
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
         stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-    return schema
+    return value
+
+
+# A JSON object from a client that holds a schema or a call's arguments
+JsonObject = Annotated[dict[str, Any], AfterValidator(check_depth)]
 
 
 class FunctionDefinition(StrictModel):
     name: FunctionName
     description: Text | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JsonObject | None = None
     strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _shallow(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return check_schema_depth(value, "the parameters schema")
 
 
 class ChatTool(StrictModel):
@@ -260,7 +260,7 @@ class ChatMessage(StrictModel):
 
 def _arguments(text: str, where: str) -> Any:
     try:
-        return check_schema_depth(json.loads(text), where)
+        return check_depth(json.loads(text), where)
     except (json.JSONDecodeError, RecursionError):
         raise ValueError(f"{where} is not valid JSON") from None
 
@@ -277,7 +277,8 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
-    def chat_request(self) -> ChatRequest:
+    def chat_request(self, constraint: dict[str, str]) -> ChatRequest:
+        """The chat turn; constraint: the request's own (from its sampling params)."""
         tools = [t.tool() for t in self.tools or []]
         if len({t.name for t in tools}) < len(tools):
             raise ValueError("tools: two functions have the same name")
@@ -285,7 +286,5 @@ class ChatCompletionRequest(_OpenAISampling):
         choice = given.function.name if isinstance(given, NamedToolChoice) else given
         if choice == "required" and not tools:
             raise ValueError("tool_choice is required but no tools were given")
-        constraint = self.sampling_params(None)
         return ChatRequest([m.as_template_message(i) for i, m in enumerate(self.messages)], tools, choice,
-                           self.parallel_tool_calls, self.chat_template_kwargs, self.separate_reasoning,
-                           {k: constraint[k] for k in GRAMMAR_KINDS if k in constraint})
+                           self.parallel_tool_calls, self.chat_template_kwargs, self.separate_reasoning, constraint)

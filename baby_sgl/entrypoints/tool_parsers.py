@@ -91,6 +91,7 @@ class _ObjectCall:
         self.name: object = None
         self.args_start: int | None = None
         self.args_end: int | None = None
+        self.sent: int | None = None  # where the arguments not yet handed out start in raw
         self.done = self.broken = False
 
     def feed(self, ch: str) -> None:
@@ -147,21 +148,27 @@ class _ObjectCall:
         if self.args_start is not None and self.args_end is None:
             self.args_end = i
 
-    def arguments(self) -> str:
-        """The arguments' text that can be sent now (all of it once the object closed)."""
-        if self.args_start is None:
-            return "{}" if self.done else ""
-        if self.raw[self.args_start] not in "{[":
-            if not self.done:
+    def new_arguments(self) -> str:
+        """The arguments' text written since the last call that can be sent (the rest of it once
+        the object closed): each character is handed out once."""
+        if self.args_start is None:  # none given: {} once the object closed
+            if not self.done or self.sent is not None:
                 return ""
+            self.sent = len(self.raw)
+            return "{}"
+        if self.raw[self.args_start] not in "{[":  # a string (or another value): whole, at the close
+            if not self.done or self.sent is not None:
+                return ""
+            self.sent = len(self.raw)
             text = "".join(self.raw[self.args_start : self.args_end]).strip()
             try:
                 value = json.loads(text)
             except json.JSONDecodeError:
                 return text
             return value if isinstance(value, str) else json.dumps(value)
-        end = self.args_end if self.args_end is not None else len(self.raw)
-        return "".join(self.raw[self.args_start : end])
+        start = self.args_start if self.sent is None else self.sent
+        self.sent = self.args_end if self.args_end is not None else len(self.raw)
+        return "".join(self.raw[start : self.sent])
 
 
 class ToolCallParser:
@@ -235,7 +242,10 @@ class _Section:
     """Output that holds calls, from its marker on."""
 
     def __init__(self, marker: str) -> None:
-        self.raw = marker  # read so far (given back as content if it holds no call)
+        self.raw = [marker]  # read so far, in pieces (given back as content if it holds no call)
+
+    def text(self, start: int = 0) -> str:
+        return "".join(self.raw[start:])
 
     def feed(self, text: str, out: list[Event], parser: ToolCallParser) -> str | None:
         """Consumes text; returns what follows the section once it has ended (None: not yet)."""
@@ -260,7 +270,6 @@ class _JsonCalls(_Section):
         self.call: _ObjectCall | None = None
         self.call_raw = 0  # where the current object starts in raw
         self.index: int | None = None  # the parser's index of the current call, once begun
-        self.sent = 0  # argument characters sent for it
         self.began = 0  # calls begun in this section
         self.pending = ""  # spaces, or the start of a separator or of the end, after an object
 
@@ -277,14 +286,14 @@ class _JsonCalls(_Section):
                     return None
                 skip = len(rest) - len(stripped)
                 if self.sep and stripped.startswith(self.sep):
-                    self.raw += rest[: skip + len(self.sep)]
+                    self.raw.append(rest[: skip + len(self.sep)])
                     self.phase, k = "object", k + skip + len(self.sep)
                     continue
                 if self.end and stripped.startswith(self.end):
                     return stripped[len(self.end):]
                 return rest  # the calls ended without their closing markup
             k += 1
-            self.raw += ch
+            self.raw.append(ch)
             if self.phase == "before":
                 if not ch.isspace():
                     if ch != self.before:
@@ -309,7 +318,7 @@ class _JsonCalls(_Section):
         if call.broken:
             return
         if self.index is None and isinstance(call.name, str):
-            self.index, self.sent = parser.calls, 0
+            self.index = parser.calls
             parser.calls += 1
             self.began += 1
             out.append(CallStart(self.index, call.name))
@@ -319,16 +328,14 @@ class _JsonCalls(_Section):
 
     def _send_args(self, out: list[Event]) -> None:
         assert self.call is not None and self.index is not None
-        args = self.call.arguments()
-        if len(args) > self.sent:
-            out.append(CallArgs(self.index, args[self.sent:]))
-            self.sent = len(args)
+        if args := self.call.new_arguments():
+            out.append(CallArgs(self.index, args))
 
     def _broken(self, out: list[Event], rest: str) -> str:
         """Not a call: the broken object's text (the whole section's if no call began in it) is
         content, and so is what follows. A call already announced stays as far as it went."""
         if self.index is None:
-            out.append(Content(self.raw[self.call_raw:] if self.began else self.raw))
+            out.append(Content(self.text(self.call_raw if self.began else 0)))
         self.call = self.index = None
         return rest
 
@@ -337,9 +344,9 @@ class _JsonCalls(_Section):
 
     def finish(self, out: list[Event]) -> None:
         if self.call is not None and self.index is None:  # cut off before its name: not a call
-            out.append(Content(self.raw[self.call_raw:] if self.began else self.raw))
+            out.append(Content(self.text(self.call_raw if self.began else 0)))
         elif not self.began:
-            out.append(Content(self.raw))
+            out.append(Content(self.text()))
 
 
 class _Qwen25(_JsonCalls):
@@ -357,24 +364,26 @@ class _MistralArray(_JsonCalls):
 class _MistralNamed(_Section):
     """`name[ARGS]{...}` after the marker, one call."""
 
+    MAX_HEAD = 128  # a function name (64 at most) and [ARGS], with spaces
+
     def __init__(self, marker: str) -> None:
         super().__init__(marker)
-        self.marker = marker
+        self.head = ""  # after the marker, until the name and [ARGS] are read
         self.name: str | None = None
         self.scan = _JsonScan()
         self.index: int | None = None
 
     def feed(self, text: str, out: list[Event], parser: ToolCallParser) -> str | None:
         for k, ch in enumerate(text):
-            self.raw += ch
             if self.name is None:
-                head = self.raw[len(self.marker):]
-                if re.fullmatch(r"\s*[\w.\-]+\[ARGS\]", head):
-                    self.name, self.index = head.strip()[: -len("[ARGS]")], parser.calls
+                self.head += ch
+                if re.fullmatch(r"\s*[\w.\-]+\[ARGS\]", self.head):
+                    self.name, self.index = self.head.strip()[: -len("[ARGS]")], parser.calls
                     parser.calls += 1
                     out.append(CallStart(self.index, self.name))
-                elif not ((m := re.fullmatch(r"\s*[\w.\-]*(\[.*)?", head)) and "[ARGS]".startswith(m[1] or "")):
-                    out.append(Content(self.raw))  # not name[ARGS]
+                elif len(self.head) > self.MAX_HEAD or not (
+                        (m := re.fullmatch(r"\s*[\w.\-]*(\[.*)?", self.head)) and "[ARGS]".startswith(m[1] or "")):
+                    out.append(Content(self.text() + self.head))  # not name[ARGS]
                     return text[k + 1:]
                 continue
             assert self.index is not None
@@ -391,7 +400,7 @@ class _MistralNamed(_Section):
 
     def finish(self, out: list[Event]) -> None:
         if self.name is None:
-            out.append(Content(self.raw))
+            out.append(Content(self.text() + self.head))
 
 
 class _Mistral(_Section):
@@ -404,9 +413,9 @@ class _Mistral(_Section):
     def feed(self, text: str, out: list[Event], parser: ToolCallParser) -> str | None:
         if self.inner is None:
             if not text.strip():
-                self.raw += text
+                self.raw.append(text)
                 return None
-            self.inner = (_MistralArray if text.lstrip().startswith("[") else _MistralNamed)(self.raw)
+            self.inner = (_MistralArray if text.lstrip().startswith("[") else _MistralNamed)(self.text())
         return self.inner.feed(text, out, parser)
 
     def had_calls(self) -> bool:
@@ -414,7 +423,7 @@ class _Mistral(_Section):
 
     def finish(self, out: list[Event]) -> None:
         if self.inner is None:
-            out.append(Content(self.raw))
+            out.append(Content(self.text()))
         else:
             self.inner.finish(out)
 
@@ -426,7 +435,6 @@ class _Pythonic(_Section):
 
     def __init__(self, marker: str) -> None:
         super().__init__(marker)
-        self.body = ""
         self.depth = 0
         self.quote = ""  # the open string's quote character
         self.escape = False
@@ -442,8 +450,7 @@ class _Pythonic(_Section):
                 return None
             return stripped[len(self.END):] if stripped.startswith(self.END) else text
         for k, ch in enumerate(text):
-            self.raw += ch
-            self.body += ch
+            self.raw.append(ch)
             if self.quote:
                 if self.escape:
                     self.escape = False
@@ -458,9 +465,9 @@ class _Pythonic(_Section):
             elif ch in "])}":
                 self.depth -= 1
                 if self.depth == 0:
-                    calls = _python_calls(self.body.strip())
+                    calls = _python_calls(self.text(1).strip())  # after the marker
                     if calls is None:
-                        out.append(Content(self.raw))
+                        out.append(Content(self.text()))
                         return text[k + 1:]
                     for name, args in calls:
                         out.append(CallStart(parser.calls, name))
@@ -475,7 +482,7 @@ class _Pythonic(_Section):
 
     def finish(self, out: list[Event]) -> None:
         if not self.calls:
-            out.append(Content(self.raw))
+            out.append(Content(self.text()))
 
 
 _PY_CONSTANTS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
