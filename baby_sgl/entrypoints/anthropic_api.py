@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
@@ -16,9 +17,9 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import Field
 
 from baby_sgl.engine import Engine
-from baby_sgl.entrypoints.chat import ChatEvent, ChatReader, ChatRequest, Reasoning, prepare, summarize
+from baby_sgl.entrypoints.chat import ChatEvent, ChatReader, ChatRequest, Reasoning, prepare
 from baby_sgl.entrypoints.protocol import MAX_MESSAGES, MAX_TOOLS, JsonObject
-from baby_sgl.entrypoints.responses import first_item, sse_stream
+from baby_sgl.entrypoints.responses import Chunks, first_item, sse_stream
 from baby_sgl.entrypoints.tool_grammar import Tool
 from baby_sgl.entrypoints.tool_parsers import CallArgs, CallStart, Content
 from baby_sgl.core.sampling_params import StopString
@@ -187,21 +188,56 @@ def add_anthropic_routes(app: FastAPI) -> None:
         finals = [chunk async for _, chunk in chunks]
         if await request.is_disconnected():
             return Response(status_code=499)
-        reader = turn.reader()
-        events = reader.feed(finals[0]["text"]) + reader.flush()
-        called = any(isinstance(e, CallStart) for e in events)
-        return head | {"content": _blocks(events)} | _ending(finals[0]["meta_info"], stops, called)
+        reader, blocks = turn.reader(), _Blocks()
+        blocks.add(reader.feed(finals[0]["text"]) + reader.flush())
+        blocks.close()
+        return head | {"content": blocks.blocks} | _ending(finals[0]["meta_info"], stops, blocks.called)
 
 
-def _blocks(events: list[ChatEvent]) -> list[dict[str, Any]]:
-    thought, content, calls = summarize(events)
-    blocks: list[dict[str, Any]] = []
-    if thought:
-        blocks.append({"type": "thinking", "thinking": thought, "signature": ""})
-    if content:
-        blocks.append({"type": "text", "text": content})
-    blocks += [{"type": "tool_use", "id": _tool_id(), "name": name, "input": _input(args)} for name, args in calls]
-    return blocks
+class _Blocks:
+    """A reply's events as Anthropic content blocks, in order: a block opens where the kind
+    (thinking, text, tool_use) changes. It keeps the blocks (the whole reply) and says what each
+    step changed as Anthropic's stream events, so both forms hold the same blocks."""
+
+    def __init__(self) -> None:
+        self.blocks: list[dict[str, Any]] = []
+        self.open = False
+        self.called = False
+        self._json = ""  # the open tool_use block's arguments so far
+
+    def add(self, events: list[ChatEvent]) -> list[str]:
+        out: list[str] = []
+        for e in events:
+            if isinstance(e, Reasoning | Content):
+                kind, key = ("thinking", "thinking") if isinstance(e, Reasoning) else ("text", "text")
+                if not (self.open and self.blocks[-1]["type"] == kind):
+                    out += self._start({"type": kind, key: ""} | ({"signature": ""} if kind == "thinking" else {}))
+                self.blocks[-1][key] += e.text
+                out.append(self._delta({"type": f"{kind}_delta", key: e.text}))
+            elif isinstance(e, CallStart):
+                self.called = True
+                out += self._start({"type": "tool_use", "id": _tool_id(), "name": e.name, "input": {}})
+            elif isinstance(e, CallArgs):
+                self._json += e.fragment
+                out.append(self._delta({"type": "input_json_delta", "partial_json": e.fragment}))
+        return out
+
+    def close(self) -> list[str]:
+        if not self.open:
+            return []
+        self.open = False
+        if self.blocks[-1]["type"] == "tool_use":
+            self.blocks[-1]["input"], self._json = _input(self._json), ""
+        return [_event("content_block_stop", {"index": len(self.blocks) - 1})]
+
+    def _start(self, block: dict[str, Any]) -> list[str]:
+        out = self.close()
+        self.blocks.append(block)
+        self.open = True
+        return out + [_event("content_block_start", {"index": len(self.blocks) - 1, "content_block": dict(block)})]
+
+    def _delta(self, payload: dict[str, Any]) -> str:
+        return _event("content_block_delta", {"index": len(self.blocks) - 1, "delta": payload})
 
 
 def _tool_id() -> str:
@@ -236,56 +272,25 @@ def _event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind} | data, ensure_ascii=False)}\n\n"
 
 
-def _stream(first, chunks, head: dict[str, Any], reader: ChatReader, stops: set[str]):
-    """Anthropic's events: message_start, then per content block content_block_start, its
+def _stream(first, chunks: Chunks, head: dict[str, Any], reader: ChatReader, stops: set[str]) -> AsyncIterator[str]:
+    """Anthropic's events: message_start (and a ping), each content block's content_block_start,
     deltas and content_block_stop, then message_delta (stop_reason, usage) and message_stop."""
-    state: dict[str, Any] = {"block": None, "index": -1, "called": False}
-
-    def open_block(kind: str, block: dict[str, Any]) -> list[str]:
-        out = close_block()
-        state["block"], state["index"] = kind, state["index"] + 1
-        return out + [_event("content_block_start", {"index": state["index"], "content_block": block})]
-
-    def close_block() -> list[str]:
-        if state["block"] is None:
-            return []
-        state["block"] = None
-        return [_event("content_block_stop", {"index": state["index"]})]
-
-    def delta(payload: dict[str, Any]) -> str:
-        return _event("content_block_delta", {"index": state["index"], "delta": payload})
-
-    def on_events(events: list[ChatEvent]) -> list[str]:
-        out: list[str] = []
-        for e in events:
-            if isinstance(e, Reasoning):
-                if state["block"] != "thinking":
-                    out += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                out.append(delta({"type": "thinking_delta", "thinking": e.text}))
-            elif isinstance(e, Content):
-                if state["block"] != "text":
-                    out += open_block("text", {"type": "text", "text": ""})
-                out.append(delta({"type": "text_delta", "text": e.text}))
-            elif isinstance(e, CallStart):
-                state["called"] = True
-                out += open_block("tool_use", {"type": "tool_use", "id": _tool_id(), "name": e.name, "input": {}})
-            elif isinstance(e, CallArgs):
-                out.append(delta({"type": "input_json_delta", "partial_json": e.fragment}))
-        return out
+    blocks, started = _Blocks(), False
 
     def event(_: int, chunk: dict[str, Any]) -> str | None:
+        nonlocal started
         meta = chunk["meta_info"]
         out = []
-        if not state.get("started"):
-            state["started"] = True
+        if not started:
+            started = True
             usage = {"input_tokens": meta["prompt_tokens"], "output_tokens": 0}
             out.append(_event("message_start", {"message": head | {"content": [], "stop_reason": None,
                                                                    "stop_sequence": None, "usage": usage}}))
             out.append(_event("ping", {}))
-        out += on_events(reader.feed(chunk["text"]) + (reader.flush() if chunk["finished"] else []))
+        out += blocks.add(reader.feed(chunk["text"]) + (reader.flush() if chunk["finished"] else []))
         if chunk["finished"]:
-            out += close_block()
-            ending = _ending(meta, stops, state["called"])
+            out += blocks.close()
+            ending = _ending(meta, stops, blocks.called)
             out.append(_event("message_delta", {"delta": {"stop_reason": ending["stop_reason"],
                                                           "stop_sequence": ending["stop_sequence"]},
                                                 "usage": {"output_tokens": meta["completion_tokens"]}}))

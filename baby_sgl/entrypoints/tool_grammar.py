@@ -39,25 +39,17 @@ def _json_rule(name: str, schema: Any) -> str:
     return f"{name}: %json {json.dumps(schema)}"
 
 
-class _Rules:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def add(self, line: str) -> None:
-        self.lines.append(line)
-
-
-def _think_prefix(rules: _Rules, reasoning: str | None) -> str:
+def _think_prefix(rules: list[str], reasoning: str | None) -> str:
     """The rule before the answer: `think?` when the model may open a block, `think` when the
     prompt opened it; "" without a reasoning parser."""
     if reasoning is None:
         return ""
     if reasoning == "open":
-        rules.add(r"THINK: /(?s:.*)<\/think>/ & ~/(?s:.*)<\/think>(?s:.+)/")
-        rules.add(r"think: THINK /\n*/")
+        rules.append(r"THINK: /(?s:.*)<\/think>/ & ~/(?s:.*)<\/think>(?s:.+)/")
+        rules.append(r"think: THINK /\n*/")
         return "think "
-    rules.add(r"THINK: /<think>(?s:.*)<\/think>/ & ~/<think>(?s:.*)<\/think>(?s:.+)/")
-    rules.add(r"think: THINK /\n*/")
+    rules.append(r"THINK: /<think>(?s:.*)<\/think>/ & ~/<think>(?s:.*)<\/think>(?s:.+)/")
+    rules.append(r"think: THINK /\n*/")
     return "think? "
 
 
@@ -68,14 +60,14 @@ def json_after_thinking(schema_text: str, reasoning: str) -> str:
         schema = json.loads(schema_text)
     except json.JSONDecodeError as e:
         raise ValueError(f"json_schema is not valid JSON: {e}") from None
-    rules = _Rules()
+    rules: list[str] = []
     think = _think_prefix(rules, reasoning)
-    rules.add("start: " + think + "answer")
-    rules.add(_json_rule("answer", schema if schema is not True else {}))
-    return LARK_HEADER + "\n".join(rules.lines) + "\n"
+    rules.append("start: " + think + "answer")
+    rules.append(_json_rule("answer", schema if schema is not True else {}))
+    return LARK_HEADER + "\n".join(rules) + "\n"
 
 
-def _pythonic_kwargs(rules: _Rules, i: int, schema: dict[str, Any]) -> str:
+def _pythonic_kwargs(rules: list[str], i: int, schema: dict[str, Any]) -> str:
     """f(...)'s keyword arguments in the schema's order, each required one present."""
     props: dict[str, Any] = schema["properties"] if isinstance(schema.get("properties"), dict) else {}
     required = set(schema.get("required") or [])
@@ -83,7 +75,7 @@ def _pythonic_kwargs(rules: _Rules, i: int, schema: dict[str, Any]) -> str:
     for j, name in enumerate(names):
         if not name.isidentifier():
             raise ValueError(f"pythonic tool calls need argument names that are Python identifiers, got {name!r}")
-        rules.add(_json_rule(f"a{i}_{j}", props[name]))
+        rules.append(_json_rule(f"a{i}_{j}", props[name]))
     # kw{i}_{j}_{first}: the arguments from the j-th on; first: none written yet (no comma)
     for j in range(len(names), -1, -1):
         for first in (0, 1):
@@ -92,7 +84,7 @@ def _pythonic_kwargs(rules: _Rules, i: int, schema: dict[str, Any]) -> str:
             else:
                 item = ("" if first else '", " ') + f'"{names[j]}=" a{i}_{j} kw{i}_{j + 1}_0'
                 body = item if names[j] in required else f"{item} | kw{i}_{j + 1}_{first}"
-            rules.add(f"kw{i}_{j}_{first}: {body}")
+            rules.append(f"kw{i}_{j}_{first}: {body}")
     return f"kw{i}_0_1"
 
 
@@ -100,7 +92,7 @@ def tool_grammar(fmt: str, tools: list[Tool], forced: bool, parallel: bool, reas
     """A Lark grammar for the output: forced, one call (several when parallel) to one of tools,
     each to its schema; not forced, free text (without the format's call markup) or calls, the
     strict tools' arguments to their schemas and the others' any object."""
-    rules = _Rules()
+    rules: list[str] = []
     think = _think_prefix(rules, reasoning)
     alternatives = []
     for i, tool in enumerate(tools):
@@ -111,33 +103,33 @@ def tool_grammar(fmt: str, tools: list[Tool], forced: bool, parallel: bool, reas
                 raise ValueError(f"pythonic tool calls need function names that are Python identifiers, got {name!r}")
             alternatives.append(f"{_lit(name + '(')} {_pythonic_kwargs(rules, i, schema)} \")\"")
             continue
-        rules.add(_json_rule(f"args{i}", schema))
+        rules.append(_json_rule(f"args{i}", schema))
         key = "parameters" if fmt == "llama3" else "arguments"
         alternatives.append(f'{_lit(json.dumps({"name": name})[:-1] + f", {json.dumps(key)}: ")} args{i} "}}"')
-    rules.add("call: " + " | ".join(alternatives))
+    rules.append("call: " + " | ".join(alternatives))
     # the format: (the call list's opening, separator, closing); qwen25 wraps each call instead
     if fmt in ("qwen25", "qwen", "hermes"):
-        rules.add(r'unit: "<tool_call>\n" call "\n</tool_call>"')
-        rules.add("calls: unit" + (r' ("\n" unit)*' if parallel else ""))
+        rules.append(r'unit: "<tool_call>\n" call "\n</tool_call>"')
+        rules.append("calls: unit" + (r' ("\n" unit)*' if parallel else ""))
         marker: str | None = "<tool_call>"
         rest = r'"\n" call "\n</tool_call>"' + (r' ("\n" unit)*' if parallel else "")
     else:
         opening, sep, closing = {"llama3": ("", "; ", ""), "mistral": ("[TOOL_CALLS][", ", ", "]"),
                                  "pythonic": ("[", ", ", "]")}[fmt]
         more = f" ({_lit(sep)} call)*" if parallel else ""
-        rules.add("calls: " + (f"{_lit(opening)} " if opening else "") + "call" + more + (f" {_lit(closing)}"
+        rules.append("calls: " + (f"{_lit(opening)} " if opening else "") + "call" + more + (f" {_lit(closing)}"
                                                                                          if closing else ""))
         marker = "[TOOL_CALLS]" if fmt == "mistral" else None
         rest = '"[" call' + more + ' "]"'
     if forced:
-        rules.add("start: " + think + "calls")
+        rules.append("start: " + think + "calls")
     elif marker is not None:  # any text without the marker, or text up to it and the calls
         m = json.dumps(marker)[1:-1].replace("/", r"\/").replace("[", r"\[").replace("]", r"\]").replace("|", r"\|")
-        rules.add(f"TEXT: /(?s:.*)/ & ~/(?s:.*){m}(?s:.*)/")
-        rules.add(f"LEAD: /(?s:.*){m}/ & ~/(?s:.*){m}(?s:.+)/")
-        rules.add(f"start: {think}(TEXT | LEAD {rest})")
+        rules.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*){m}(?s:.*)/")
+        rules.append(f"LEAD: /(?s:.*){m}/ & ~/(?s:.*){m}(?s:.+)/")
+        rules.append(f"start: {think}(TEXT | LEAD {rest})")
     else:  # the calls are the whole output: text is what does not start as they do
         opening_char = {"llama3": "{", "pythonic": "["}[fmt]
-        rules.add(rf"TEXT: /(?s:.*)/ & ~/\s*\{opening_char}(?s:.*)/")
-        rules.add(f"start: {think}(TEXT | calls)")
-    return LARK_HEADER + "\n".join(rules.lines) + "\n"
+        rules.append(rf"TEXT: /(?s:.*)/ & ~/\s*\{opening_char}(?s:.*)/")
+        rules.append(f"start: {think}(TEXT | calls)")
+    return LARK_HEADER + "\n".join(rules) + "\n"
