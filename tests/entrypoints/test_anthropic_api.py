@@ -117,6 +117,7 @@ def test_the_key_comes_as_x_api_key(base):
     r = httpx.post(base + "/v1/messages", json={"model": "m", "max_tokens": 2, "messages": USER},
                    headers={"x-api-key": KEY})
     assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == 2
+    wait_idle(base, headers={"x-api-key": KEY})
 
 
 @pytest.fixture(scope="module")
