@@ -180,7 +180,11 @@ class Engine:
                 max(s.kv_heads[1] - s.kv_heads[0] for s in tp_plan.plan(cfg, args.tp_size))
             per_token = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype)
             if self.device.type == "cuda":
-                size = int(torch.cuda.mem_get_info(self.device)[0] * 0.8) // per_token
+                # Slots past every running request at full context only cache prefixes: for a small
+                # model, 80% of a large GPU would be hundreds of millions of them, each tracked by
+                # the allocator and walked by the memory check.
+                size = min(int(torch.cuda.mem_get_info(self.device)[0] * 0.8) // per_token,
+                           args.max_running_requests * self.context_len)
             else:
                 avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
                 size = min(int(avail * 0.2) // per_token, _CPU_MAX_TOTAL_TOKENS)

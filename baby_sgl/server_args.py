@@ -44,7 +44,8 @@ class EngineArgs:
                                                "step (needs chunking)")
     max_prefill_tokens: int = _setting(8192, "prompt tokens admitted into one prefill batch at most")
     max_total_tokens: int | None = _setting(None, "KV pool size in tokens (default: what memory allows, at most "
-                                                  "32768 on CPU)")
+                                                  "32768 on CPU and max_running_requests x the context on "
+                                                  "a GPU)")
     max_running_requests: int = _setting(64, "requests decoding at once at most")
     schedule_policy: str = _setting("fcfs", "order of admission of waiting requests: " + ", ".join(SCHEDULE_POLICIES)
                                             + " (lpm and dfs-weight use the radix tree)")
