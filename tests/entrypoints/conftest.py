@@ -70,6 +70,16 @@ def wait_idle(base: str, timeout: float = 10.0, headers: dict | None = None) -> 
     return r.json()
 
 
+def aborted_requests(base: str) -> float:
+    """The server's count of requests that ended by abort (its /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics").text):
+        if family.name == "sglang:num_aborted_requests":
+            return family.samples[0].value
+    raise AssertionError("no abort counter")
+
+
 @contextlib.contextmanager
 def serve_in_thread(engine: Engine, server_args: ServerArgs | None = None) -> Iterator[str]:
     """The app over engine, served on a free loopback port; yields its base URL. The engine is
