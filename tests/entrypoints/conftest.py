@@ -70,14 +70,19 @@ def wait_idle(base: str, timeout: float = 10.0, headers: dict | None = None) -> 
     return r.json()
 
 
-def aborted_requests(base: str) -> float:
-    """The server's count of requests that ended by abort (its /metrics)."""
+def server_counter(base: str, name: str) -> float:
+    """A counter of the server's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     for family in text_string_to_metric_families(httpx.get(base + "/metrics").text):
-        if family.name == "sglang:num_aborted_requests":
+        if family.name == name:
             return family.samples[0].value
-    raise AssertionError("no abort counter")
+    raise AssertionError(f"no counter {name}")
+
+
+def aborted_requests(base: str) -> float:
+    """The server's count of requests that ended by abort."""
+    return server_counter(base, "sglang:num_aborted_requests")
 
 
 @contextlib.contextmanager

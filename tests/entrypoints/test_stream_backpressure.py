@@ -13,7 +13,7 @@ import pytest
 
 from baby_sgl import Engine
 from baby_sgl.server_args import ServerArgs
-from conftest import aborted_requests, serve_in_thread, wait_idle
+from conftest import aborted_requests, serve_in_thread, server_counter, wait_idle
 from helpers import wait_until
 
 SEND_TIMEOUT_S = 1.0
@@ -95,9 +95,9 @@ def test_a_slow_reader_gets_the_whole_stream_joined(server):
     output's, and each event's own entries are those of the tokens it adds."""
     body = {"text": "st", "stream": True, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True,
                                                                "temperature": 0}} | HEAVY_LOGPROBS
+    done = server_counter(server, "sglang:generation_tokens")
     sock = send_request(server, "/generate", body)
-    wait_until(lambda: running(server) >= 1, "the request to run")
-    wait_until(lambda: running(server) == 0, "the request to finish")
+    wait_until(lambda: server_counter(server, "sglang:generation_tokens") == done + 900, "the request to finish")
     payloads = sse_payloads(read_to_end(sock))
     assert payloads[-1] == "[DONE]"
     events = [json.loads(p) for p in payloads[:-1]]
