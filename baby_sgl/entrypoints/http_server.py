@@ -20,6 +20,7 @@ from baby_sgl.entrypoints.dashboard import add_dashboard_routes
 from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.entrypoints.native_api import add_native_routes
 from baby_sgl.entrypoints.openai_api import add_openai_routes
+from baby_sgl.entrypoints.prompt_bound import PromptBoundRoute
 from baby_sgl.entrypoints.request_guard import RequestGuard
 from baby_sgl.entrypoints.send_deadline import SendDeadline
 from baby_sgl.entrypoints.responses import error_response
@@ -37,6 +38,7 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
     (the defaults when None)."""
     args = server_args or ServerArgs()
     app = FastAPI(title="baby-sgl")
+    app.router.route_class = PromptBoundRoute
     app.state.engine = engine
     # What /get_server_info reports of the server's own settings (never the key).
     app.state.server_settings = {name: getattr(args, name) for name in SERVER_ONLY if name != "api_key"}

@@ -1,11 +1,15 @@
 """Backpressure on every stream: a client that reads slowly gets a whole, consistent stream; one
 that stops reading for --stream-send-timeout seconds is cut off, its request aborted and its KV
-freed, while other clients are served; a stream's bytes grow with its output, not its square."""
+freed, while other clients are served; a stream's bytes grow with its output, not its square.
+And big request bodies: token-id prompts past the context are refused by their length, and
+megabytes of a chat's tool-call arguments are parsed off the event loop."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import socket
+import time
 from urllib.parse import urlsplit
 
 import httpx
@@ -126,3 +130,34 @@ def test_logprob_stream_bytes_grow_linearly(server):
     n = 200
     assert _stream_bytes(server, 2 * n) < 2.5 * _stream_bytes(server, n)
 
+
+def test_token_ids_past_the_context_are_refused_before_the_body_is_validated(server):
+    # Failed before: protocol.TokenIds admitted 2**24 ids, every one validated on the event loop
+    # before the engine refused the prompt's length.
+    for path, body in (("/generate", {"input_ids": [5] * 3_000_000}),
+                       ("/v1/completions", {"prompt": [[5, 6], [5] * 3_000_000]})):
+        r = httpx.post(server + path, json=body, timeout=60)
+        name = "input_ids" if path == "/generate" else "prompt"
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == (f"prompt is too long: {name} holds 3000000 token ids, more than "
+                                                f"the context length 1024")
+
+
+def test_megabytes_of_tool_call_arguments_are_parsed_off_the_event_loop(server):
+    # Failed before: openai_api.chat_completions built the turn (`body.chat_request(constraint)`,
+    # which parses every call's arguments) on the event loop, so /health waited for it.
+    arguments = json.dumps({"values": [1] * 4_500_000})  # 13.5 MB, under --max-request-bytes
+    body = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]}
+    health: list[float] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        start = time.perf_counter()
+        chat = pool.submit(httpx.post, server + "/v1/chat/completions", json=body, timeout=120)
+        while not chat.done():
+            t = time.perf_counter()
+            assert httpx.get(server + "/health", timeout=120).status_code == 200
+            health.append(time.perf_counter() - t)
+        took = time.perf_counter() - start
+    r = chat.result()
+    assert r.status_code == 400 and "prompt is too long" in r.json()["error"]["message"]
+    assert max(health) < took / 3  # generous: it waited for the whole parse before
