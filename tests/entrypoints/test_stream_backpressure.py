@@ -97,6 +97,8 @@ def test_a_slow_reader_gets_the_whole_stream_joined(server):
     """A client that reads nothing until its request has finished (the pieces piled up behind it
     and were joined) still gets every token once: the events' logprob entries, joined, are the
     output's, and each event's own entries are those of the tokens it adds."""
+    # Failed before: TokenizerManager.logprobs put every entry so far into each piece
+    # (`out = {k: list(v) ...}`), so an event's entries were not those of the tokens it adds.
     body = {"text": "st", "stream": True, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True,
                                                                "temperature": 0}} | HEAVY_LOGPROBS
     done = server_counter(server, "sglang:generation_tokens")
