@@ -18,7 +18,7 @@ from baby_sgl.managers.memory_checker import check_memory
 from baby_sgl.managers.scheduler_view import scheduler_view
 from baby_sgl.core.req import Req
 from baby_sgl.managers.scheduler import Progress, Scheduler
-from baby_sgl.managers.tokenizer_manager import TokenizerManager
+from baby_sgl.managers.tokenizer_manager import LogprobCursor, TokenizerManager
 from baby_sgl.core.memory_pool import KVPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.model_runner import ModelRunner
@@ -200,9 +200,11 @@ class Engine:
                partial_logprobs: bool = True, **logprob_options: Any) -> list[Req]:
         """Starts one request (n of them if sampling_params has n > 1) and returns at once.
         on_output(chunk) is called from the scheduler thread with each new piece (stream) or
-        only the final result; chunk["finished"] tells which. partial_logprobs=False leaves the
-        logprob lists out of every piece but the last (for a consumer that only keeps the end).
-        logprob_options: as `generate`. Raises ValueError on bad input."""
+        only the final result; chunk["finished"] tells which. Each piece's logprob lists hold only
+        its own entries (the prompt's in the first piece that has them), so a stream costs what its
+        output does; partial_logprobs=False leaves them out of every piece but the last, which then
+        holds them all (for a consumer that only keeps the end). logprob_options: as `generate`.
+        Raises ValueError on bad input."""
         self.tokenizer_manager.check_session_logprobs(session_params, logprob_options)
         made, _ = self.tokenizer_manager.make_reqs(prompt, input_ids, sampling_params, rid, **logprob_options)
         reqs = [r for r in made if isinstance(r, Req)]
@@ -210,9 +212,18 @@ class Engine:
             raise next(e for e in made if isinstance(e, ValueError))
         for req in reqs:
             req.stream = stream
-            req.on_output = lambda out, cb=on_output: cb(self.tokenizer_manager.chunk(out, partial_logprobs or out["finished"]))
+            req.on_output = None if on_output is None else self._piece_sender(on_output, partial_logprobs)
         self._enqueue(reqs, session_params)
         return reqs
+
+    def _piece_sender(self, on_output: Callable[[dict], None], partial_logprobs: bool) -> Callable[[dict], None]:
+        """One request's scheduler outputs, each as the piece `submit` promises."""
+        since = LogprobCursor() if partial_logprobs else None
+
+        def send(out: dict) -> None:
+            on_output(self.tokenizer_manager.chunk(out, partial_logprobs or out["finished"], since))
+
+        return send
 
     def _enqueue(self, reqs: list[Req], session_params: dict | SessionParams | None) -> None:
         if session_params is None:

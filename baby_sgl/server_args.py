@@ -134,6 +134,9 @@ class ServerArgs(EngineArgs):
     api_key: str | None = _setting(None, "required as `Authorization: Bearer <key>` on every route but /health")
     max_request_bytes: int = _setting(16 * 2**20, "largest request body accepted, in bytes")
     request_body_timeout: float = _setting(30.0, "seconds a client may take to send a request body")
+    stream_send_timeout: float = _setting(
+        30.0, "seconds a client may read nothing of a response (a stream) before it is cut off and its "
+              "request aborted")
     max_queued_requests: int | None = _setting(1024, "requests waiting for admission at most (a 503 beyond); "
                                                      "0 or less: no limit")
     disable_dashboard: bool = _setting(False, "no GET /dashboard (the live radix tree, KV pool and batches)")
@@ -158,6 +161,8 @@ class ServerArgs(EngineArgs):
             raise ValueError("max_request_bytes must be >= 1")
         if not self.request_body_timeout > 0:
             raise ValueError("request_body_timeout must be > 0 seconds")
+        if not self.stream_send_timeout > 0:
+            raise ValueError("stream_send_timeout must be > 0 seconds")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         if self.dp_rank < 0:

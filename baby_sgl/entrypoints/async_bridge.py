@@ -5,13 +5,15 @@ streamed from the engine, even when the client wants one response: the time of e
 what the inter-token latency metric measures. Metrics are recorded in the scheduler thread as
 pieces are delivered, so requests whose client left still count. A consumer that goes away
 (a client disconnect, a cancelled task) aborts its requests, so their KV is freed at the next
-step."""
+step. Pieces wait for their consumer in a bounded buffer (PieceBuffer): one that falls behind
+gets fewer, larger pieces, never an ever longer queue."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -24,6 +26,8 @@ from baby_sgl.core.sampling_params import SamplingParams
 
 # How often a waiting request checks that its client is still there (SGLang: every 4 s).
 DISCONNECT_POLL_S = 0.5
+# Pieces that may wait for one call's consumer before new ones are joined to them.
+MAX_BUFFERED_PIECES = 64
 
 
 class AsyncEngine:
@@ -53,14 +57,14 @@ class AsyncEngine:
         left running, if any item is invalid. `disconnected` is polled while waiting; when it
         says so the requests are aborted and the iteration ends."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = PieceBuffer()
         last_piece: dict[str, float] = {}  # rid -> time of its previous piece; scheduler thread only
 
         def deliver(chunk: dict) -> None:  # called in the scheduler thread
             if log_metrics:
                 self._observe(chunk, last_piece)
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, chunk)
+                loop.call_soon_threadsafe(queue.put, chunk)
             except RuntimeError:  # the server stopped; nobody is waiting for this any more
                 pass
 
@@ -79,7 +83,7 @@ class AsyncEngine:
         index = {req.rid: i for i, req in enumerate(submitted)}
         partial: dict[int, dict] = {}
         pending = len(submitted)
-        watcher = asyncio.create_task(_watch(disconnected, queue)) if disconnected else None
+        watcher = asyncio.create_task(self._watch(disconnected, queue, submitted, keys)) if disconnected else None
         try:
             while pending:
                 chunk = await queue.get()
@@ -92,7 +96,7 @@ class AsyncEngine:
                 if stream:
                     yield i, chunk
                 else:
-                    partial[i] = _merge(partial.get(i), chunk)
+                    partial[i] = chunk if i not in partial else join_pieces(partial[i], chunk)
                     if chunk["finished"]:
                         yield i, partial.pop(i)
         finally:
@@ -102,6 +106,19 @@ class AsyncEngine:
                 if not req.finished:
                     self.engine.abort_request(req.rid)
             self._forget(keys)
+
+    async def _watch(self, disconnected: Callable[[], Awaitable[bool]], queue: PieceBuffer,
+                     submitted: list[Req], keys: list[str]) -> None:
+        """Polls on a clock, not between pieces: a busy stream must notice a departure too, and so
+        must one whose response is stuck (a client cut off for not reading), which will never
+        ask for another piece."""
+        while not await disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        for req in submitted:
+            if not req.finished:
+                self.engine.abort_request(req.rid)
+        self._forget(keys)
+        queue.put(None)
 
     def _undo_submission(self, submitting: asyncio.Future) -> None:
         if submitting.cancelled() or submitting.exception() is not None:
@@ -182,18 +199,47 @@ class AsyncEngine:
             self.metrics.observe_finished(chunk["meta_info"])
 
 
-async def _watch(disconnected: Callable[[], Awaitable[bool]], queue: asyncio.Queue) -> None:
-    """Polls on a clock, not between pieces: a busy stream must notice a departure too."""
-    while not await disconnected():
-        await asyncio.sleep(DISCONNECT_POLL_S)
-    queue.put_nowait(None)
+class PieceBuffer:
+    """The pieces delivered to one call and not yet taken, on the event loop. At most
+    MAX_BUFFERED_PIECES wait: past that a new piece is joined to its request's latest waiting
+    one, so a consumer that falls behind holds its requests' outputs, never a piece per token.
+    None (the client left) is always kept."""
+
+    def __init__(self) -> None:
+        self._pieces: deque[dict | None] = deque()
+        self._ready = asyncio.Event()
+
+    def put(self, piece: dict | None) -> None:
+        if piece is not None and len(self._pieces) >= MAX_BUFFERED_PIECES:
+            rid = piece["meta_info"]["id"]
+            for i in range(len(self._pieces) - 1, -1, -1):
+                waiting = self._pieces[i]
+                if waiting is not None and waiting["meta_info"]["id"] == rid:
+                    self._pieces[i] = join_pieces(waiting, piece)
+                    return
+        self._pieces.append(piece)
+        self._ready.set()
+
+    async def get(self) -> dict | None:
+        while not self._pieces:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._pieces.popleft()
 
 
-def _merge(acc: dict | None, chunk: dict) -> dict:
-    """One request's pieces joined: the engine guarantees the texts concatenate to the result."""
-    if acc is None:
-        return {**chunk, "output_ids": list(chunk["output_ids"])}
-    acc["text"] += chunk["text"]
-    acc["output_ids"] += chunk["output_ids"]
-    acc["meta_info"], acc["finished"] = chunk["meta_info"], chunk["finished"]
-    return acc
+# The meta_info lists that hold one entry per output token: a piece carries its own tokens' entries.
+OUTPUT_LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+
+
+def join_pieces(earlier: dict, later: dict) -> dict:
+    """Two consecutive pieces of one request as one, built in `earlier` (a piece no one else
+    holds; the cost is the later piece's size): texts and ids joined, the later meta_info with
+    the output logprob entries of both (the prompt's, sent once, kept from either)."""
+    meta = earlier["meta_info"] | later["meta_info"]
+    for key in OUTPUT_LOGPROB_KEYS:
+        if key in earlier["meta_info"] and key in later["meta_info"]:
+            meta[key] = earlier["meta_info"][key]
+            meta[key] += later["meta_info"][key]
+    earlier["output_ids"] += later["output_ids"]
+    earlier.update(text=earlier["text"] + later["text"], meta_info=meta, finished=later["finished"])
+    return earlier

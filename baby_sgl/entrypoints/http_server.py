@@ -1,4 +1,4 @@
-"""The HTTP app over one Engine: its middleware (request_guard.py), its errors in one JSON shape
+"""The HTTP app over one Engine: its middleware (request_guard.py, send_deadline.py), its errors in one JSON shape
 (OpenAI's; Anthropic's on its routes), and its routes: SGLang's native API (native_api.py),
 OpenAI's (openai_api.py), Anthropic's Messages API (anthropic_api.py) and the dashboard.
 The process that serves it is launch_server.py's."""
@@ -20,7 +20,9 @@ from baby_sgl.entrypoints.dashboard import add_dashboard_routes
 from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.entrypoints.native_api import add_native_routes
 from baby_sgl.entrypoints.openai_api import add_openai_routes
+from baby_sgl.entrypoints.prompt_bound import PromptBoundRoute
 from baby_sgl.entrypoints.request_guard import RequestGuard
+from baby_sgl.entrypoints.send_deadline import SendDeadline
 from baby_sgl.entrypoints.responses import error_response
 from baby_sgl.errors import EngineDeadError, ServerBusyError
 from baby_sgl.server_args import SERVER_ONLY, ServerArgs
@@ -36,6 +38,7 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
     (the defaults when None)."""
     args = server_args or ServerArgs()
     app = FastAPI(title="baby-sgl")
+    app.router.route_class = PromptBoundRoute
     app.state.engine = engine
     # What /get_server_info reports of the server's own settings (never the key).
     app.state.server_settings = {name: getattr(args, name) for name in SERVER_ONLY if name != "api_key"}
@@ -44,6 +47,7 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
     app.state.async_engine = AsyncEngine(engine, app.state.metrics, args.max_queued_requests)
     app.add_middleware(RequestGuard, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                        body_timeout=args.request_body_timeout)
+    app.add_middleware(SendDeadline, timeout=args.stream_send_timeout)
     _install_error_handlers(app)
     add_native_routes(app, args.incremental_streaming_output)
     add_openai_routes(app)

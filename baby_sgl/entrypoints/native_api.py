@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from baby_sgl.engine import Engine
-from baby_sgl.entrypoints.async_bridge import AsyncEngine
+from baby_sgl.entrypoints.async_bridge import AsyncEngine, join_pieces
 from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.entrypoints.protocol import (AbortRequest, CloseSessionRequest, ConcateAndAppendRequest, GenerateRequest,
                                           OpenSessionRequest)
@@ -152,10 +152,6 @@ def add_native_routes(app: FastAPI, incremental_streaming_output: bool = False) 
         return Response(status_code=200)
 
 
-# The meta_info lists that grow by one entry per output token, sent as deltas by an incremental stream.
-_INCREMENTAL_META_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
-
-
 def _public(result: dict, with_prompt_ids: bool) -> dict:
     out = {k: v for k, v in result.items() if k not in ("finished", "prompt_token_ids")}
     return out | ({"prompt_token_ids": result["prompt_token_ids"]} if with_prompt_ids else {})
@@ -163,29 +159,29 @@ def _public(result: dict, with_prompt_ids: bool) -> dict:
 
 def _native_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, with_prompt_ids: bool,
                 incremental: bool) -> AsyncIterator[str]:
-    """SGLang streams the cumulative text and ids so far in every event (and the cumulative
-    logprob lists in meta_info); with --incremental-streaming-output, only what is new since the
-    last event: text, ids and the output logprob lists (completion_tokens and
-    output_token_logprobs_length stay totals). An event whose text would be unchanged (a token
+    """SGLang's /generate stream. Each event carries the text and output_ids so far (with
+    --incremental-streaming-output, only what is new since the last event) and, in meta_info,
+    the logprob entries of its own tokens only (the prompt's once), as SGLang's frontend expects
+    and joins them: the stream's bytes grow with its output, not with its square. completion_tokens
+    and output_token_logprobs_length stay totals. An event whose text would be unchanged (a token
     that ends inside a character, a stop string held back) is held until the text grows or the
     request ends: SGLang's frontend refuses an event without new text, and the next one carries
-    everything."""
+    what was held."""
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
-    sent: dict[int, tuple[int, int, int]] = {}  # characters, ids and output logprobs already sent
+    held: dict[int, dict] = {}  # pieces not sent yet, joined
 
     def event(i: int, chunk: dict) -> str | None:
-        texts[i] = texts.get(i, "") + chunk["text"]
-        ids[i] = ids.get(i, []) + chunk["output_ids"]
-        if not chunk["text"] and not chunk["finished"]:
+        piece = join_pieces(held.pop(i), chunk) if i in held else chunk
+        if not piece["text"] and not piece["finished"]:
+            held[i] = piece
             return None
-        text, out_ids, meta = texts[i], ids[i], chunk["meta_info"]
-        if incremental:
-            chars, n_ids, n_logprobs = sent.get(i, (0, 0, 0))
-            sent[i] = (len(text), len(out_ids), len(meta.get("output_token_logprobs", ())))
-            text, out_ids = text[chars:], out_ids[n_ids:]
-            meta = meta | {k: meta[k][n_logprobs:] for k in _INCREMENTAL_META_KEYS if k in meta}
-        out = {"text": text, "output_ids": out_ids, "meta_info": meta, "index": i}
+        text, out_ids = piece["text"], piece["output_ids"]
+        if not incremental:
+            texts[i] = text = texts.get(i, "") + text
+            out_ids = ids.setdefault(i, [])
+            out_ids += piece["output_ids"]
+        out = {"text": text, "output_ids": out_ids, "meta_info": piece["meta_info"], "index": i}
         return sse(out | ({"prompt_token_ids": chunk["prompt_token_ids"]} if with_prompt_ids else {}))
 
     return sse_stream(first, chunks, event)

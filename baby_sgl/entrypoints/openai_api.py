@@ -34,10 +34,11 @@ def _usage(metas: list[dict], n: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _chat_logprobs(engine: Engine, meta: dict, start: int) -> dict:
+def _chat_logprobs(engine: Engine, meta: dict) -> dict:
+    """OpenAI's chat logprobs of the output tokens in meta (a streamed piece's own)."""
     tops = meta.get("output_top_logprobs") or [[]] * len(meta["output_token_logprobs"])
     content = []
-    for (lp, tok, _), top in list(zip(meta["output_token_logprobs"], tops))[start:]:
+    for (lp, tok, _), top in zip(meta["output_token_logprobs"], tops):
         s = engine.token_text(tok)
         content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
                         "top_logprobs": [{"token": engine.token_text(t), "logprob": v,
@@ -45,24 +46,29 @@ def _chat_logprobs(engine: Engine, meta: dict, start: int) -> dict:
     return {"content": content}
 
 
-def _completion_logprobs(engine: Engine, meta: dict, start: int, echo: bool) -> dict:
-    """OpenAI's completion logprobs of the output from token `start` on; with echo, the prompt's
-    come first (in the first piece only), the first prompt token's logprob null. text_offset: where
-    each token's text starts in the choice's text (the echoed prompt included), counting token
-    texts as vLLM does."""
-    outputs, prompt = meta["output_token_logprobs"], meta["input_token_logprobs"] if echo else []
-    tokens, before = outputs[start:], outputs[:start]
-    tops = (meta.get("output_top_logprobs") or [[]] * len(outputs))[start:]
-    if echo and start == 0:
-        tokens = prompt + tokens
-        tops = (meta.get("input_top_logprobs") or [None] * len(prompt)) + tops
-    else:
-        before = prompt + before
-    texts = [engine.token_text(t) for _, t, _ in tokens]
-    base = sum(len(engine.token_text(t)) for _, t, _ in before)
-    return {"tokens": texts, "token_logprobs": [lp for lp, _, _ in tokens],
-            "top_logprobs": [None if top is None else {engine.token_text(t): v for v, t, _ in top} for top in tops],
-            "text_offset": list(itertools.accumulate(map(len, texts), initial=base))[:len(texts)]}
+class _CompletionLogprobs:
+    """OpenAI's completion logprobs of the output tokens in meta (a streamed piece's own), per
+    choice; with echo, the prompt's come first where meta carries them (the first piece), the
+    first prompt token's logprob null. text_offset: where each token's text starts in the
+    choice's text (the echoed prompt included), counting token texts as vLLM does."""
+
+    def __init__(self, engine: Engine, echo: bool) -> None:
+        self.engine, self.echo = engine, echo
+        self.ends: dict[int, int] = {}  # choice -> length of the token texts it reported
+
+    def __call__(self, i: int, meta: dict) -> dict:
+        tokens = list(meta["output_token_logprobs"])
+        tops = meta.get("output_top_logprobs") or [[]] * len(tokens)
+        if self.echo and "input_token_logprobs" in meta:
+            prompt = meta["input_token_logprobs"]
+            tokens, tops = prompt + tokens, (meta.get("input_top_logprobs") or [None] * len(prompt)) + tops
+        texts = [self.engine.token_text(t) for _, t, _ in tokens]
+        offsets = list(itertools.accumulate(map(len, texts), initial=self.ends.get(i, 0)))
+        self.ends[i] = offsets[-1]
+        return {"tokens": texts, "token_logprobs": [lp for lp, _, _ in tokens],
+                "top_logprobs": [None if top is None else {self.engine.token_text(t): v for v, t, _ in top}
+                                 for top in tops],
+                "text_offset": offsets[:-1]}
 
 
 def _copies(item: dict, n: int) -> list[dict]:
@@ -96,8 +102,7 @@ def add_openai_routes(app: FastAPI) -> None:
             ("prompt" if isinstance(p, str) else "input_ids"): p, "sampling_params": body.sampling_params(max_tokens),
             "return_logprob": body.logprobs is not None, "top_logprobs_num": body.logprobs or 0,
             "logprob_start_len": 0 if echo_logprobs else -1}, body.n)]
-        logprobs = (lambda meta, start: _completion_logprobs(engine, meta, start, body.echo)) \
-            if body.logprobs is not None else (lambda meta, start: None)
+        logprobs = _CompletionLogprobs(engine, body.echo) if body.logprobs is not None else _no_logprobs
         echoed = None
         if body.echo:  # each choice's text starts with its prompt
             texts = [p if isinstance(p, str) else await asyncio.to_thread(_decode, engine, p) for p in prompts]
@@ -109,14 +114,22 @@ def add_openai_routes(app: FastAPI) -> None:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(max_tokens)
         constraint = {kind: params.pop(kind) for kind in GRAMMAR_KINDS if kind in params}
-        turn = await asyncio.to_thread(prepare, engine, app.state.server_settings, body.chat_request(constraint))
+        # Off the event loop: the history's tool-call arguments are parsed, and may be megabytes.
+        turn = await asyncio.to_thread(lambda: prepare(engine, app.state.server_settings, body.chat_request(constraint)))
         item = {"input_ids": turn.input_ids, "sampling_params": params | turn.constraint,
                 "return_logprob": body.logprobs, "top_logprobs_num": body.top_logprobs or 0}
-        logprobs = (lambda meta, start: _chat_logprobs(engine, meta, start)) if body.logprobs \
-            else (lambda meta, start: None)
+        logprobs = (lambda _, meta: _chat_logprobs(engine, meta)) if body.logprobs else _no_logprobs
         reader = turn.reader if turn.starts_inside is not None or turn.tool_format else None
         return await _respond(app, request, _copies(item, body.n), body, "chat.completion", logprobs,
                               reader=reader, reasoning=turn.starts_inside is not None)
+
+
+# The logprobs of a choice's piece or whole answer: (choice index, meta_info) -> OpenAI's logprobs object.
+Logprobs = Callable[[int, dict], dict | None]
+
+
+def _no_logprobs(_: int, __: dict) -> None:
+    return None
 
 
 def _call_id() -> str:
@@ -128,7 +141,7 @@ def _chat_finish(meta: dict, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind: str, logprobs,
+async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind: str, logprobs: Logprobs,
                    echoed: list[str] | None = None, reader: Callable[[], ChatReader] | None = None,
                    reasoning: bool = False):
     """reader: a reader of each choice's output (reasoning and tool calls); reasoning: the
@@ -148,7 +161,7 @@ async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind
     choices, metas = [], [finals[i]["meta_info"] for i in sorted(finals)]
     for i in sorted(finals):
         meta, text = finals[i]["meta_info"], (echoed[i] if echoed else "") + finals[i]["text"]
-        choice = {"index": i, "logprobs": logprobs(meta, 0), "finish_reason": _finish_reason(meta)}
+        choice = {"index": i, "logprobs": logprobs(i, meta), "finish_reason": _finish_reason(meta)}
         if kind != "chat.completion":
             choice["text"] = text
         elif reader is None:
@@ -180,11 +193,11 @@ def _decode(engine: Engine, ids: list[int]) -> str:
 
 
 def _openai_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, head: dict[str, Any], kind: str, n: int,
-                include_usage: bool, logprobs: Any, echoed: list[str] | None,
+                include_usage: bool, logprobs: Logprobs, echoed: list[str] | None,
                 chat: tuple[Callable[[], ChatReader], bool] | None = None) -> AsyncIterator[str]:
     """chat: (a reader per choice, whether the reasoning streams as it comes)."""
     obj = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
-    sent: dict[int, int] = {}  # tokens already reported per choice (for logprobs)
+    sent: dict[int, int] = {}  # tokens already reported per choice (none: its first piece is next)
     metas: dict[int, dict] = {}
     readers: dict[int, ChatReader] = {}
     held: dict[int, str] = {}  # reasoning kept for the last piece (stream_reasoning false)
@@ -217,7 +230,7 @@ def _openai_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, head: 
     def event(i: int, chunk: dict) -> str:
         meta = chunk["meta_info"]
         start, sent[i] = sent.get(i, 0), meta["completion_tokens"]
-        choice = {"index": i, "logprobs": logprobs(meta, start), "finish_reason": _finish_reason(meta)}
+        choice = {"index": i, "logprobs": logprobs(i, meta), "finish_reason": _finish_reason(meta)}
         if kind == "chat.completion":
             choice["delta"] = chat_delta(i, chunk) | ({"role": "assistant"} if start == 0 else {})
             choice["finish_reason"] = _chat_finish(meta, i in called)

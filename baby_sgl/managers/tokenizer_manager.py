@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from jinja2.exceptions import TemplateError
@@ -26,6 +27,14 @@ if TYPE_CHECKING:
 # SGLang's meta_info names the weights that answered (updated in place by its RL training loop);
 # ours never change after load: SGLang's default name.
 WEIGHT_VERSION = "default"
+
+
+@dataclass
+class LogprobCursor:
+    """How much of one request's logprobs its consumer has been given."""
+
+    output: int = 0  # output entries
+    prompt: bool = False  # the prompt's, which come all at once
 
 
 def split_batch(prompt: Any, input_ids: Any, sampling_params: Any, rid: Any,
@@ -125,6 +134,9 @@ class TokenizerManager:
         return list(item)
 
     def result(self, req: Req, with_logprobs: bool = True) -> dict[str, Any]:
+        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": self.meta_info(req, with_logprobs)}
+
+    def meta_info(self, req: Req, with_logprobs: bool = True, since: LogprobCursor | None = None) -> dict[str, Any]:
         ts = req.time_stats
         meta = {
             "id": req.rid,
@@ -142,21 +154,26 @@ class TokenizerManager:
             "ttft": (ts.first_token - ts.created) if ts.first_token else None,
         }
         if req.return_logprob and with_logprobs:
-            meta.update(self.logprobs(req))
-        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+            meta.update(self.logprobs(req, since))
+        return meta
 
-    def logprobs(self, req: Req) -> dict[str, Any]:
-        """SGLang's logprob fields of meta_info; prompt ones once they are all computed."""
-        sides = ("output",) if req.input_logprobs_pending() else ("output", "input")
+    def logprobs(self, req: Req, since: LogprobCursor | None = None) -> dict[str, Any]:
+        """SGLang's logprob fields of meta_info; prompt ones once they are all computed. With
+        `since`, only what it has not counted yet (output entries past it, prompt ones once), and
+        it is advanced: a stream's pieces then carry each entry once."""
+        cursor = since or LogprobCursor()
+        prompt = not req.input_logprobs_pending() and not cursor.prompt
+        sides = ("output", "input") if prompt else ("output",)
         kinds = ["token_logprobs"] + ["top_logprobs"] * bool(req.top_logprobs_num) + \
             ["token_ids_logprobs"] * (req.token_ids_logprob is not None)
-        fields = {f"{side}_{kind}": getattr(req, f"{side}_{kind}") for kind in kinds for side in sides}
+        fields = {f"{side}_{kind}": getattr(req, f"{side}_{kind}")[cursor.output if side == "output" else 0:]
+                  for kind in kinds for side in sides}
         if req.return_text_in_logprobs:
-            out = {k: with_texts(v, self.token_text) for k, v in fields.items()}
-        else:
-            out = {k: list(v) for k, v in fields.items()}
-        # as SGLang: how many output logprobs there are so far (streamed events carry them all)
-        return out | {"output_token_logprobs_length": len(out["output_token_logprobs"])}
+            fields = {k: with_texts(v, self.token_text) for k, v in fields.items()}
+        total = len(req.output_token_logprobs)
+        cursor.output, cursor.prompt = total, cursor.prompt or prompt
+        # as SGLang: how many output logprobs there are so far, whatever a piece carries
+        return fields | {"output_token_logprobs_length": total}
 
     def template_knows_tools(self) -> bool:
         """The chat template renders `tools` and tool calls itself (else they are written into
@@ -184,12 +201,14 @@ class TokenizerManager:
         if session_params is not None and start is not None and start >= 0 and options.get("return_logprob"):
             raise ValueError("prompt logprobs (logprob_start_len >= 0) are not available for session turns")
 
-    def chunk(self, out: dict[str, Any], with_logprobs: bool = True) -> dict[str, Any]:
-        """A scheduler output as the API shows it: the new text and ids, meta_info so far."""
-        chunk = self.result(out["req"], with_logprobs)
-        chunk.update(text=out["text"], output_ids=out["output_ids"], finished=out["finished"],
-                     prompt_token_ids=out["req"].origin_input_ids)
-        return chunk
+    def chunk(self, out: dict[str, Any], with_logprobs: bool = True,
+              since: LogprobCursor | None = None) -> dict[str, Any]:
+        """A scheduler output as the API shows it: the new text and ids, meta_info so far (its
+        logprobs only those past `since`, when given)."""
+        req = out["req"]
+        return {"text": out["text"], "output_ids": out["output_ids"],
+                "meta_info": self.meta_info(req, with_logprobs, since), "finished": out["finished"],
+                "prompt_token_ids": req.origin_input_ids}
 
     def apply_chat_template(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
                             tools: list[dict[str, Any]] | None = None) -> list[int]:

@@ -70,6 +70,21 @@ def wait_idle(base: str, timeout: float = 10.0, headers: dict | None = None) -> 
     return r.json()
 
 
+def server_counter(base: str, name: str) -> float:
+    """A counter of the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics").text):
+        if family.name == name:
+            return family.samples[0].value
+    raise AssertionError(f"no counter {name}")
+
+
+def aborted_requests(base: str) -> float:
+    """The server's count of requests that ended by abort."""
+    return server_counter(base, "sglang:num_aborted_requests")
+
+
 @contextlib.contextmanager
 def serve_in_thread(engine: Engine, server_args: ServerArgs | None = None) -> Iterator[str]:
     """The app over engine, served on a free loopback port; yields its base URL. The engine is

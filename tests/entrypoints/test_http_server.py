@@ -7,7 +7,7 @@ import json
 
 import httpx
 import pytest
-from conftest import serve_in_thread, wait_idle
+from conftest import aborted_requests, serve_in_thread, wait_idle
 from helpers import wait_until, wait_until_async
 
 from baby_sgl import Engine
@@ -150,30 +150,21 @@ def test_32_concurrent_streaming_clients(server):
 
 def test_stream_disconnect_aborts_the_request(long_server_clean):
     server = long_server_clean
-    before = _aborted(server)
+    before = aborted_requests(server)
     with httpx.stream("POST", server + "/generate", json={"text": "go on", "stream": True,
                                                           "sampling_params": LONG}) as r:
         for i, _ in enumerate(r.iter_lines()):
             if i > 4:
                 break
-    wait_until(lambda: _aborted(server) == before + 1, "the abort")  # then the autouse fixture checks memory
+    wait_until(lambda: aborted_requests(server) == before + 1, "the abort")  # then the autouse fixture checks memory
 
 
 def test_non_stream_disconnect_aborts_the_request(long_server_clean):
     server = long_server_clean
-    before = _aborted(server)
+    before = aborted_requests(server)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server + "/generate", json={"text": "go on", "sampling_params": LONG}, timeout=0.3)
-    wait_until(lambda: _aborted(server) == before + 1, "the abort")
-
-
-def _aborted(server: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(httpx.get(server + "/metrics").text):
-        if family.name == "sglang:num_aborted_requests":
-            return family.samples[0].value
-    raise AssertionError("no abort counter")
+    wait_until(lambda: aborted_requests(server) == before + 1, "the abort")
 
 
 @pytest.mark.parametrize("path, body, fragment", [

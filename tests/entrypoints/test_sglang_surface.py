@@ -89,8 +89,10 @@ def test_constraint_and_invalid_grammar_over_http(server):
     assert bad.status_code == 400 and "invalid regex" in bad.json()["error"]["message"]
 
 
-def test_streamed_logprobs_are_cumulative(server):
-    """As SGLang's default: every event carries the text, ids and output logprobs so far."""
+def test_streamed_text_is_cumulative_and_logprobs_incremental(server):
+    """As SGLang's default stream, which its frontend's test_stream_logprobs checks: every event
+    carries the text and ids so far, and only its own tokens' output logprobs (the prompt's come
+    once, in the first event), so the stream's bytes grow with its output."""
     body = {"text": "st", "stream": True, "return_logprob": True, "logprob_start_len": 0,
             "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True, "stream_interval": 2}}
     events = []
@@ -100,17 +102,19 @@ def test_streamed_logprobs_are_cumulative(server):
                 events.append(json.loads(line[5:]))
     lengths = [len(e["output_ids"]) for e in events]
     assert lengths == [1, 3, 5]  # the first token at once, then every stream_interval tokens
-    for e in events:
-        meta = e["meta_info"]
-        assert [t for _, t, _ in meta["output_token_logprobs"]] == e["output_ids"]
-        assert len(meta["input_token_logprobs"]) == 2 and meta["input_token_logprobs"][0][0] is None
+    for before, e in zip([0] + lengths, events):
+        assert [t for _, t, _ in e["meta_info"]["output_token_logprobs"]] == e["output_ids"][before:]
+    prompt = events[0]["meta_info"]["input_token_logprobs"]
+    assert len(prompt) == 2 and prompt[0][0] is None
+    assert not any("input_token_logprobs" in e["meta_info"] for e in events[1:])
     assert events[-1]["text"].startswith(events[0]["text"])
 
 
 def test_every_streamed_event_has_new_text(server):
     """A token that ends inside a character (the tiny tokenizer has one token per byte, so "é"
     takes two) adds no text: its event is held and the next one carries it, as SGLang's frontend
-    refuses an event without new text. meta_info counts the output logprobs as SGLang's does."""
+    refuses an event without new text. meta_info counts the output logprobs as SGLang's does,
+    and the held token's entry comes with the next event."""
     body = {"text": "accent:", "stream": True, "return_logprob": True,
             "sampling_params": {"max_new_tokens": 6, "temperature": 0, "regex": "(é){3}"}}
     with httpx.stream("POST", server + "/generate", json=body) as r:
@@ -118,9 +122,10 @@ def test_every_streamed_event_has_new_text(server):
     texts = [e["text"] for e in events]
     assert texts[-1] == "ééé" and all(a < b and b.startswith(a) for a, b in zip([""] + texts, texts))
     assert [len(e["output_ids"]) for e in events] == [2, 4, 6]  # each after the character's second byte
-    for e in events:
+    for before, e in zip([0, 2, 4], events):
         meta = e["meta_info"]
-        assert meta["output_token_logprobs_length"] == meta["completion_tokens"] == len(meta["output_token_logprobs"])
+        assert meta["output_token_logprobs_length"] == meta["completion_tokens"] == len(e["output_ids"])
+        assert len(meta["output_token_logprobs"]) == len(e["output_ids"]) - before  # its own tokens' entries
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +145,14 @@ def _events(base: str, body: dict) -> list[dict]:
 def test_incremental_streaming_output_sends_deltas(server, incremental_server):
     """--incremental-streaming-output: each event carries only the new text, ids and output
     logprob entries (SGLang's frontend joins them); the totals stay totals. Joined, the events
-    equal the cumulative stream's last event, and a held event (a character's first byte) is
-    carried by the next one."""
+    equal the default stream's last event (its logprobs joined too), and a held event (a
+    character's first byte) is carried by the next one."""
     for prompt, params in (("st", {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True, "stream_interval": 2}),
                            ("accent:", {"max_new_tokens": 6, "temperature": 0, "regex": "(é){3}"})):
         body = {"text": prompt, "stream": True, "return_logprob": True, "top_logprobs_num": 2,
                 "sampling_params": params}
-        deltas, whole = _events(incremental_server, body), _events(server, body)[-1]
+        deltas, cumulative = _events(incremental_server, body), _events(server, body)
+        whole = cumulative[-1]
         assert len(deltas) > 1 and all(e["text"] for e in deltas)
         assert "".join(e["text"] for e in deltas) == whole["text"]
         assert sum((e["output_ids"] for e in deltas), []) == whole["output_ids"]
@@ -158,7 +164,8 @@ def test_incremental_streaming_output_sends_deltas(server, incremental_server):
             done += len(e["output_ids"])
             assert meta["completion_tokens"] == meta["output_token_logprobs_length"] == done
         joined = sum((e["meta_info"]["output_token_logprobs"] for e in deltas), [])
-        expected = whole["meta_info"]["output_token_logprobs"]  # from another server: a cached prefix, other kernels
+        # from another server: a cached prefix, other kernels
+        expected = sum((e["meta_info"]["output_token_logprobs"] for e in cumulative), [])
         assert [t for _, t, _ in joined] == [t for _, t, _ in expected]
         assert [v for v, _, _ in joined] == pytest.approx([v for v, _, _ in expected], abs=1e-4)
 

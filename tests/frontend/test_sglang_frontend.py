@@ -204,29 +204,29 @@ def test_stream_with_logprobs(frontend, server):
     story, meta = result["vars"]["story"], result["meta"]["story"]
     assert result["pieces"] and "".join(result["pieces"]) == story
     assert result["text"] == "Once upon a time" + story and re.fullmatch(r"[a-z ]{8,16}", story)
-    # The frontend keeps the last event's meta_info: it must hold the whole output's logprobs.
-    assert meta["finish_reason"] is not None
-    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
-    assert [len(top) for top in meta["output_top_logprobs"]] == [2] * meta["completion_tokens"]
-    assert meta["input_token_logprobs"] == []  # SGLang: no logprob_start_len, no prompt logprobs
+    assert meta["finish_reason"] is not None  # the frontend keeps the last event's meta_info
 
     [call] = frontend.exchanges("stream")
     events = _sse_payloads(call["events"])
     assert len(events) > 1 and events[-1]["meta_info"] == meta and events[-1]["text"] == story
-    for before, after in zip(events, events[1:]):  # cumulative, as SGLang streams
+    for before, after in zip(events, events[1:]):  # text and ids cumulative, as SGLang streams
         assert after["text"].startswith(before["text"])
         assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
-        old = before["meta_info"]["output_token_logprobs"]
-        assert after["meta_info"]["output_token_logprobs"][: len(old)] == old
         assert before["meta_info"]["finish_reason"] is None
-    for event in events:
-        assert len(event["meta_info"]["output_token_logprobs"]) == len(event["output_ids"])
+    joined, sent = [], 0
+    for event in events:  # logprobs incremental, as SGLang's test_stream_logprobs expects
+        own = event["meta_info"]["output_token_logprobs"]
+        assert [token for _, token, _ in own] == event["output_ids"][sent:]
+        assert [len(top) for top in event["meta_info"]["output_top_logprobs"]] == [2] * len(own)
+        joined, sent = joined + own, len(event["output_ids"])
+    assert len(joined) == meta["completion_tokens"] == meta["output_token_logprobs_length"]
+    assert events[0]["meta_info"]["input_token_logprobs"] == []  # SGLang: no logprob_start_len, no prompt logprobs
 
     whole = generate(server, {k: v for k, v in call["body"].items() if k != "stream"})
     assert whole["text"] == story
-    assert whole["output_ids"] == [token for _, token, _ in meta["output_token_logprobs"]]
+    assert whole["output_ids"] == [token for _, token, _ in joined]
     assert [lp for lp, _, _ in whole["meta_info"]["output_token_logprobs"]] == \
-        pytest.approx([lp for lp, _, _ in meta["output_token_logprobs"]], abs=1e-4)
+        pytest.approx([lp for lp, _, _ in joined], abs=1e-4)
 
 
 def _chatml(role: str, content: str) -> str:

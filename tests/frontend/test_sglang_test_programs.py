@@ -1,6 +1,7 @@
 """SGLang's own test programs (sglang/test/test_programs.py, the module SGLang's CI runs against
 its server through `sgl.RuntimeEndpoint`, with `--incremental-streaming-output` as SGLang's CI
-starts it) against our server on the default model, SmolLM2-135M-Instruct.
+starts it; test_stream_logprobs with the default flags too) against our server on the default
+model, SmolLM2-135M-Instruct.
 
 Every program of that module is either run here or named below with why not: four check what the
 model knows (capitals, 24 hours, 257 * 983, the Linux creator's country), which a 135M model does
@@ -51,17 +52,23 @@ def _sglang_programs() -> set[str]:
     return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
 
 
+def run_programs(base: str, programs: dict[str, dict]) -> dict:
+    """Each program (name -> its keyword arguments) run against the server at base, in a child
+    process; then the memory invariant after all of them."""
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}  # loopback only
+    args = [f"{name}={json.dumps(kwargs)}" for name, kwargs in programs.items()]
+    proc = subprocess.run([sys.executable, sglang_test_programs.__file__, base, *args], capture_output=True,
+                          text=True, timeout=TIMEOUT_S, env=env, cwd=Path(__file__).parent)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    wait_idle(base)
+    return json.loads(proc.stdout)
+
+
 @pytest.fixture(scope="module")
 def results() -> dict:
     engine = Engine(max_total_tokens=16384)
     with serve_in_thread(engine, ServerArgs(incremental_streaming_output=True)) as base:
-        env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}  # loopback only
-        args = [f"{name}={json.dumps(kwargs)}" for name, kwargs in RUN.items()]
-        proc = subprocess.run([sys.executable, sglang_test_programs.__file__, base, *args], capture_output=True,
-                              text=True, timeout=TIMEOUT_S, env=env, cwd=Path(__file__).parent)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        wait_idle(base)  # the memory invariant after all of them
-        return json.loads(proc.stdout)
+        return run_programs(base, RUN)
 
 
 def test_every_program_of_the_module_is_accounted_for():
@@ -73,3 +80,14 @@ def test_sglang_program(results, name):
     r = results[name]
     assert r["passed"], f"{r['error']}\n{r['executor_errors']}\nrefused: {r['refused']}"
     assert "/generate" in r["paths"]  # it reached the server
+
+
+def test_stream_logprobs_with_default_flags():
+    """SGLang's default stream, which test_stream_logprobs checks: the text so far in every event
+    (each adds some), and only that event's own output logprob entries."""
+    # Failed before: native_api._native_sse sent every logprob entry so far in each event unless
+    # --incremental-streaming-output (`meta = meta | {k: meta[k][n_logprobs:] ...}` only then).
+    with serve_in_thread(Engine(max_total_tokens=4096)) as base:
+        r = run_programs(base, {"test_stream_logprobs": {}})["test_stream_logprobs"]
+    assert r["passed"], f"{r['error']}\n{r['executor_errors']}\nrefused: {r['refused']}"
+    assert r["paths"] == ["/generate"]
