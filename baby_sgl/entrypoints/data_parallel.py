@@ -24,6 +24,7 @@ import time
 import urllib.request
 
 from baby_sgl.distributed.processes import child_setup, free_port, reap, split_cores
+from baby_sgl.entrypoints.request_guard import allowed_host_names
 from baby_sgl.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -34,14 +35,16 @@ _ROUTER_HEALTH_FLAGS = ("--health-check-interval-secs", "2", "--health-failure-t
                         "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
                         "--disable-circuit-breaker")
 # Settings the front process keeps: each worker gets its own port on loopback and dp_size 1.
-_FRONT_ONLY = ("host", "port", "dp_size", "router_policy", "dp_rank")
+_FRONT_ONLY = ("host", "port", "dp_size", "router_policy", "dp_rank", "allowed_hosts")
 
 
 def worker_argv(args: ServerArgs, port: int, rank: int) -> list[str]:
     """The `baby-sgl serve` flags of one worker: every setting that differs from the default,
     except the front's own, plus its loopback port and its rank."""
+    # A worker answers the Host names its front answers (the router may pass the client's on).
+    names = allowed_host_names(args.host, args.allowed_hosts)
     argv = [sys.executable, "-m", "baby_sgl.launch_server", "--host", "127.0.0.1", "--port", str(port),
-            "--dp-rank", str(rank)]
+            "--dp-rank", str(rank), "--allowed-hosts", "*" if names is None else ",".join(sorted(names))]
     for f in dataclasses.fields(ServerArgs):
         value = getattr(args, f.name)
         if f.name in _FRONT_ONLY or value == f.default or value is None:
