@@ -6,7 +6,8 @@ the worker that has most of its prefix cached, or to the least loaded one when t
 uneven; it health-checks the workers and stops sending to one that dies.
 
 This process only supervises: it starts the workers, waits until each answers /health, starts
-the router, and on SIGTERM/SIGINT stops the router and then every worker. If the router exits,
+the router, and on SIGTERM/SIGINT stops every worker (each answers its open requests, through the
+router, within --graceful-shutdown-timeout) and then the router. If the router exits,
 everything stops (exit code 1); a worker that dies is left to the router to route around.
 """
 
@@ -114,11 +115,12 @@ class DataParallelServer:
 
     def stop(self) -> None:
         self._stopping.set()
-        procs = ([self.router] if self.router else []) + self.workers
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        reap(procs, _STOP_TIMEOUT_S)
+        for procs, timeout in ((self.workers, self.args.graceful_shutdown_timeout + _STOP_TIMEOUT_S),
+                               ([self.router] if self.router else [], _STOP_TIMEOUT_S)):
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            reap(procs, timeout)
 
     def run(self) -> int:
         """Serves until SIGTERM/SIGINT (0) or until the router exits (1)."""
