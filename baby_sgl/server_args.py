@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,9 +115,11 @@ class EngineArgs:
         """One --flag per field, with the field's help."""
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            help_ = f.metadata["help"] + ("" if f.type == "bool" or f.default is None else f" (default: {f.default})")
+            help_ = f.metadata["help"] + ("" if f.type == "bool" or f.default in (None, ()) else f" (default: {f.default})")
             if f.type == "bool":
                 parser.add_argument(flag, action="store_true", default=f.default, help=help_)
+            elif f.type.startswith("tuple"):  # a list: comma or space separated, or the flag repeated
+                parser.add_argument(flag, action="extend", type=split_list, default=None, help=help_)
             else:
                 kind = int if "int" in f.type else float if "float" in f.type else str
                 parser.add_argument(flag, type=kind, default=f.default, help=help_)
@@ -132,6 +135,13 @@ class ServerArgs(EngineArgs):
     port: int = _setting(30000, "port to listen on")
     log_level: str = _setting("warning", "logging level: debug, info, warning or error")
     api_key: str | None = _setting(None, "required as `Authorization: Bearer <key>` on every route but /health")
+    allowed_hosts: tuple[str, ...] = _setting(
+        (), "Host header names (or addresses) the server answers besides its loopback names, comma or space "
+            "separated or the flag repeated; * answers any. Bound to a loopback address the server answers "
+            "only those (no page on another site can reach it by a name that resolves to 127.0.0.1)")
+    graceful_shutdown_timeout: float = _setting(
+        20.0, "on SIGTERM (or Ctrl-C), seconds the running requests get to finish while new ones are refused "
+              "(503); the rest are then aborted, each answered, and the server exits")
     max_request_bytes: int = _setting(16 * 2**20, "largest request body accepted, in bytes")
     request_body_timeout: float = _setting(30.0, "seconds a client may take to send a request body")
     stream_send_timeout: float = _setting(
@@ -157,6 +167,11 @@ class ServerArgs(EngineArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key is empty: give a key, or leave the flag out to serve without one")
+        object.__setattr__(self, "allowed_hosts", tuple(split_list(self.allowed_hosts or ())))  # as parsed
+        if not self.graceful_shutdown_timeout >= 0:
+            raise ValueError("graceful_shutdown_timeout must be >= 0 seconds")
         if self.max_request_bytes < 1:
             raise ValueError("max_request_bytes must be >= 1")
         if not self.request_body_timeout > 0:
@@ -185,6 +200,12 @@ class ServerArgs(EngineArgs):
 # The HTTP server's own settings: Engine() refuses them by name.
 SERVER_ONLY = tuple(f.name for f in dataclasses.fields(ServerArgs)
                     if f.name not in {g.name for g in dataclasses.fields(EngineArgs)})
+
+
+def split_list(value: str | list[str] | tuple[str, ...]) -> list[str]:
+    """A list setting's items, given as one string (comma or space separated) or a sequence of such."""
+    items = [value] if isinstance(value, str) else list(value)
+    return [part for item in items for part in re.split(r"[,\s]+", item) if part]
 
 
 def engine_kwargs(args: EngineArgs | argparse.Namespace) -> dict[str, Any]:

@@ -68,8 +68,8 @@ def test_settings_are_frozen_and_split():
     engine_args = args.engine_args()
     assert type(engine_args) is EngineArgs and engine_args.page_size == 4
     assert not set(engine_kwargs(args)) & set(SERVER_ONLY)
-    assert set(SERVER_ONLY) == {"host", "port", "log_level", "api_key", "max_request_bytes", "request_body_timeout",
-                                "stream_send_timeout",
+    assert set(SERVER_ONLY) == {"host", "port", "log_level", "api_key", "allowed_hosts", "graceful_shutdown_timeout",
+                                "max_request_bytes", "request_body_timeout", "stream_send_timeout",
                                 "max_queued_requests", "disable_dashboard", "incremental_streaming_output",
                                 "reasoning_parser", "tool_call_parser", "dp_size", "router_policy", "dp_rank"}
 

@@ -6,7 +6,6 @@ or as Anthropic's stream of events. Errors have Anthropic's shape (responses.py)
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -62,7 +61,14 @@ class ThinkingBlock(StrictModel):
     signature: Text | None = None
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+class ImageBlock(StrictModel):
+    """Read as Anthropic's schema has it only to be refused by name: the models served read text."""
+    type: Literal["image"]
+    source: dict[str, Any]
+    cache_control: CacheControl = None
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | ImageBlock, Field(discriminator="type")]
 
 
 class MessageParam(StrictModel):
@@ -125,6 +131,8 @@ def _openai_messages(m: MessageParam) -> list[dict[str, Any]]:
     `tool` message), then the text; an assistant's tool_use blocks as its tool calls."""
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
+    if any(isinstance(b, ImageBlock) for b in m.content):
+        raise ValueError("messages: an image block is not supported: this model reads text only")
     out: list[dict[str, Any]] = []
     text = "".join(b.text for b in m.content if isinstance(b, TextBlock))
     if m.role == "user":
@@ -169,15 +177,16 @@ class CountTokensRequest(_Conversation):
 
 def add_anthropic_routes(app: FastAPI) -> None:
     engine: Engine = app.state.engine
+    aengine = app.state.async_engine
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict:
-        turn = await asyncio.to_thread(prepare, engine, app.state.server_settings, body.chat_request())
+        turn = await aengine.off_loop(1, prepare, engine, app.state.server_settings, body.chat_request())
         return {"input_tokens": len(turn.input_ids)}
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
-        turn = await asyncio.to_thread(prepare, engine, app.state.server_settings, body.chat_request())
+        turn = await aengine.off_loop(1, prepare, engine, app.state.server_settings, body.chat_request())
         item = {"input_ids": turn.input_ids, "sampling_params": body.sampling_params() | turn.constraint}
         chunks = app.state.async_engine.generate([item], body.stream, request.is_disconnected)
         head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": body.model}

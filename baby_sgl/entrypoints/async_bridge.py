@@ -11,11 +11,13 @@ gets fewer, larger pieces, never an ever longer queue."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.metrics import Metrics
@@ -28,6 +30,11 @@ from baby_sgl.core.sampling_params import SamplingParams
 DISCONNECT_POLL_S = 0.5
 # Pieces that may wait for one call's consumer before new ones are joined to them.
 MAX_BUFFERED_PIECES = 64
+# Threads that tokenize prompts and render chat templates: the work of a request before it is
+# queued. More would only share the same cores.
+PREPARE_THREADS = 4
+
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -41,6 +48,31 @@ class AsyncEngine:
         # from submission to the end, so no two running requests share an engine rid.
         self._reserved: dict[str, list[str]] = {}
         self._lock = threading.Lock()  # submissions run in worker threads
+        self._pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
+        self._preparing = 0  # requests on or waiting for the pool (event loop only)
+
+    async def off_loop(self, requests: int, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the bounded pool, off the event loop: the tokenizing and templating of
+        `requests` requests. While they wait or run there they count against
+        --max-queued-requests, with the engine's queue, so a flood of long prompts gets 503s
+        instead of a backlog that every later request waits behind."""
+        if self.max_queued is not None:
+            if requests > self.max_queued:
+                raise ValueError(f"this call holds {requests} requests; at most {self.max_queued} can wait at "
+                                 f"once (--max-queued-requests)")
+            if self.engine.num_queued() + self._preparing + requests > self.max_queued:
+                raise ServerBusyError(f"the request queue is full ({self.max_queued} requests wait); "
+                                      "try again later")
+        self._preparing += requests
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+        finally:
+            self._preparing -= requests
+
+    def abort_all(self) -> None:
+        """Aborts every request submitted through this bridge (the server stops)."""
+        for rid in list(self.active):
+            self.abort(rid)
 
     def abort(self, rid: str) -> None:
         for req in self.active.get(rid, []):
@@ -73,7 +105,7 @@ class AsyncEngine:
         await self._compile_grammars(items)
         # Tokenizing (and a session turn's checks in the scheduler thread) run off the event
         # loop, so a long prompt never stalls other clients or /health.
-        submitting = asyncio.ensure_future(asyncio.to_thread(self._submit, items, deliver, stream))
+        submitting = asyncio.ensure_future(self.off_loop(len(items), self._submit, items, deliver, stream))
         try:
             submitted, keys = await asyncio.shield(submitting)
         except asyncio.CancelledError:
@@ -141,11 +173,6 @@ class AsyncEngine:
 
     def _submit(self, items: list[dict[str, Any]], deliver: Callable[[dict], None],
                 stream: bool) -> tuple[list[Req], list[str]]:
-        if self.max_queued is not None and len(items) > self.max_queued:
-            raise ValueError(f"this call holds {len(items)} requests; at most {self.max_queued} can wait at once "
-                             f"(--max-queued-requests)")
-        if self.max_queued is not None and self.engine.num_queued() + len(items) > self.max_queued:
-            raise ServerBusyError(f"the request queue is full ({self.max_queued} requests wait); try again later")
         given = [item["rid"] for item in items if item.get("rid") is not None]
         planned = {item["rid"]: self._engine_rids(item) for item in items if item.get("rid") is not None}
         every = [r for rids in planned.values() for r in rids]

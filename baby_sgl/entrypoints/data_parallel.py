@@ -6,7 +6,8 @@ the worker that has most of its prefix cached, or to the least loaded one when t
 uneven; it health-checks the workers and stops sending to one that dies.
 
 This process only supervises: it starts the workers, waits until each answers /health, starts
-the router, and on SIGTERM/SIGINT stops the router and then every worker. If the router exits,
+the router, and on SIGTERM/SIGINT stops every worker (each answers its open requests, through the
+router, within --graceful-shutdown-timeout) and then the router. If the router exits,
 everything stops (exit code 1); a worker that dies is left to the router to route around.
 """
 
@@ -24,6 +25,7 @@ import time
 import urllib.request
 
 from baby_sgl.distributed.processes import child_setup, free_port, reap, split_cores
+from baby_sgl.entrypoints.request_guard import allowed_host_names
 from baby_sgl.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -34,14 +36,16 @@ _ROUTER_HEALTH_FLAGS = ("--health-check-interval-secs", "2", "--health-failure-t
                         "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
                         "--disable-circuit-breaker")
 # Settings the front process keeps: each worker gets its own port on loopback and dp_size 1.
-_FRONT_ONLY = ("host", "port", "dp_size", "router_policy", "dp_rank")
+_FRONT_ONLY = ("host", "port", "dp_size", "router_policy", "dp_rank", "allowed_hosts")
 
 
 def worker_argv(args: ServerArgs, port: int, rank: int) -> list[str]:
     """The `baby-sgl serve` flags of one worker: every setting that differs from the default,
     except the front's own, plus its loopback port and its rank."""
+    # A worker answers the Host names its front answers (the router may pass the client's on).
+    names = allowed_host_names(args.host, args.allowed_hosts)
     argv = [sys.executable, "-m", "baby_sgl.launch_server", "--host", "127.0.0.1", "--port", str(port),
-            "--dp-rank", str(rank)]
+            "--dp-rank", str(rank), "--allowed-hosts", "*" if names is None else ",".join(sorted(names))]
     for f in dataclasses.fields(ServerArgs):
         value = getattr(args, f.name)
         if f.name in _FRONT_ONLY or value == f.default or value is None:
@@ -111,11 +115,12 @@ class DataParallelServer:
 
     def stop(self) -> None:
         self._stopping.set()
-        procs = ([self.router] if self.router else []) + self.workers
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        reap(procs, _STOP_TIMEOUT_S)
+        for procs, timeout in ((self.workers, self.args.graceful_shutdown_timeout + _STOP_TIMEOUT_S),
+                               ([self.router] if self.router else [], _STOP_TIMEOUT_S)):
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            reap(procs, timeout)
 
     def run(self) -> int:
         """Serves until SIGTERM/SIGINT (0) or until the router exits (1)."""

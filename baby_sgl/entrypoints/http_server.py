@@ -17,11 +17,12 @@ from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.anthropic_api import add_anthropic_routes
 from baby_sgl.entrypoints.async_bridge import AsyncEngine
 from baby_sgl.entrypoints.dashboard import add_dashboard_routes
+from baby_sgl.entrypoints.graceful_stop import StopGuard, StopState
 from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.entrypoints.native_api import add_native_routes
 from baby_sgl.entrypoints.openai_api import add_openai_routes
 from baby_sgl.entrypoints.prompt_bound import PromptBoundRoute
-from baby_sgl.entrypoints.request_guard import RequestGuard
+from baby_sgl.entrypoints.request_guard import RequestGuard, allowed_host_names
 from baby_sgl.entrypoints.send_deadline import SendDeadline
 from baby_sgl.entrypoints.responses import error_response
 from baby_sgl.errors import EngineDeadError, ServerBusyError
@@ -46,8 +47,11 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
     app.state.metrics = Metrics(app.state.model_name)
     app.state.async_engine = AsyncEngine(engine, app.state.metrics, args.max_queued_requests)
     app.add_middleware(RequestGuard, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                       body_timeout=args.request_body_timeout)
+                       body_timeout=args.request_body_timeout,
+                       host_names=allowed_host_names(args.host, args.allowed_hosts))
     app.add_middleware(SendDeadline, timeout=args.stream_send_timeout)
+    app.state.stop = StopState()
+    app.add_middleware(StopGuard, state=app.state.stop)  # added last: the outermost
     _install_error_handlers(app)
     add_native_routes(app, args.incremental_streaming_output)
     add_openai_routes(app)

@@ -5,16 +5,23 @@ app until SIGTERM/SIGINT or the engine's failure, and shuts the engine down."""
 from __future__ import annotations
 
 import argparse
-import ipaddress
+import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Awaitable, Callable
+from types import FrameType
 
+import uvicorn
+
+from baby_sgl.entrypoints.request_guard import is_loopback
 from baby_sgl.server_args import ServerArgs, engine_kwargs
 
 logger = logging.getLogger(__name__)
 
-GRACEFUL_SHUTDOWN_S = 3  # SIGTERM: open requests get this long, then the server stops regardless
+# Once the graceful stop is done, connections still open (a body that never arrives) get this
+# long before uvicorn closes them.
+CLOSE_CONNECTIONS_S = 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = ServerArgs.from_cli_args(build_parser().parse_args(argv))
+    parser = build_parser()
+    try:
+        args = ServerArgs.from_cli_args(parser.parse_args(argv))
+    except ValueError as e:  # a setting out of its range: said as argparse says a bad flag
+        parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.dp_size > 1:
         from baby_sgl.entrypoints.data_parallel import launch_data_parallel
@@ -37,20 +48,20 @@ def main(argv: list[str] | None = None) -> int:
 def launch_server(server_args: ServerArgs) -> int:
     """Serves until SIGTERM/SIGINT (exit code 0) or until the engine fails beyond recovery
     (exit code 1, so that a supervisor restarts it)."""
-    import uvicorn
-
     from baby_sgl.engine import Engine
+    from baby_sgl.entrypoints.graceful_stop import stop_gracefully
     from baby_sgl.entrypoints.http_server import create_app
 
-    if server_args.api_key is None and not _is_loopback(server_args.host):
+    if server_args.api_key is None and not is_loopback(server_args.host):
         logger.warning("serving on %s without --api-key: anyone who can reach this address can use the server",
                        server_args.host)
     engine = Engine(**engine_kwargs(server_args))
     app = create_app(engine, server_args)
     app.state.listen = {"host": server_args.host, "port": server_args.port}
-    server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                                           log_level=server_args.log_level, timeout_keep_alive=5,
-                                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
+                            timeout_keep_alive=5, timeout_graceful_shutdown=CLOSE_CONNECTIONS_S)
+    server = _GracefulServer(config, lambda: stop_gracefully(app.state.stop, app.state.async_engine,
+                                                             server_args.graceful_shutdown_timeout))
     engine.on_death(lambda _: setattr(server, "should_exit", True))
     # uvicorn handles SIGTERM/SIGINT itself, then raises the signal again once it has stopped,
     # under the handlers found before it started: these let the engine shut down (and stop its
@@ -69,8 +80,23 @@ def launch_server(server_args: ServerArgs) -> int:
     return 0
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, whose first SIGTERM/SIGINT runs the app's graceful stop before the
+    server exits; a second one stops it at once (uvicorn's own handling)."""
+
+    def __init__(self, config: uvicorn.Config, stop: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(config)
+        self._stop, self._stopping = stop, False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._stopping or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        self._stopping = True
+        asyncio.get_running_loop().call_soon_threadsafe(asyncio.ensure_future, self._stop_then_exit())
+
+    async def _stop_then_exit(self) -> None:
+        try:
+            await self._stop()
+        finally:
+            self.should_exit = True

@@ -42,7 +42,7 @@ def add_native_routes(app: FastAPI, incremental_streaming_output: bool = False) 
     aengine: AsyncEngine = app.state.async_engine
     metrics: Metrics = app.state.metrics
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that want the status alone
     async def health() -> Response:
         if not engine.is_alive():
             return error_response("the engine has stopped", 503)

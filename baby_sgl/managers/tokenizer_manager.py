@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+# Ordinary text runs at 2-6 characters a token. A text longer than the prompt limit times this
+# is tokenized by a prefix of that size first: one that already fills the limit is refused
+# without tokenizing the rest.
+PREFIX_CHARS_PER_TOKEN = 16
+
 # SGLang's meta_info names the weights that answered (updated in place by its RL training loop);
 # ours never change after load: SGLang's default name.
 WEIGHT_VERSION = "default"
@@ -116,11 +121,8 @@ class TokenizerManager:
         if isinstance(item, str):
             if not item:
                 raise ValueError("prompt is empty")
-            if len(item) > self.max_prompt_chars:
-                raise ValueError(f"prompt is too long: {len(item)} characters, more than {self.max_input_len} "
-                                 f"tokens can hold")
             validate_text(item, "prompt")
-            return list(self.tokenizer.encode(item))
+            return self.encode(item)
         if not isinstance(item, (list, tuple)):
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(item).__name__}")
         if not item:
@@ -234,5 +236,24 @@ class TokenizerManager:
                                                       tools=cast(Any, tools), **(template_kwargs or {}))
         except TemplateError as e:  # the template's own refusal (raise_exception), e.g. roles out of order
             raise ValueError(f"the chat template refused the messages: {e}") from None
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.encode(cast(str, text), add_special_tokens=False)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's ids, at a cost bounded by the prompt limit rather than by the text: a text
+        longer than any max_input_len tokens can be is refused untokenized, and a long one is
+        refused by its prefix alone when that already holds more tokens than the limit."""
+        limit = self.max_input_len
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(f"prompt is too long: {len(text)} characters, more than {limit} tokens can hold")
+        window = limit * PREFIX_CHARS_PER_TOKEN
+        if len(text) > window:
+            # Cut before a space, where tokenizers split words anyway: the prefix's tokens are
+            # the text's first tokens.
+            cut = text.rfind(" ", window // 2, window)
+            cut = cut if cut > 0 else window
+            head = self.tokenizer.encode(text[:cut], add_special_tokens=add_special_tokens)
+            if len(head) > limit:
+                raise ValueError(f"prompt is too long: its first {cut} of {len(text)} characters already make more "
+                                 f"than {limit} tokens, the limit (the rest was not read)")
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 

@@ -1,5 +1,6 @@
 """Property-based fuzzing of the running server from its own OpenAPI schema (Schemathesis):
-every route, a few hundred generated requests, valid ones and ones that break the schema. No request may get a 5xx, and
+every route, a few hundred generated requests, valid ones and ones that break the schema; the
+server reads tool calls, so the tool, Anthropic and session routes run their own code. No request may get a 5xx, and
 afterwards the server must be healthy, idle and own every KV slot exactly once."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
 
 from baby_sgl import Engine
+from baby_sgl.server_args import ServerArgs
 from conftest import serve_in_thread, wait_idle
 
 EXAMPLES_PER_ROUTE = 25
@@ -24,7 +26,7 @@ EXAMPLES_PER_ROUTE = 25
 def fuzz_server(tiny_llama):
     # A short context keeps any generated max_new_tokens cheap.
     engine = Engine(tiny_llama, dtype="float32", max_total_tokens=4096, context_length=256, max_running_requests=16)
-    with serve_in_thread(engine) as base:
+    with serve_in_thread(engine, ServerArgs(tool_call_parser="qwen25")) as base:
         yield base
 
 
@@ -32,6 +34,9 @@ def test_no_request_gets_a_server_error(fuzz_server):
     schema = schemathesis.openapi.from_url(fuzz_server + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 15  # every route of both APIs is in the schema
+    paths = {operation.path for operation in operations}
+    assert {"/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/open_session",
+            "/close_session"} <= paths
     cases = 0
 
     for operation, mode in itertools.product(operations, (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)):

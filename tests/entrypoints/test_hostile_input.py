@@ -260,5 +260,6 @@ def test_health_generate_answers_while_long_work_runs(server):
             "input_ids": [5] * 900, "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}})
         wait_until(lambda: busy.done() or httpx.get(server + "/server_info").json()["num_running_reqs"],
                    "the long request to start")
-        assert httpx.get(server + "/health_generate", timeout=30).status_code == 200
+        probe = httpx.get(server + "/health_generate", headers={"content-type": "application/json"}, timeout=30)
+        assert probe.status_code == 200
         assert busy.result().status_code == 200

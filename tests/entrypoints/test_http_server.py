@@ -73,7 +73,7 @@ def test_info_routes(server):
     assert info["page_size"] == 1 and info["kv_total_tokens"] == 8192
     # the server's own settings beside the engine's (the defaults here), never an API key
     assert info["max_queued_requests"] == 1024 and info["dp_size"] == 1 and "api_key" not in info
-    assert httpx.get(server + "/health_generate").status_code == 200
+    assert httpx.get(server + "/health_generate", headers={"content-type": "application/json"}).status_code == 200
     assert httpx.post(server + "/flush_cache").status_code == 200
     assert httpx.get(server + "/server_info").json()["kv_cached_tokens"] == 0
     # the load report SGLang's router reads (power_of_two, /get_loads): one entry per dp rank

@@ -75,7 +75,7 @@ def test_router_and_client_extras(server):
     ids = ok.json()["prompt_token_ids"]
     assert ok.status_code == 200 and len(ids) == ok.json()["meta_info"]["prompt_tokens"] and all(isinstance(t, int) for t in ids)
     assert httpx.put(server + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
-    assert httpx.get(server + "/flush_cache").status_code == 200
+    assert httpx.get(server + "/flush_cache", headers={"content-type": "application/json"}).status_code == 200
     r = httpx.post(server + "/concate_and_append_request", json={"src_rids": ["a", "b"], "dst_rid": "c"})
     assert r.status_code == 200
     bad = httpx.post(server + "/concate_and_append_request", json={"src_rids": "a"})

@@ -1,0 +1,174 @@
+"""The server's front door: which Host names it answers (DNS rebinding), which methods act on
+it, its settings refused at start, and the bounds on what a request costs before it is queued
+(a prompt far past the context, the pool that tokenizes)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from baby_sgl import Engine
+from baby_sgl.server_args import ServerArgs
+from conftest import serve_in_thread, wait_idle
+from helpers import wait_until
+
+JSON = {"content-type": "application/json"}
+TINY = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+
+
+def error_of(r: httpx.Response) -> str:
+    body = r.json()
+    return body["error"]["message"]
+
+
+# ---- Host names (the shared server listens on 127.0.0.1 with the default settings) ---------
+
+def test_a_rebinding_page_is_refused_even_with_its_own_origin(server):
+    # Before: request_guard.py:_check_headers compared the Origin with the Host only, so a page on
+    # attacker.example (resolved to 127.0.0.1) that sends both as its own name passed.
+    page = {"host": "attacker.example", "origin": "http://attacker.example"}
+    r = httpx.post(server + "/generate", json=TINY, headers=page)
+    assert r.status_code == 403 and "attacker.example" in error_of(r) and "--allowed-hosts" in error_of(r)
+    port = server.rsplit(":", 1)[1]
+    for method, path in [("GET", "/get_server_info"), ("POST", "/flush_cache"), ("GET", "/v1/models")]:
+        r = httpx.request(method, server + path, headers={"host": f"attacker.example:{port}"})
+        assert r.status_code == 403, path
+
+
+@pytest.mark.parametrize("host", ["localhost", "LocalHost.:8080", "127.0.0.1", "127.9.9.9:1", "[::1]:30000",
+                                  "app.localhost"])
+def test_loopback_names_are_answered(server, host):
+    assert httpx.get(server + "/get_model_info", headers={"host": host}).status_code == 200
+
+
+def test_head_health_answers_as_get(server):
+    # Before: native_api.py:add_native_routes registered /health for GET only (405 on HEAD).
+    r = httpx.head(server + "/health")
+    assert r.status_code == 200 and not r.content
+
+
+# ---- routes that act: POST, or a GET no cross-site page can send ------------------------------
+
+@pytest.mark.parametrize("path", ["/flush_cache", "/health_generate"])
+def test_a_plain_cross_site_get_does_not_act(server, path):
+    # Before: native_api.py registered GET /flush_cache and GET /health_generate with no check, so
+    # an <img src=".../flush_cache"> on any page flushed the cache.
+    r = httpx.get(server + path)
+    assert r.status_code == 400 and "POST" in error_of(r) and "application/json" in error_of(r)
+    assert httpx.get(server + path, headers=JSON).status_code == 200  # SGLang's own health wait sends this
+    assert httpx.post(server + "/flush_cache").status_code == 200  # SGLang's RuntimeEndpoint.flush_cache
+
+
+def test_an_image_block_is_refused_by_name(server):
+    # Before: anthropic_api.py:Block had no image block, so pydantic said "should be a valid string".
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]}
+    for path, extra in (("/v1/messages", {"max_tokens": 4}), ("/v1/messages/count_tokens", {})):
+        r = httpx.post(server + path, json=body | extra)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "image" in message and "text only" in message, message
+
+
+# ---- settings refused at start ----------------------------------------------------------------
+
+def test_an_empty_api_key_is_refused_at_start():
+    # Before: server_args.py:ServerArgs took "" and request_guard.py:RequestGuard read it as no key.
+    with pytest.raises(ValueError, match="--api-key is empty"):
+        ServerArgs(api_key="")
+    proc = subprocess.run([sys.executable, "-m", "baby_sgl.launch_server", "--api-key", " "],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--api-key is empty" in proc.stderr, proc.stderr
+
+
+def test_allowed_hosts_are_read_as_a_list():
+    from baby_sgl.entrypoints.launch_server import build_parser
+
+    args = build_parser().parse_args(["--allowed-hosts", "a.example, b.example", "--allowed-hosts", "c.example"])
+    assert ServerArgs.from_cli_args(args).allowed_hosts == ("a.example", "b.example", "c.example")
+    assert ServerArgs.from_cli_args(build_parser().parse_args([])).allowed_hosts == ()
+
+
+# ---- a server with --allowed-hosts, an API key, a 2-request queue and a long token ------------
+KEY = "front-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
+LONG_TOKEN = "#" * 64  # the longest token: texts up to 64 characters a token could fit the context
+# A template that takes seconds to render a message that says "slow": work on the pool that prepares requests.
+SLOW_TEMPLATE = ("{% for m in messages %}{% if m['content'] == 'slow' %}{% for i in range(100000) %}"
+                 "{% for j in range(30) %}{% endfor %}{% endfor %}{% endif %}"
+                 "<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: ")
+
+
+@pytest.fixture(scope="module")
+def front(tiny_llama, tmp_path_factory):
+    path = tmp_path_factory.mktemp("long-token") / "model"
+    shutil.copytree(tiny_llama, path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens([LONG_TOKEN])
+    tokenizer.save_pretrained(path)
+    template = path / "slow.jinja"
+    template.write_text(SLOW_TEMPLATE)
+    engine = Engine(str(path), dtype="float32", max_total_tokens=4096, chat_template=str(template))
+    args = ServerArgs(api_key=KEY, allowed_hosts=("models.internal", "10.1.2.3"), max_queued_requests=2)
+    with serve_in_thread(engine, args) as base:
+        yield base
+        wait_idle(base, headers=AUTH)
+
+
+@pytest.mark.parametrize("host, status", [("models.internal", 200), ("Models.Internal:8443", 200),
+                                          ("10.1.2.3:80", 200), ("localhost", 200),
+                                          ("other.internal", 403), ("10.1.2.4", 403)])
+def test_allowed_hosts_are_answered_and_no_others(front, host, status):
+    assert httpx.get(front + "/get_model_info", headers=AUTH | {"host": host}).status_code == status
+
+
+def test_with_the_key_an_acting_get_needs_no_json(front):
+    assert httpx.get(front + "/flush_cache").status_code == 401
+    assert httpx.get(front + "/flush_cache", headers=AUTH).status_code == 200
+
+
+def test_a_prompt_far_past_the_context_is_refused_by_its_prefix(front):
+    # Before: tokenizer_manager.py:prompt_ids and apply_chat_template tokenized any text under
+    # max_input_len * the longest token (64 characters here) in full: count_tokens counted 40k tokens
+    # of a 1023-token context.
+    words = "ab " * 13_000  # 39k characters, 26k tokens (this tokenizer makes a token a byte)
+    r = httpx.post(front + "/generate", json={"text": words, "sampling_params": {"max_new_tokens": 1}}, headers=AUTH)
+    assert r.status_code == 400 and "first" in error_of(r) and "the rest was not read" in error_of(r), r.text
+    count = httpx.post(front + "/v1/messages/count_tokens", headers=AUTH,
+                       json={"model": "m", "messages": [{"role": "user", "content": words}]})
+    assert count.status_code == 400 and "the rest was not read" in count.json()["error"]["message"], count.text
+    near = "ab " * 300  # within the context: counted as before
+    ok = httpx.post(front + "/v1/messages/count_tokens", headers=AUTH,
+                    json={"model": "m", "messages": [{"role": "user", "content": near}]})
+    assert ok.status_code == 200 and ok.json()["input_tokens"] > 900
+
+
+def test_requests_being_prepared_count_against_the_queue_limit(front):
+    # Before: chat.py:prepare ran in asyncio.to_thread and async_bridge.py:_submit counted only the
+    # engine's queue, so any number of requests could wait to be tokenized beyond --max-queued-requests.
+    slow = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "slow"}]}
+    answers: list[int] = []
+
+    def send() -> None:
+        answers.append(httpx.post(front + "/v1/messages", json=slow, headers=AUTH, timeout=300).status_code)
+
+    senders = [threading.Thread(target=send) for _ in range(2)]
+    for t in senders:
+        t.start()
+
+    def refused() -> bool:
+        return httpx.post(front + "/generate", json=TINY, headers=AUTH, timeout=60).status_code == 503
+
+    wait_until(lambda: refused() or not any(t.is_alive() for t in senders), "the queue to be full", timeout=300)
+    busy = [t.is_alive() for t in senders]
+    for t in senders:
+        t.join(timeout=300)
+    assert answers == [200, 200]
+    assert any(busy), "the slow requests ended before a third was refused"
+    assert httpx.post(front + "/generate", json=TINY, headers=AUTH).status_code == 200
+    wait_idle(front, headers=AUTH)
