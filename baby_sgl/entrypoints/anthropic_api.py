@@ -2,7 +2,8 @@
 SDKs that speak it. A request becomes the same chat turn as OpenAI's (chat.py): its system prompt,
 text, tool_use and tool_result blocks become messages, its tools and tool_choice the same tools
 (`any` is OpenAI's `required`); the answer comes back as thinking, text and tool_use blocks, whole
-or as Anthropic's stream of events. Errors have Anthropic's shape (responses.py)."""
+or as Anthropic's stream of events. A last assistant message is a prefill: the answer continues
+its text (the reply holds only what follows). Errors have Anthropic's shape (responses.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import Field
 
 from baby_sgl.engine import Engine
-from baby_sgl.entrypoints.chat import ChatEvent, ChatReader, ChatRequest, Reasoning, prepare
+from baby_sgl.entrypoints.chat import ChatEvent, ChatReader, ChatRequest, NamedTool, Reasoning, ToolChoice, prepare
 from baby_sgl.entrypoints.protocol import MAX_MESSAGES, MAX_TOOLS, JsonObject
 from baby_sgl.entrypoints.responses import Chunks, first_item, sse_stream
 from baby_sgl.entrypoints.tool_grammar import Tool
@@ -84,7 +85,7 @@ class ToolParam(StrictModel):
     cache_control: CacheControl = None
 
 
-class ToolChoice(StrictModel):
+class ToolChoiceParam(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: ToolName | None = None
     disable_parallel_tool_use: bool | None = None
@@ -100,7 +101,7 @@ class _Conversation(StrictModel):
     messages: list[MessageParam] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: Text | Annotated[list[TextBlock], Field(max_length=MAX_MESSAGES)] | None = None
     tools: Annotated[list[ToolParam], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: ToolChoice | None = None
+    tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingConfig | None = None  # with a thinking template: enable_thinking
 
     def chat_request(self) -> ChatRequest:
@@ -108,22 +109,36 @@ class _Conversation(StrictModel):
         if self.system:
             system = self.system if isinstance(self.system, str) else "\n".join(b.text for b in self.system)
             messages.append({"role": "system", "content": system})
-        for m in self.messages:
+        *turns, last = self.messages
+        prefill = _prefill(last) if last.role == "assistant" else ""
+        for m in turns if last.role == "assistant" else self.messages:
             messages += _openai_messages(m)
         tools = [Tool(t.name, t.description, t.input_schema) for t in self.tools or []]
         if len({t.name for t in tools}) < len(tools):
             raise ValueError("tools: two tools have the same name")
-        choice = self.tool_choice or ToolChoice(type="auto" if tools else "none")
+        choice = self.tool_choice or ToolChoiceParam(type="auto" if tools else "none")
+        modes: dict[str, ToolChoice] = {"auto": "auto", "any": "required", "none": "none"}
         if choice.type == "tool":
             if choice.name is None:
                 raise ValueError("tool_choice of type tool needs the tool's name")
-            name = choice.name
+            mode: ToolChoice = NamedTool(choice.name)
         else:
-            name = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
-        if name != "none" and name != "auto" and not tools:
+            mode = modes[choice.type]
+        if mode not in ("none", "auto") and not tools:
             raise ValueError(f"tool_choice {choice.type} needs tools")
         kwargs = None if self.thinking is None else {"enable_thinking": self.thinking.type == "enabled"}
-        return ChatRequest(messages, tools, name, not choice.disable_parallel_tool_use, kwargs)
+        return ChatRequest(messages, tools, mode, not choice.disable_parallel_tool_use, kwargs, prefill=prefill)
+
+
+def _prefill(m: MessageParam) -> str:
+    """A last assistant message's text, which the answer continues (as Anthropic's API does, it may
+    not end in white space: the answer's first token would be a guess across it)."""
+    if not isinstance(m.content, str) and not all(isinstance(b, TextBlock) for b in m.content):
+        raise ValueError("a last assistant message (a prefill) holds text blocks only")
+    text = m.content if isinstance(m.content, str) else "".join(b.text for b in m.content if isinstance(b, TextBlock))
+    if text != text.rstrip():
+        raise ValueError("final assistant content cannot end with trailing whitespace")
+    return text
 
 
 def _openai_messages(m: MessageParam) -> list[dict[str, Any]]:
@@ -193,11 +208,12 @@ def add_anthropic_routes(app: FastAPI) -> None:
         stops = set(body.stop_sequences or [])
         if body.stream:
             first = await first_item(chunks)  # raises ValueError -> 400 before the stream starts
-            return StreamingResponse(_stream(first, chunks, head, turn.reader(), stops), media_type="text/event-stream")
+            return StreamingResponse(_stream(first, chunks, head, turn.reader(stream=True), stops),
+                                     media_type="text/event-stream")
         finals = [chunk async for _, chunk in chunks]
         if await request.is_disconnected():
             return Response(status_code=499)
-        reader, blocks = turn.reader(), _Blocks()
+        reader, blocks = turn.reader(stream=False), _Blocks()
         blocks.add(reader.feed(finals[0]["text"]) + reader.flush())
         blocks.close()
         return head | {"content": blocks.blocks} | _ending(finals[0]["meta_info"], stops, blocks.called)

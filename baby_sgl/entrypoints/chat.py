@@ -7,20 +7,27 @@
   assistant's earlier calls written in that format.
 - The constraint: forced and strict tool calls become a grammar (tool_grammar.py); with a
   reasoning parser a json_schema constraint starts after the thinking.
-- The output of each choice, piece by piece: reasoning, content, and tool calls.
+- The output of each choice, piece by piece: reasoning, content, and tool calls. A call is given
+  only once complete when its output is grammar-constrained (forced or strict calls: valid once
+  complete) or whole; a call cut short (max_tokens) is dropped there. Unconstrained calls stream
+  as the model writes them: one already begun when the output is cut stays begun, and the
+  finish reason (`length`) says it was cut.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
-from baby_sgl.core.sampling_params import GRAMMAR_KINDS
+from jinja2.exceptions import TemplateError
+
+from baby_sgl.core.sampling_params import GRAMMAR_KINDS, MAX_GRAMMAR_CHARS
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.reasoning import REASONING_PARSERS, ReasoningSplitter, prompt_opens_reasoning
 from baby_sgl.entrypoints.tool_grammar import Tool, json_after_thinking, tool_grammar
-from baby_sgl.entrypoints.tool_parsers import Content, Event, ToolCallParser, collect, render_calls
+from baby_sgl.entrypoints.tool_parsers import (CallArgs, CallEnd, CallStart, Content, Event, ToolCallParser, collect,
+                                               render_calls)
 from baby_sgl.server_args import TOOL_CALL_PARSER_NAMES
 
 
@@ -32,17 +39,29 @@ class Reasoning:
 ChatEvent = Reasoning | Event
 
 
+@dataclass(frozen=True)
+class NamedTool:
+    """A tool_choice that names a function: the answer is one call to it."""
+
+    name: str
+
+
+# none: no calls; auto: the model decides; required: one call or more (parallel_tool_calls)
+ToolChoice = Literal["none", "auto", "required"] | NamedTool
+
+
 @dataclass
 class ChatRequest:
     """What both APIs ask of a chat turn."""
 
     messages: list[dict[str, Any]]  # OpenAI's shape; assistant tool_calls' arguments as values
     tools: list[Tool] = field(default_factory=list)
-    tool_choice: str = "auto"  # none, auto, required, or a function's name (forced)
+    tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool = True
     constraint: dict[str, str] = field(default_factory=dict)  # the request's own (json_schema, regex, ebnf)
+    prefill: str = ""  # the answer starts with this text (Anthropic's last assistant message), continued
 
 
 @dataclass
@@ -51,9 +70,13 @@ class ChatTurn:
     constraint: dict[str, str]  # sampling params to add
     starts_inside: bool | None  # the reasoning parser's start (None: no split)
     tool_format: str | None  # the calls format to read (None: no tools)
+    tool_names: frozenset[str] = frozenset()  # the functions a call may name
+    constrained_calls: bool = False  # a grammar writes the calls (forced or strict tools)
 
-    def reader(self) -> ChatReader:
-        return ChatReader(self.starts_inside, self.tool_format)
+    def reader(self, stream: bool) -> ChatReader:
+        """A reader of one choice's output; a streamed one gives unconstrained calls as written."""
+        return ChatReader(self.starts_inside, self.tool_format, self.tool_names,
+                          hold_calls=self.constrained_calls or not stream)
 
 
 def prepare(engine: Engine, settings: dict[str, Any], req: ChatRequest) -> ChatTurn:
@@ -63,11 +86,12 @@ def prepare(engine: Engine, settings: dict[str, Any], req: ChatRequest) -> ChatT
     if tools and fmt is None:
         raise ValueError("tools need the server started with --tool-call-parser (one of "
                          f"{', '.join(TOOL_CALL_PARSER_NAMES)}: the format the model writes calls in)")
-    forced = req.tool_choice not in ("none", "auto")
-    if forced and req.tool_choice != "required":
-        tools = [t for t in tools if t.name == req.tool_choice]
+    named = req.tool_choice if isinstance(req.tool_choice, NamedTool) else None
+    forced = named is not None or req.tool_choice == "required"
+    if named is not None:
+        tools = [t for t in tools if t.name == named.name]
         if not tools:
-            raise ValueError(f"tool_choice names {req.tool_choice!r}, which is not among the tools")
+            raise ValueError(f"tool_choice names {named.name!r}, which is not among the tools")
     listed = req.tools if tools else []  # the model sees every tool, even when one is forced
     messages, template_tools = req.messages, None
     if not engine.chat_template_knows_tools():
@@ -76,13 +100,16 @@ def prepare(engine: Engine, settings: dict[str, Any], req: ChatRequest) -> ChatT
         template_tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                             "parameters": t.parameters}} for t in listed]
     ids = engine.apply_chat_template(messages, req.template_kwargs, template_tools)
+    if req.prefill:  # the assistant's turn is open: the answer goes on from its text
+        ids += engine.tokenizer.encode(req.prefill, add_special_tokens=False)
 
     reasoning_parser = settings.get("reasoning_parser")
     starts_inside = None
     if reasoning_parser is not None:
         # The template may have opened the thinking block already: the output then starts in it.
+        # Only what the template added to open the answer counts (a user's text may hold a tag).
         starts_inside = REASONING_PARSERS[reasoning_parser] or prompt_opens_reasoning(
-            str(engine.tokenizer.decode(ids[-16:])))
+            _generation_prompt(engine, messages, req.template_kwargs, template_tools) + req.prefill)
     thinking = None if starts_inside is None else ("open" if starts_inside else "may")
     constraint = dict(req.constraint)
     strict = any(t.strict for t in tools)
@@ -92,12 +119,39 @@ def prepare(engine: Engine, settings: dict[str, Any], req: ChatRequest) -> ChatT
                              "not both")
         assert fmt is not None
         # a named function is called once; `required` and strict calls may be several, if parallel
-        parallel = req.parallel_tool_calls and req.tool_choice in ("auto", "required")
-        constraint = {"ebnf": tool_grammar(fmt, tools, forced, parallel, thinking)}
+        parallel = req.parallel_tool_calls and named is None
+        constraint = {"ebnf": _built(tool_grammar(fmt, tools, forced, parallel, thinking), "the tools' schemas")}
     elif thinking is not None and "json_schema" in constraint:
-        constraint = {"ebnf": json_after_thinking(constraint.pop("json_schema"), thinking)}
+        constraint = {"ebnf": _built(json_after_thinking(constraint.pop("json_schema"), thinking), "json_schema")}
     assert set(constraint) <= set(GRAMMAR_KINDS)
-    return ChatTurn(ids, constraint, starts_inside if req.separate_reasoning else None, fmt if tools else None)
+    return ChatTurn(ids, constraint, starts_inside if req.separate_reasoning else None, fmt if tools else None,
+                    frozenset(t.name for t in tools), forced or strict)
+
+
+def _built(grammar: str, source: str) -> str:
+    """A grammar this server built from source, checked against the bound on grammars here, so
+    that the error names what the client sent."""
+    if len(grammar) > MAX_GRAMMAR_CHARS["ebnf"]:
+        raise ValueError(f"the grammar built from {source} is {len(grammar)} characters, more than the "
+                         f"{MAX_GRAMMAR_CHARS['ebnf']} a request may compile")
+    return grammar
+
+
+_END_OF_MESSAGE = "5f0c9a1e-end-of-the-last-message"  # stands for the last message's text
+
+
+def _generation_prompt(engine: Engine, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None,
+                       tools: list[dict[str, Any]] | None) -> str:
+    """The text the chat template writes after the last message's text to open the answer ("" when
+    it does not write that text)."""
+    marked = messages[:-1] + [messages[-1] | {"content": _END_OF_MESSAGE}] if messages else messages
+    try:
+        text = str(engine.tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False,
+                                                        tools=cast(Any, tools), **(template_kwargs or {})))
+    except TemplateError:
+        return ""
+    end = text.rfind(_END_OF_MESSAGE)
+    return "" if end < 0 else text[end + len(_END_OF_MESSAGE):]
 
 
 def _without_tool_markup(messages: list[dict[str, Any]], fmt: str, tools: list[Tool]) -> list[dict[str, Any]]:
@@ -124,12 +178,20 @@ def _without_tool_markup(messages: list[dict[str, Any]], fmt: str, tools: list[T
 
 
 class ChatReader:
-    """One choice's output as events: Reasoning, Content, CallStart, CallArgs. feed each piece,
-    flush at the end; any cut of an output into pieces gives the same joined events."""
+    """One choice's output as events: Reasoning, Content, CallStart, CallArgs, CallEnd. feed each
+    piece, flush at the end; any cut of an output into pieces gives the same joined events. hold_calls:
+    each call is given whole once complete (its start and all its arguments), and a call the
+    output cut short never; else calls stream as written. After flush, `cut` says whether the
+    output ended inside a call."""
 
-    def __init__(self, starts_inside: bool | None, tool_format: str | None) -> None:
+    def __init__(self, starts_inside: bool | None, tool_format: str | None, tool_names: frozenset[str],
+                 hold_calls: bool) -> None:
         self.splitter = None if starts_inside is None else ReasoningSplitter(starts_inside)
-        self.tools = None if tool_format is None else ToolCallParser(tool_format)
+        self.tools = None if tool_format is None else ToolCallParser(tool_format, tool_names)
+        self.hold_calls = hold_calls
+        self._open: dict[int, list[CallStart | CallArgs]] = {}  # calls begun, not complete: their held events
+        self._numbers: dict[int, int] = {}  # the parser's index of a call given -> its index as given
+        self.cut = False
 
     def feed(self, text: str) -> list[ChatEvent]:
         if self.splitter is None:
@@ -148,8 +210,36 @@ class ChatReader:
     def _answer(self, text: str, final: bool) -> list[ChatEvent]:
         if self.tools is None:
             return [Content(text)] if text else []
-        events: list[ChatEvent] = list(self.tools.feed(text))
-        return events + list(self.tools.flush()) if final else events
+        events = self.tools.feed(text) + (self.tools.flush() if final else [])
+        out = self._calls(events)
+        if final:
+            self.cut, self._open = bool(self._open), {}
+        return out
+
+    def _calls(self, events: list[Event]) -> list[ChatEvent]:
+        """The parser's events, calls numbered as given (CallEnd included); held until complete
+        if holding."""
+        out: list[ChatEvent] = []
+        for e in events:
+            if isinstance(e, Content):
+                out.append(e)
+            elif isinstance(e, CallStart | CallArgs):
+                held = self._open.setdefault(e.index, [])
+                if self.hold_calls:
+                    held.append(e)
+                else:
+                    out.append(self._give(e))
+            else:
+                held = self._open.pop(e.index)
+                out += [self._give(h) for h in held] if self.hold_calls else []
+                out.append(CallEnd(self._numbers[e.index]))
+        return out
+
+    def _give(self, e: CallStart | CallArgs) -> CallStart | CallArgs:
+        if isinstance(e, CallStart):
+            self._numbers[e.index] = len(self._numbers)
+            return CallStart(self._numbers[e.index], e.name)
+        return CallArgs(self._numbers[e.index], e.fragment)
 
     def read(self, text: str) -> tuple[str, str, list[tuple[str, str]]]:
         """A whole output: (reasoning, content, [(name, arguments)])."""

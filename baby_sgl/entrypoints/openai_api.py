@@ -137,16 +137,17 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _chat_finish(meta: dict, called: bool) -> str | None:
+def _chat_finish(meta: dict, called: bool, cut: bool) -> str | None:
+    """called: the choice made calls; cut: it ended inside one (stop strings, max_tokens)."""
     reason = _finish_reason(meta)
-    return "tool_calls" if called and reason == "stop" else reason
+    return "tool_calls" if called and not cut and reason == "stop" else reason
 
 
 async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind: str, logprobs: Logprobs,
-                   echoed: list[str] | None = None, reader: Callable[[], ChatReader] | None = None,
+                   echoed: list[str] | None = None, reader: Callable[[bool], ChatReader] | None = None,
                    reasoning: bool = False):
-    """reader: a reader of each choice's output (reasoning and tool calls); reasoning: the
-    message has reasoning_content."""
+    """reader: a reader of each choice's output (reasoning and tool calls), given whether it
+    streams; reasoning: the message has reasoning_content."""
     rid, created = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": body.model or app.state.model_name}
     chunks = app.state.async_engine.generate(items, body.stream, request.is_disconnected)
@@ -168,14 +169,15 @@ async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind
         elif reader is None:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            thought, answer, calls = reader().read(text)
+            choice_reader = reader(False)
+            thought, answer, calls = choice_reader.read(text)
             message: dict[str, Any] = {"role": "assistant", "content": answer or (None if calls else "")}
             if reasoning:
                 message["reasoning_content"] = thought or None
             if calls:
                 message["tool_calls"] = [{"id": _call_id(), "type": "function",
                                           "function": {"name": name, "arguments": args}} for name, args in calls]
-            choice["message"], choice["finish_reason"] = message, _chat_finish(meta, bool(calls))
+            choice["message"], choice["finish_reason"] = message, _chat_finish(meta, bool(calls), choice_reader.cut)
         choices.append(choice)
     return {**head, "object": kind, "choices": choices, "usage": _usage(metas, body.n)}
 
@@ -195,7 +197,7 @@ def _decode(engine: Engine, ids: list[int]) -> str:
 
 def _openai_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, head: dict[str, Any], kind: str, n: int,
                 include_usage: bool, logprobs: Logprobs, echoed: list[str] | None,
-                chat: tuple[Callable[[], ChatReader], bool] | None = None) -> AsyncIterator[str]:
+                chat: tuple[Callable[[bool], ChatReader], bool] | None = None) -> AsyncIterator[str]:
     """chat: (a reader per choice, whether the reasoning streams as it comes)."""
     obj = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     sent: dict[int, int] = {}  # tokens already reported per choice (none: its first piece is next)
@@ -207,7 +209,7 @@ def _openai_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, head: 
     def chat_delta(i: int, chunk: dict) -> dict[str, Any]:
         if chat is None:
             return {"content": chunk["text"]}
-        reader = readers.setdefault(i, chat[0]())
+        reader = readers.setdefault(i, chat[0](True))
         events = reader.feed(chunk["text"]) + (reader.flush() if chunk["finished"] else [])
         thought = "".join(e.text for e in events if isinstance(e, Reasoning))
         answer = "".join(e.text for e in events if isinstance(e, Content))
@@ -234,7 +236,7 @@ def _openai_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, head: 
         choice = {"index": i, "logprobs": logprobs(i, meta), "finish_reason": _finish_reason(meta)}
         if kind == "chat.completion":
             choice["delta"] = chat_delta(i, chunk) | ({"role": "assistant"} if start == 0 else {})
-            choice["finish_reason"] = _chat_finish(meta, i in called)
+            choice["finish_reason"] = _chat_finish(meta, i in called, i in readers and readers[i].cut)
         else:  # echo: the prompt comes with the first piece
             choice["text"] = (echoed[i] if echoed and start == 0 else "") + chunk["text"]
         if chunk["finished"]:

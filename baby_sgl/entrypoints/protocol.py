@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
 
-from baby_sgl.entrypoints.chat import ChatRequest
+from baby_sgl.entrypoints.chat import ChatRequest, NamedTool, ToolChoice
 from baby_sgl.entrypoints.tool_grammar import Tool
 from baby_sgl.managers.io_struct import (CloseSessionReqInput, LogprobOptions, OpenSessionReqInput,
                                          SessionParams)
@@ -283,7 +283,7 @@ class ChatCompletionRequest(_OpenAISampling):
         if len({t.name for t in tools}) < len(tools):
             raise ValueError("tools: two functions have the same name")
         given = self.tool_choice or ("auto" if tools else "none")
-        choice = given.function.name if isinstance(given, NamedToolChoice) else given
+        choice: ToolChoice = NamedTool(given.function.name) if isinstance(given, NamedToolChoice) else given
         if choice == "required" and not tools:
             raise ValueError("tool_choice is required but no tools were given")
         return ChatRequest([m.as_template_message(i) for i, m in enumerate(self.messages)], tools, choice,

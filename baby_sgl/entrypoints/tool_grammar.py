@@ -7,6 +7,7 @@ constraint that starts with `%llguidance {}`). So even a model never trained for
 call the parser reads and that matches the schema. With a reasoning parser, the grammar first
 lets the model think: `<think>` (or nothing, when the prompt opened the block) and any text up to
 the first `</think>`; a json_schema constraint is wrapped the same way, so it holds for the answer.
+Parallel calls are bounded (MAX_PARALLEL_TOOL_CALLS): a model that never stops calling ends there.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from baby_sgl.constrained.grammar import closed_objects
 
 LARK_HEADER = "%llguidance {}\n"
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
+MAX_PARALLEL_TOOL_CALLS = 16  # calls in one answer, when parallel
 
 
 @dataclass(frozen=True)
@@ -58,13 +60,23 @@ def json_after_thinking(schema_text: str, reasoning: str) -> str:
     starts inside the block) or "may" (the model may open one)."""
     try:
         schema = json.loads(schema_text)
+        rules: list[str] = []
+        think = _think_prefix(rules, reasoning)
+        rules.append("start: " + think + "answer")
+        rules.append(_json_rule("answer", schema if schema is not True else {}))
     except json.JSONDecodeError as e:
         raise ValueError(f"json_schema is not valid JSON: {e}") from None
-    rules: list[str] = []
-    think = _think_prefix(rules, reasoning)
-    rules.append("start: " + think + "answer")
-    rules.append(_json_rule("answer", schema if schema is not True else {}))
+    except RecursionError:  # as the grammar backend refuses it without a reasoning parser
+        raise ValueError("invalid json_schema: it nests too deeply to compile") from None
     return LARK_HEADER + "\n".join(rules) + "\n"
+
+
+def _pythonic_any_kwargs(rules: list[str], i: int) -> str:
+    """f(...)'s keyword arguments, any names and JSON values."""
+    rules.append(f"kwv{i}: %json {{}}")
+    item = f'/[A-Za-z_][A-Za-z0-9_]*/ "=" kwv{i}'
+    rules.append(f'kwany{i}: "" | {item} (", " {item})*')
+    return f"kwany{i}"
 
 
 def _pythonic_kwargs(rules: list[str], i: int, schema: dict[str, Any]) -> str:
@@ -96,27 +108,30 @@ def tool_grammar(fmt: str, tools: list[Tool], forced: bool, parallel: bool, reas
     think = _think_prefix(rules, reasoning)
     alternatives = []
     for i, tool in enumerate(tools):
-        schema = tool.parameters if forced or tool.strict else _ANY_OBJECT
+        constrained = forced or tool.strict
+        schema = tool.parameters if constrained else _ANY_OBJECT
         name = tool.name
         if fmt == "pythonic":
             if not name.replace(".", "_").isidentifier():
                 raise ValueError(f"pythonic tool calls need function names that are Python identifiers, got {name!r}")
-            alternatives.append(f"{_lit(name + '(')} {_pythonic_kwargs(rules, i, schema)} \")\"")
+            kwargs = _pythonic_kwargs(rules, i, schema) if constrained else _pythonic_any_kwargs(rules, i)
+            alternatives.append(f"{_lit(name + '(')} {kwargs} \")\"")
             continue
         rules.append(_json_rule(f"args{i}", schema))
         key = "parameters" if fmt == "llama3" else "arguments"
         alternatives.append(f'{_lit(json.dumps({"name": name})[:-1] + f", {json.dumps(key)}: ")} args{i} "}}"')
     rules.append("call: " + " | ".join(alternatives))
     # the format: (the call list's opening, separator, closing); qwen25 wraps each call instead
+    repeat = f"{{0,{MAX_PARALLEL_TOOL_CALLS - 1}}}"  # the calls after the first
     if fmt in ("qwen25", "qwen", "hermes"):
         rules.append(r'unit: "<tool_call>\n" call "\n</tool_call>"')
-        rules.append("calls: unit" + (r' ("\n" unit)*' if parallel else ""))
+        rules.append("calls: unit" + (r' ("\n" unit)' + repeat if parallel else ""))
         marker: str | None = "<tool_call>"
-        rest = r'"\n" call "\n</tool_call>"' + (r' ("\n" unit)*' if parallel else "")
+        rest = r'"\n" call "\n</tool_call>"' + (r' ("\n" unit)' + repeat if parallel else "")
     else:
         opening, sep, closing = {"llama3": ("", "; ", ""), "mistral": ("[TOOL_CALLS][", ", ", "]"),
                                  "pythonic": ("[", ", ", "]")}[fmt]
-        more = f" ({_lit(sep)} call)*" if parallel else ""
+        more = f" ({_lit(sep)} call){repeat}" if parallel else ""
         rules.append("calls: " + (f"{_lit(opening)} " if opening else "") + "call" + more + (f" {_lit(closing)}"
                                                                                          if closing else ""))
         marker = "[TOOL_CALLS]" if fmt == "mistral" else None

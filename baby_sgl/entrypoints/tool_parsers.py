@@ -12,16 +12,21 @@ Formats:
 
 ToolCallParser turns pieces of output into events: content text, a call's start (its name) and
 fragments of its arguments (a JSON object's text, streamed as the model writes it once the name
-is known). Complete output is one piece: any cut of a text into pieces gives the same content,
-names and arguments. Markup that turns out not to be a call (no name, not JSON, not a call
-expression) comes back as content, as written.
+is known) and its end (the call is complete). Complete output is one piece: any cut of a text
+into pieces gives the same content, names and arguments. Markup that turns out not to be a call
+(no name, not JSON, not a call expression, a function that is not among the tools) comes back as
+content, as written.
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import itertools
 import json
+import keyword
 import re
+import tokenize
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +51,12 @@ class CallArgs:
     fragment: str  # the arguments' JSON text continues with this
 
 
-Event = Content | CallStart | CallArgs
+@dataclass(frozen=True)
+class CallEnd:
+    index: int  # the call is complete: its arguments are all given
+
+
+Event = Content | CallStart | CallArgs | CallEnd
 
 
 class _JsonScan:
@@ -174,10 +184,12 @@ class _ObjectCall:
 class ToolCallParser:
     """One output's content and tool calls, piece by piece: feed each piece, flush at the end."""
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, names: frozenset[str]) -> None:
+        """names: the functions that may be called (the request's tools)."""
         if fmt not in FORMATS:
             raise ValueError(f"unknown tool call parser {fmt!r}; one of {', '.join(TOOL_CALL_PARSER_NAMES)}")
         self.fmt = FORMATS[fmt]
+        self.names = names
         self.calls = 0  # calls started so far
         self._text = ""  # not yet consumed
         self._at_start = True  # nothing but spaces seen: the output itself may be the calls
@@ -318,12 +330,17 @@ class _JsonCalls(_Section):
         if call.broken:
             return
         if self.index is None and isinstance(call.name, str):
+            if call.name not in parser.names:  # not a function of ours: the object is text
+                call.broken = True
+                return
             self.index = parser.calls
             parser.calls += 1
             self.began += 1
             out.append(CallStart(self.index, call.name))
         if call.done:
+            assert self.index is not None  # a done call without a name is broken
             self._send_args(out)
+            out.append(CallEnd(self.index))
             self.call, self.index, self.phase = None, None, "after"
 
     def _send_args(self, out: list[Event]) -> None:
@@ -377,13 +394,14 @@ class _MistralNamed(_Section):
         for k, ch in enumerate(text):
             if self.name is None:
                 self.head += ch
-                if re.fullmatch(r"\s*[\w.\-]+\[ARGS\]", self.head):
-                    self.name, self.index = self.head.strip()[: -len("[ARGS]")], parser.calls
+                named = re.fullmatch(r"\s*([\w.\-]+)\[ARGS\]", self.head)
+                if named and named[1] in parser.names:
+                    self.name, self.index = named[1], parser.calls
                     parser.calls += 1
                     out.append(CallStart(self.index, self.name))
-                elif len(self.head) > self.MAX_HEAD or not (
+                elif named or len(self.head) > self.MAX_HEAD or not (
                         (m := re.fullmatch(r"\s*[\w.\-]*(\[.*)?", self.head)) and "[ARGS]".startswith(m[1] or "")):
-                    out.append(Content(self.text() + self.head))  # not name[ARGS]
+                    out.append(Content(self.text() + self.head))  # not name[ARGS] with a name of ours
                     return text[k + 1:]
                 continue
             assert self.index is not None
@@ -392,6 +410,7 @@ class _MistralNamed(_Section):
             self.scan.step(ch)
             out.append(CallArgs(self.index, ch))
             if self.scan.depth == 0 and not self.scan.in_str:
+                out.append(CallEnd(self.index))
                 return text[k + 1:]
         return None
 
@@ -466,12 +485,13 @@ class _Pythonic(_Section):
                 self.depth -= 1
                 if self.depth == 0:
                     calls = _python_calls(self.text(1).strip())  # after the marker
-                    if calls is None:
+                    if calls is None or any(name not in parser.names for name, _ in calls):
                         out.append(Content(self.text()))
                         return text[k + 1:]
                     for name, args in calls:
                         out.append(CallStart(parser.calls, name))
                         out.append(CallArgs(parser.calls, args))
+                        out.append(CallEnd(parser.calls))
                         parser.calls += 1
                     self.calls = len(calls)
                     return self.feed(text[k + 1:], out, parser)
@@ -491,9 +511,16 @@ _PY_CONSTANTS = {"true": True, "false": False, "null": None, "True": True, "Fals
 def _python_calls(text: str) -> list[tuple[str, str]] | None:
     """[f(a=1), g()] as [(name, arguments as JSON)], or None when it is not such a list. JSON's
     true, false and null are read as Python's (a grammar may write arguments as JSON)."""
+    renamed: dict[str, str] = {}
     try:
         tree = ast.parse(text, mode="eval").body
-    except (SyntaxError, ValueError, RecursionError):
+    except SyntaxError:
+        text, renamed = _keyword_arguments_renamed(text)
+        try:
+            tree = ast.parse(text, mode="eval").body
+        except (SyntaxError, ValueError, RecursionError):
+            return None
+    except (ValueError, RecursionError):
         return None
     if not isinstance(tree, ast.List) or not tree.elts:
         return None
@@ -506,11 +533,36 @@ def _python_calls(text: str) -> list[tuple[str, str]] | None:
             if kw.arg is None:
                 return None
             try:
-                args[kw.arg] = _literal(kw.value)
+                args[renamed.get(kw.arg, kw.arg)] = _literal(kw.value)
             except (ValueError, TypeError, RecursionError):
                 return None
         calls.append((name, json.dumps(args, ensure_ascii=False)))
     return calls
+
+
+def _keyword_arguments_renamed(text: str) -> tuple[str, dict[str, str]]:
+    """An argument may be named as a Python keyword is (`from=`, `class=`: JSON schemas allow
+    any name), which Python's parser refuses: each such name becomes one the text does not hold.
+    Returns the text and {new name: argument name}."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return text, {}
+    line_starts = list(itertools.accumulate(map(len, text.splitlines(keepends=True)), initial=0))
+    aliases: dict[str, str] = {}
+    edits = []
+    for tok, after in zip(tokens, tokens[1:]):
+        if tok.type == tokenize.NAME and keyword.iskeyword(tok.string) and after.exact_type == tokenize.EQUAL:
+            if tok.string not in aliases:
+                alias = tok.string + "_"
+                while alias in text or alias in aliases.values():
+                    alias += "_"
+                aliases[tok.string] = alias
+            start = line_starts[tok.start[0] - 1] + tok.start[1]
+            edits.append((start, start + len(tok.string), aliases[tok.string]))
+    for start, end, alias in reversed(edits):
+        text = text[:start] + alias + text[end:]
+    return text, {alias: name for name, alias in aliases.items()}
 
 
 def _dotted(node: ast.expr) -> str | None:
@@ -575,16 +627,18 @@ assert set(FORMATS) == set(TOOL_CALL_PARSER_NAMES), "one list of parsers"
 
 
 def collect(events: list[Event]) -> tuple[str, list[tuple[str, str]]]:
-    """Events joined: (content, [(name, arguments)])."""
-    content, calls = "", []
+    """Events joined: (content, [(name, arguments)]), the calls that are complete only."""
+    content, calls, ended = "", [], set()
     for ev in events:
         if isinstance(ev, Content):
             content += ev.text
         elif isinstance(ev, CallStart):
             calls.append([ev.name, ""])
-        else:
+        elif isinstance(ev, CallArgs):
             calls[ev.index][1] += ev.fragment
-    return content, [(name, args) for name, args in calls]
+        else:
+            ended.add(ev.index)
+    return content, [(name, args) for i, (name, args) in enumerate(calls) if i in ended]
 
 
 def _merge(events: list[Event]) -> list[Event]:

@@ -112,12 +112,12 @@ def serve_in_thread(engine: Engine, server_args: ServerArgs | None = None) -> It
 
 
 @contextlib.contextmanager
-def thinking_server(model: str, template_dir) -> Iterator[str]:
+def thinking_server(model: str, template_dir, generation_prompt: str = "assistant: ") -> Iterator[str]:
     """A server with --reasoning-parser qwen3 over a template that opens the thinking block when
-    enable_thinking is set (as Qwen3's closes it when it is not)."""
+    enable_thinking is set (as Qwen3's closes it when it is not), after generation_prompt."""
     template = template_dir / "think.jinja"
     template.write_text("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                        "assistant: {% if enable_thinking %}<think>{% endif %}")
+                        + generation_prompt + "{% if enable_thinking %}<think>{% endif %}")
     with serve_in_thread(Engine(model, dtype="float32", chat_template=str(template)),
                          ServerArgs(reasoning_parser="qwen3")) as base:
         yield base

@@ -1,0 +1,205 @@
+"""Tools and reasoning against outputs and requests that try to trick them: calls cut short by
+max_tokens never come back (whole or streamed) and forced parallel calls are bounded; functions
+named like tool_choice's modes can be forced; only the request's tools become calls; pythonic
+calls with arguments named as Python keywords, and non-strict tools beside strict ones; a schema
+nested too deeply after the thinking is a 400; a user's `<think>` does not open the reasoning."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from baby_sgl import Engine
+from baby_sgl.entrypoints.tool_grammar import MAX_PARALLEL_TOOL_CALLS, Tool, tool_grammar
+from baby_sgl.entrypoints.tool_parsers import ToolCallParser
+from baby_sgl.server_args import ServerArgs
+from entrypoints.conftest import serve_in_thread, thinking_server, wait_idle
+from entrypoints import test_tools
+from entrypoints.test_tools import TOOLS, WEATHER
+
+matcher = test_tools.matcher  # the fixture: whether a grammar takes a text
+
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+NOW_CALL = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'  # what the forced grammar writes
+NO_EOS = {"logit_bias": {"2": -100}}  # the tiny model's end of sequence: it must go on until cut
+USER = [{"role": "user", "content": "What time is it?"}]
+
+
+def _client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="none")
+
+
+def _server(tiny_llama: str, parser: str):
+    return serve_in_thread(Engine(tiny_llama, dtype="float32"), ServerArgs(tool_call_parser=parser))
+
+
+@pytest.fixture(scope="module")
+def qwen25_server(tiny_llama):
+    with _server(tiny_llama, "qwen25") as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def llama3_server(tiny_llama):
+    with _server(tiny_llama, "llama3") as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def pythonic_server(tiny_llama):
+    with _server(tiny_llama, "pythonic") as base:
+        yield base
+
+
+def test_calls_cut_by_max_tokens_are_dropped_whole_and_streamed(qwen25_server):
+    # Two whole calls and the start of a third's arguments: the third is cut in its arguments.
+    # Before: chat.py:ChatReader.read gave every call begun, the third with arguments "{".
+    max_tokens = 2 * (len(NOW_CALL) + 1) + NOW_CALL.index("{}") + 1
+    client = _client(qwen25_server)
+    whole = client.chat.completions.create(model="m", messages=USER, tools=[NOW], tool_choice="required",
+                                           max_tokens=max_tokens, temperature=0, extra_body=NO_EOS)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("now", "{}")] * 2
+    pieces = list(client.chat.completions.create(model="m", messages=USER, tools=[NOW], tool_choice="required",
+                                                 max_tokens=max_tokens, temperature=0, extra_body=NO_EOS,
+                                                 stream=True))
+    calls = [c for p in pieces if p.choices for c in p.choices[0].delta.tool_calls or []]
+    # a forced call streams once complete: its name and all its arguments in one delta
+    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [(0, "now", "{}"), (1, "now", "{}")]
+    assert pieces[-1].choices[0].finish_reason == "length"
+    wait_idle(qwen25_server)
+
+
+def test_forced_parallel_calls_are_bounded(matcher):
+    # Before: tool_grammar.py:tool_grammar repeated the calls with `*`, so a model that never
+    # stops calling was stopped only by max_tokens, inside a call.
+    grammar = tool_grammar("qwen25", [Tool("now", None, {"type": "object", "properties": {}})], True, True, None)
+    assert matcher(grammar, "\n".join([NOW_CALL] * MAX_PARALLEL_TOOL_CALLS))
+    assert not matcher(grammar, "\n".join([NOW_CALL] * (MAX_PARALLEL_TOOL_CALLS + 1)))
+
+
+@pytest.mark.parametrize("name", ["none", "auto", "required"])
+def test_a_function_named_like_a_mode_can_be_forced(qwen25_server, name):
+    # Before: protocol.py:chat_request passed the name as tool_choice, which chat.py:prepare read
+    # as the mode of that name (auto, none) or as any tool (required).
+    tools = [{"type": "function", "function": {"name": name, "parameters": WEATHER}}, NOW]
+    r = _client(qwen25_server).chat.completions.create(
+        model="m", messages=USER, tools=tools, tool_choice={"type": "function", "function": {"name": name}},
+        max_tokens=120, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and [c.function.name for c in choice.message.tool_calls] == [name]
+    jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), WEATHER)
+    wait_idle(qwen25_server)
+
+
+def test_only_the_requests_tools_become_calls(qwen25_server, llama3_server):
+    # Before: tool_parsers.py:_JsonCalls._feed_call announced a call for any name written.
+    undefined = {"regex": r'<tool_call>\n\{"name": "rm_rf", "arguments": \{\}\}\n</tool_call>'}
+    r = _client(qwen25_server).chat.completions.create(model="m", messages=USER, tools=TOOLS, max_tokens=80,
+                                                       temperature=0, extra_body=undefined)
+    message = r.choices[0].message
+    assert message.tool_calls is None and message.content == '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n' \
+        '</tool_call>' and r.choices[0].finish_reason == "stop"
+    # a JSON answer that happens to have a "name" is an answer, not a call
+    person = {"type": "object", "properties": {"name": {"const": "John Doe"}, "age": {"const": 30}},
+              "required": ["name", "age"]}
+    r = _client(llama3_server).chat.completions.create(
+        model="m", messages=USER, tools=TOOLS, max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": person}})
+    message = r.choices[0].message
+    assert message.tool_calls is None and json.loads(message.content) == {"name": "John Doe", "age": 30}
+    wait_idle(qwen25_server)
+    wait_idle(llama3_server)
+
+
+@pytest.mark.parametrize("fmt, output", [
+    ("qwen25", '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'),
+    ("llama3", '{"name": "John Doe", "parameters": {"age": 30}}'),
+    ("mistral", '[TOOL_CALLS]rm_rf[ARGS]{"path": "/"}'),
+    ("mistral", '[TOOL_CALLS][{"name": "rm_rf", "arguments": {}}]'),
+    ("pythonic", '[now(), rm_rf(path="/")]'),
+])
+def test_a_call_to_a_function_not_among_the_tools_is_content(fmt, output):
+    assert ToolCallParser(fmt, frozenset({"now"})).parse(output) == (output, [])
+
+
+KEYWORD_ARGS = {"type": "object", "properties": {"from": {"type": "string", "maxLength": 5},
+                                                 "class": {"type": "integer"}}, "required": ["from", "class"]}
+
+
+def test_pythonic_arguments_named_as_python_keywords(pythonic_server):
+    # Before: tool_parsers.py:_python_calls gave None on ast.parse's SyntaxError for `from=`.
+    tools = [{"type": "function", "function": {"name": "move", "parameters": KEYWORD_ARGS}}]
+    r = _client(pythonic_server).chat.completions.create(model="m", messages=USER, tools=tools,
+                                                         tool_choice="required", max_tokens=80, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    assert [c.function.name for c in choice.message.tool_calls] == ["move"]
+    jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), KEYWORD_ARGS)
+    assert ToolCallParser("pythonic", frozenset({"f"})).parse('[f(from="a", from_=1, x="class=2")]') == \
+        ("", [("f", '{"from": "a", "from_": 1, "x": "class=2"}')])
+    wait_idle(pythonic_server)
+
+
+def test_pythonic_non_strict_tools_beside_a_strict_one_take_arguments(matcher):
+    # Before: tool_grammar.py:tool_grammar gave a non-strict tool the schema {"type": "object"},
+    # whose pythonic form has no keyword arguments at all: only `loose()` was allowed.
+    tools = [Tool("get_weather", None, WEATHER, strict=True), Tool("loose", None, {"type": "object"})]
+    grammar = tool_grammar("pythonic", tools, False, True, None)
+    assert matcher(grammar, '[loose(x=1, note="hi", flags=[true, null])]')
+    assert matcher(grammar, '[get_weather(city="Oslo"), loose()]')
+    assert not matcher(grammar, '[get_weather(town="Oslo")]')
+
+
+@pytest.fixture(scope="module")
+def thinking_base(tiny_llama, tmp_path_factory):
+    # a short generation prompt: a user's text right before it is within the old 16-token look
+    with thinking_server(tiny_llama, tmp_path_factory.mktemp("think"), generation_prompt="A:") as base:
+        yield base
+
+
+def test_a_users_think_tag_does_not_open_the_reasoning(thinking_base):
+    # Before: chat.py:prepare looked for an open block in the prompt's last 16 tokens, the
+    # user's text included.
+    client = _client(thinking_base)
+    messages = [{"role": "user", "content": "Show me your <think>"}]
+    r = client.chat.completions.create(model="m", messages=messages, max_tokens=20, temperature=0,
+                                       extra_body={"regex": "[a-z]{3,6}"})
+    message = r.choices[0].message
+    assert message.reasoning_content is None and message.content and message.content.isalpha()
+    # the template's own tag still opens it
+    r = client.chat.completions.create(model="m", messages=messages, max_tokens=30, temperature=0, extra_body={
+        "regex": "[a-z]{4}</think>[a-z]{3}", "chat_template_kwargs": {"enable_thinking": True}})
+    message = r.choices[0].message
+    assert len(message.reasoning_content) == 4 and len(message.content) == 3
+    wait_idle(thinking_base)
+
+
+def test_a_schema_too_deep_after_the_thinking_is_a_400(thinking_base):
+    # Before: tool_grammar.py:json_after_thinking let closed_objects' RecursionError out: a 500.
+    schema: dict = {"type": "string"}
+    for _ in range(450):
+        schema = {"anyOf": [schema]}
+    body = {"model": "m", "messages": USER, "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}
+    r = httpx.post(thinking_base + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "json_schema" in r.json()["error"]["message"], r.text
+    wait_idle(thinking_base)
+
+
+def test_a_grammar_built_from_the_tools_names_them_when_too_large(tiny_llama_long):
+    # Before: sampling_params.py:SamplingParams._check refused it as `ebnf`, which the client never sent.
+    many = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}
+    body = {"model": "m", "messages": USER, "max_tokens": 4, "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "many", "parameters": many}}]}
+    engine = Engine(tiny_llama_long, dtype="float32", max_total_tokens=16384)
+    with serve_in_thread(engine, ServerArgs(tool_call_parser="pythonic")) as base:
+        r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "tools' schemas" in message and "ebnf" not in message, r.text
+        wait_idle(base)
