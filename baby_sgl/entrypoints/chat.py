@@ -70,8 +70,8 @@ class ChatTurn:
     constraint: dict[str, str]  # sampling params to add
     starts_inside: bool | None  # the reasoning parser's start (None: no split)
     tool_format: str | None  # the calls format to read (None: no tools)
-    tool_names: frozenset[str] = frozenset()  # the functions a call may name
-    constrained_calls: bool = False  # a grammar writes the calls (forced or strict tools)
+    tool_names: frozenset[str]  # the functions a call may name
+    constrained_calls: bool  # a grammar writes the calls (forced or strict tools)
 
     def reader(self, stream: bool) -> ChatReader:
         """A reader of one choice's output; a streamed one gives unconstrained calls as written."""
