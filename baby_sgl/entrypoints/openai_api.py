@@ -115,8 +115,8 @@ def add_openai_routes(app: FastAPI) -> None:
         params = body.sampling_params(max_tokens)
         constraint = {kind: params.pop(kind) for kind in GRAMMAR_KINDS if kind in params}
         # On the bounded pool: the history's tool-call arguments are parsed, and may be megabytes.
-        turn = await app.state.async_engine.off_loop(1, prepare, engine, app.state.server_settings,
-                                                   body.chat_request(constraint))
+        turn = await app.state.async_engine.off_loop(
+            1, lambda: prepare(engine, app.state.server_settings, body.chat_request(constraint)))
         item = {"input_ids": turn.input_ids, "sampling_params": params | turn.constraint,
                 "return_logprob": body.logprobs, "top_logprobs_num": body.top_logprobs or 0}
         logprobs = (lambda _, meta: _chat_logprobs(engine, meta)) if body.logprobs else _no_logprobs
