@@ -196,12 +196,12 @@ def add_anthropic_routes(app: FastAPI) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest) -> dict:
-        turn = await aengine.off_loop(1, prepare, engine, app.state.server_settings, body.chat_request())
+        turn = await aengine.off_loop(1, lambda: prepare(engine, app.state.server_settings, body.chat_request()))
         return {"input_tokens": len(turn.input_ids)}
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
-        turn = await aengine.off_loop(1, prepare, engine, app.state.server_settings, body.chat_request())
+        turn = await aengine.off_loop(1, lambda: prepare(engine, app.state.server_settings, body.chat_request()))
         item = {"input_ids": turn.input_ids, "sampling_params": body.sampling_params() | turn.constraint}
         chunks = app.state.async_engine.generate([item], body.stream, request.is_disconnected)
         head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": body.model}
