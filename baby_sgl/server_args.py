@@ -115,7 +115,8 @@ class EngineArgs:
         """One --flag per field, with the field's help."""
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            help_ = f.metadata["help"] + ("" if f.type == "bool" or f.default in (None, ()) else f" (default: {f.default})")
+            shown = f.type != "bool" and f.default not in (None, ())
+            help_ = f.metadata["help"] + (f" (default: {f.default})" if shown else "")
             if f.type == "bool":
                 parser.add_argument(flag, action="store_true", default=f.default, help=help_)
             elif f.type.startswith("tuple"):  # a list: comma or space separated, or the flag repeated

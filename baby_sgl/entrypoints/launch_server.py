@@ -63,7 +63,7 @@ def launch_server(server_args: ServerArgs) -> int:
     server = _GracefulServer(config, lambda: stop_gracefully(app.state.stop, app.state.async_engine,
                                                              server_args.graceful_shutdown_timeout))
     engine.on_death(lambda _: setattr(server, "should_exit", True))
-    # uvicorn handles SIGTERM/SIGINT itself, then raises the signal again once it has stopped,
+    # A second SIGTERM/SIGINT is uvicorn's: it raises the signal again once it has stopped,
     # under the handlers found before it started: these let the engine shut down (and stop its
     # tensor-parallel ranks) instead of the process dying there.
     for sig in (signal.SIGTERM, signal.SIGINT):
