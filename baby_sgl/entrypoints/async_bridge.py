@@ -10,8 +10,10 @@ step."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -24,6 +26,8 @@ from baby_sgl.core.sampling_params import SamplingParams
 
 # How often a waiting request checks that its client is still there (SGLang: every 4 s).
 DISCONNECT_POLL_S = 0.5
+# Aborts remembered for rids whose request is still being submitted (the oldest are forgotten).
+MAX_EARLY_ABORTS = 1024
 
 
 class AsyncEngine:
@@ -37,11 +41,24 @@ class AsyncEngine:
         # from submission to the end, so no two running requests share an engine rid.
         self._reserved: dict[str, list[str]] = {}
         self._lock = threading.Lock()  # submissions run in worker threads
+        # Aborts of rids that had no request yet, while some submission was in progress: that
+        # submission may be the one the abort meant (rid -> the ticket it got). Bounded, and
+        # emptied whenever no submission is in progress.
+        self._tickets = itertools.count()
+        self._submitting: set[int] = set()
+        self._early_aborts: OrderedDict[str, int] = OrderedDict()
 
     def abort(self, rid: str) -> None:
-        for req in self.active.get(rid, []):
+        with self._lock:
+            reqs = self.active.get(rid)
+            if not reqs and self._submitting:
+                self._early_aborts[rid] = next(self._tickets)
+                self._early_aborts.move_to_end(rid)
+                if len(self._early_aborts) > MAX_EARLY_ABORTS:
+                    self._early_aborts.popitem(last=False)
+        for req in reqs or []:
             self.engine.abort_request(req.rid)
-        if rid not in self.active:
+        if reqs is None:
             self.engine.abort_request(rid)  # maybe one copy of an n > 1 request
 
     async def generate(self, items: list[dict[str, Any]], stream: bool,
@@ -64,12 +81,17 @@ class AsyncEngine:
             except RuntimeError:  # the server stopped; nobody is waiting for this any more
                 pass
 
-        # Grammars compile on the engine's compile threads; awaiting them here holds no worker
-        # thread, so a slow compile never queues other clients' submissions behind it.
-        await self._compile_grammars(items)
+        ticket = self._open_submission()
+        try:
+            # Grammars compile on the engine's compile threads; awaiting them here holds no worker
+            # thread, so a slow compile never queues other clients' submissions behind it.
+            await self._compile_grammars(items)
+        except BaseException:
+            self._close_submission(ticket)
+            raise
         # Tokenizing (and a session turn's checks in the scheduler thread) run off the event
         # loop, so a long prompt never stalls other clients or /health.
-        submitting = asyncio.ensure_future(asyncio.to_thread(self._submit, items, deliver, stream))
+        submitting = asyncio.ensure_future(asyncio.to_thread(self._submit, items, deliver, stream, ticket))
         try:
             submitted, keys = await asyncio.shield(submitting)
         except asyncio.CancelledError:
@@ -122,8 +144,37 @@ class AsyncEngine:
                 keys.add(key)
         await asyncio.gather(*(asyncio.wrap_future(self.engine.grammars.submit(k)) for k in keys))
 
+    def _open_submission(self) -> int:
+        with self._lock:
+            ticket = next(self._tickets)
+            self._submitting.add(ticket)
+            return ticket
+
+    def _close_submission(self, ticket: int) -> None:
+        with self._lock:
+            self._submitting.discard(ticket)
+            if not self._submitting:
+                self._early_aborts.clear()
+
+    def _register(self, key: str, reqs: list[Req], ticket: int) -> None:
+        """The requests of one item are in: abortable by their rid from now on, and aborted now
+        if an abort for that rid came while they were being submitted."""
+        with self._lock:
+            self.active[key] = reqs
+            aborted_at = [self._early_aborts.pop(r, -1) for r in {key, *(req.rid for req in reqs)}]
+        if max(aborted_at) > ticket:
+            for req in reqs:
+                self.engine.abort_request(req.rid)
+
     def _submit(self, items: list[dict[str, Any]], deliver: Callable[[dict], None],
-                stream: bool) -> tuple[list[Req], list[str]]:
+                stream: bool, ticket: int) -> tuple[list[Req], list[str]]:
+        try:
+            return self._submit_items(items, deliver, stream, ticket)
+        finally:
+            self._close_submission(ticket)
+
+    def _submit_items(self, items: list[dict[str, Any]], deliver: Callable[[dict], None],
+                      stream: bool, ticket: int) -> tuple[list[Req], list[str]]:
         if self.max_queued is not None and len(items) > self.max_queued:
             raise ValueError(f"this call holds {len(items)} requests; at most {self.max_queued} can wait at once "
                              f"(--max-queued-requests)")
@@ -150,7 +201,7 @@ class AsyncEngine:
                 key = item.get("rid") or reqs[0].rid
                 if key not in given:
                     keys.append(key)
-                self.active[key] = reqs
+                self._register(key, reqs, ticket)
         except Exception:
             for req in submitted:
                 self.engine.abort_request(req.rid)
