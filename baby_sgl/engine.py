@@ -15,9 +15,10 @@ import torch
 from transformers import AutoTokenizer
 
 from baby_sgl.managers.memory_checker import check_memory
-from baby_sgl.managers.scheduler_view import scheduler_view
+from baby_sgl.managers.scheduler_view import SchedulerSnapshot, scheduler_view
 from baby_sgl.core.req import Req
-from baby_sgl.managers.scheduler import Progress, Scheduler
+from baby_sgl.managers.scheduler import Scheduler
+from baby_sgl.managers.snapshots import Progress
 from baby_sgl.managers.tokenizer_manager import LogprobCursor, TokenizerManager
 from baby_sgl.core.memory_pool import KVPool
 from baby_sgl.model_config import ModelConfig
@@ -354,17 +355,34 @@ class Engine:
         return self.scheduler.call(flush)
 
     def get_server_info(self) -> dict[str, Any]:
+        """The engine's settings and the scheduler's counters, as fresh as this call (read from
+        what the scheduler publishes every turn: no work in its thread)."""
+        return self._server_info(self.scheduler.load())
+
+    async def get_server_info_async(self) -> dict[str, Any]:
+        """get_server_info, waiting on the running event loop."""
+        return self._server_info(await self.scheduler.load_async())
+
+    def _server_info(self, load: dict[str, Any]) -> dict[str, Any]:
         info = dataclasses.asdict(self.engine_args)
         info.update(max_total_tokens=self.max_total_tokens, context_len=self.context_len, dtype=str(self.dtype),
                     model_path=self.model_path)
-        info.update(self.scheduler.call(self.scheduler.load_info))
-        return info
+        return info | load
 
-    def scheduler_view(self, max_nodes: int = 200) -> dict[str, Any]:
+    def scheduler_view(self, max_nodes: int = 200, full_rids: bool = True) -> dict[str, Any]:
         """The radix tree (at most max_nodes nodes: the hottest paths), the KV pool by owner, the
-        running and waiting requests and recent activity, read in the scheduler thread between
-        steps; each node's and eviction's first tokens decoded as text here, outside it."""
-        view = self.scheduler.call(lambda: scheduler_view(self.scheduler, max_nodes))
+        running and waiting requests and recent activity, from a snapshot the scheduler takes at a
+        bounded rate however many ask (see managers/snapshots.py), fresh for this call; request
+        ids shortened unless full_rids."""
+        return self.describe_snapshot(self.scheduler.view_snapshot(), max_nodes, full_rids)
+
+    async def scheduler_snapshot_async(self) -> SchedulerSnapshot:
+        """The snapshot scheduler_view describes, waiting on the running event loop."""
+        return await self.scheduler.view_snapshot_async()
+
+    def describe_snapshot(self, snapshot: SchedulerSnapshot, max_nodes: int, full_rids: bool) -> dict[str, Any]:
+        """scheduler_view of a snapshot: each node's and eviction's first tokens decoded as text."""
+        view = scheduler_view(snapshot, max_nodes, full_rids)
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
         stack = [view["tree"]["root"]] if view["tree"] else []
         while stack:

@@ -1,7 +1,8 @@
 """What the dashboard costs serving (the README's figures).
 
-1. One read (Engine.scheduler_view) timed inside the scheduler thread, with a few hundred tree
-   nodes and 8 requests decoding.
+1. One snapshot (what the scheduler takes for the dashboard, at most every 0.2 s however many
+   read it) timed inside the scheduler thread, with a few hundred tree nodes and 8 requests
+   decoding.
 2. The same `bench serving` run against one fresh server, alternating without and with a client
    that polls /dashboard/state once a second, as the open page does.
 
@@ -29,7 +30,7 @@ BENCH = ["--dataset", "random", "--num-prompts", "32", "--random-input-min", "32
 
 def read_cost() -> None:
     from baby_sgl import Engine
-    from baby_sgl.managers.scheduler_view import scheduler_view
+    from baby_sgl.managers.scheduler_view import take_snapshot
 
     with Engine(max_total_tokens=16384) as engine:
         prompts = [f"Group {g}: a system prompt its questions share. " * 4 + f"Question {i}?"
@@ -43,14 +44,14 @@ def read_cost() -> None:
         time.sleep(2)
         inner, running = [], 0
         while not done.is_set():
-            a, view, b = engine.scheduler.call(
-                lambda: (time.perf_counter(), scheduler_view(engine.scheduler, 200), time.perf_counter()))
+            a, snap, b = engine.scheduler.call(
+                lambda: (time.perf_counter(), take_snapshot(engine.scheduler), time.perf_counter()))
             inner.append((b - a) * 1e3)
-            running = max(running, view["running"]["count"])
+            running = max(running, snap.running["count"])
             time.sleep(0.2)
         load.join()
-    print(f"one read in the scheduler thread: median {statistics.median(inner):.2f} ms, max {max(inner):.2f} ms "
-          f"(up to {view['tree']['nodes']} nodes, up to {running} requests running, {len(inner)} reads)")
+    print(f"one snapshot in the scheduler thread: median {statistics.median(inner):.2f} ms, max {max(inner):.2f} ms "
+          f"(up to {len(snap.nodes or [])} nodes, up to {running} requests running, {len(inner)} reads)")
 
 
 def poll(base: str, stop: threading.Event) -> None:

@@ -59,8 +59,10 @@ class Req:
         self.alloc_len = 0
         self.cache_protected_len = 0
         self.last_node: Any = None  # the prefix cache's handle (opaque here; see base_prefix_cache.py)
-        # Set by the scheduler for the next extend pass.
+        # Set by the scheduler for the next extend pass; the match is kept while the cache's
+        # version and the sequence's length stay what they were (prefix_match_key).
         self.prefix_indices: Any = None
+        self.prefix_match_key: tuple[int, int] | None = None
         self.extend_input_len = 0
         self.is_chunked = False
         # Incremental detokenization (see detokenizer.py).
@@ -97,6 +99,7 @@ class Req:
         self.req_pool_idx, self.kv_len, self.alloc_len, self.cache_protected_len = None, 0, 0, 0
         self.last_node = None
         self.prefix_indices, self.extend_input_len, self.is_chunked = None, 0, False
+        self.prefix_match_key = None
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"

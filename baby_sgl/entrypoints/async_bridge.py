@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -33,6 +34,9 @@ MAX_BUFFERED_PIECES = 64
 # Threads that tokenize prompts and render chat templates: the work of a request before it is
 # queued. More would only share the same cores.
 PREPARE_THREADS = 4
+
+# Aborts remembered for rids whose request is still being submitted (the oldest are forgotten).
+MAX_EARLY_ABORTS = 1024
 
 T = TypeVar("T")
 
@@ -73,11 +77,24 @@ class AsyncEngine:
         """Aborts every request submitted through this bridge (the server stops)."""
         for rid in list(self.active):
             self.abort(rid)
+        # Aborts of rids that had no request yet, while some submission was in progress: that
+        # submission may be the one the abort meant (rid -> the ticket it got). Bounded, and
+        # emptied whenever no submission is in progress.
+        self._tickets = itertools.count()
+        self._submitting: set[int] = set()
+        self._early_aborts: OrderedDict[str, int] = OrderedDict()
 
     def abort(self, rid: str) -> None:
-        for req in self.active.get(rid, []):
+        with self._lock:
+            reqs = self.active.get(rid)
+            if not reqs and self._submitting:
+                self._early_aborts[rid] = next(self._tickets)
+                self._early_aborts.move_to_end(rid)
+                if len(self._early_aborts) > MAX_EARLY_ABORTS:
+                    self._early_aborts.popitem(last=False)
+        for req in reqs or []:
             self.engine.abort_request(req.rid)
-        if rid not in self.active:
+        if reqs is None:
             self.engine.abort_request(rid)  # maybe one copy of an n > 1 request
 
     async def generate(self, items: list[dict[str, Any]], stream: bool,
@@ -100,12 +117,19 @@ class AsyncEngine:
             except RuntimeError:  # the server stopped; nobody is waiting for this any more
                 pass
 
-        # Grammars compile on the engine's compile threads; awaiting them here holds no worker
-        # thread, so a slow compile never queues other clients' submissions behind it.
-        await self._compile_grammars(items)
+        ticket = self._open_submission()
+        try:
+            # Grammars compile on the engine's compile threads; awaiting them here holds no worker
+            # thread, so a slow compile never queues other clients' submissions behind it.
+            await self._compile_grammars(items)
+        except BaseException:
+            self._close_submission(ticket)
+            raise
         # Tokenizing (and a session turn's checks in the scheduler thread) run off the event
         # loop, so a long prompt never stalls other clients or /health.
-        submitting = asyncio.ensure_future(self.off_loop(len(items), self._submit, items, deliver, stream))
+        submitting = asyncio.ensure_future(self.off_loop(len(items), self._submit, items, deliver, stream, ticket))
+        # Closed however it ends: refused for a full queue before it ran, failed, or done.
+        submitting.add_done_callback(lambda _: self._close_submission(ticket))
         try:
             submitted, keys = await asyncio.shield(submitting)
         except asyncio.CancelledError:
@@ -171,8 +195,30 @@ class AsyncEngine:
                 keys.add(key)
         await asyncio.gather(*(asyncio.wrap_future(self.engine.grammars.submit(k)) for k in keys))
 
+    def _open_submission(self) -> int:
+        with self._lock:
+            ticket = next(self._tickets)
+            self._submitting.add(ticket)
+            return ticket
+
+    def _close_submission(self, ticket: int) -> None:
+        with self._lock:
+            self._submitting.discard(ticket)
+            if not self._submitting:
+                self._early_aborts.clear()
+
+    def _register(self, key: str, reqs: list[Req], ticket: int) -> None:
+        """The requests of one item are in: abortable by their rid from now on, and aborted now
+        if an abort for that rid came while they were being submitted."""
+        with self._lock:
+            self.active[key] = reqs
+            aborted_at = [self._early_aborts.pop(r, -1) for r in {key, *(req.rid for req in reqs)}]
+        if max(aborted_at) > ticket:
+            for req in reqs:
+                self.engine.abort_request(req.rid)
+
     def _submit(self, items: list[dict[str, Any]], deliver: Callable[[dict], None],
-                stream: bool) -> tuple[list[Req], list[str]]:
+                stream: bool, ticket: int) -> tuple[list[Req], list[str]]:
         given = [item["rid"] for item in items if item.get("rid") is not None]
         planned = {item["rid"]: self._engine_rids(item) for item in items if item.get("rid") is not None}
         every = [r for rids in planned.values() for r in rids]
@@ -194,7 +240,7 @@ class AsyncEngine:
                 key = item.get("rid") or reqs[0].rid
                 if key not in given:
                     keys.append(key)
-                self.active[key] = reqs
+                self._register(key, reqs, ticket)
         except Exception:
             for req in submitted:
                 self.engine.abort_request(req.rid)

@@ -7,10 +7,13 @@ no build step, no library) that polls the JSON routes below once a second; scrip
   the model and the pool's page size);
 - `GET /dashboard/tree?max_nodes=200`: the radix tree alone (what `baby-sgl tree` prints).
 
-Each read runs in the scheduler thread between two steps (Scheduler.call), so it never races the
-scheduler; a large tree is cut to its hottest paths, with a count of what is left out.
-`--disable-dashboard` leaves these routes out; with `--api-key` they need the key like every
-route (a browser is asked for it: any user name, the key as password).
+The scheduler publishes a snapshot of itself at a bounded rate (managers/snapshots.py) that all
+readers share, so however many poll, it never races the scheduler nor costs it more; the view is
+built from the snapshot outside the scheduler thread, a large tree cut to its hottest paths with a
+count of what is left out. `--disable-dashboard` leaves these routes out; with `--api-key` they
+need the key like every route (a browser is asked for it: any user name, the key as password).
+Request ids are shown whole only to holders of the key: without one they are shortened, since a
+full id is all /abort_request needs to end someone else's request.
 """
 
 from __future__ import annotations
@@ -32,8 +35,13 @@ def page() -> str:
     return resources.files("baby_sgl.entrypoints").joinpath("static/dashboard.html").read_text(encoding="utf-8")
 
 
-def add_dashboard_routes(app: FastAPI) -> None:
+def add_dashboard_routes(app: FastAPI, full_rids: bool) -> None:
+    """full_rids: every reader holds the API key (the server has one and lets no one else in)."""
     engine: Engine = app.state.engine
+
+    async def view(max_nodes: int) -> dict:
+        snapshot = await engine.scheduler_snapshot_async()
+        return await asyncio.to_thread(engine.describe_snapshot, snapshot, max_nodes, full_rids)
 
     @app.get("/dashboard", response_class=HTMLResponse)
     async def dashboard() -> HTMLResponse:
@@ -41,10 +49,9 @@ def add_dashboard_routes(app: FastAPI) -> None:
 
     @app.get("/dashboard/state")
     async def state(max_nodes: int = Query(200, ge=1, le=MAX_NODES)) -> dict:
-        view = await asyncio.to_thread(engine.scheduler_view, max_nodes)
-        return {"model": app.state.model_name, **view}
+        return {"model": app.state.model_name, **await view(max_nodes)}
 
     @app.get("/dashboard/tree")
     async def tree(max_nodes: int = Query(200, ge=1, le=MAX_NODES)) -> dict:
-        view = await asyncio.to_thread(engine.scheduler_view, max_nodes)
-        return {"model": app.state.model_name, "tree": view["tree"], "pool": view["pool"]}
+        state = await view(max_nodes)
+        return {"model": app.state.model_name, "tree": state["tree"], "pool": state["pool"]}

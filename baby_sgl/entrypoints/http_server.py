@@ -57,7 +57,7 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
     add_openai_routes(app)
     add_anthropic_routes(app)
     if not args.disable_dashboard:
-        add_dashboard_routes(app)
+        add_dashboard_routes(app, full_rids=bool(args.api_key))
     return app
 
 

@@ -1,6 +1,7 @@
 """SGLang's native API (/generate, /health, /get_server_info, sessions, ...) as routes of the app
-(http_server.py). Calls that wait for the engine (server info, cache flush, memory check) go
-through a worker thread, so the event loop, and with it /health, never waits on engine work."""
+(http_server.py). Calls that wait for the engine (cache flush, memory check) go through a worker
+thread, so the event loop, and with it /health, never waits on engine work; server info and
+metrics come from what the scheduler publishes every turn, awaited on the event loop."""
 
 from __future__ import annotations
 
@@ -79,14 +80,14 @@ def add_native_routes(app: FastAPI, incremental_streaming_output: bool = False) 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict:
-        info = await asyncio.to_thread(engine.get_server_info)
+        info = await engine.get_server_info_async()
         return info | app.state.server_settings | getattr(app.state, "listen", {})  # where this server really listens
 
     @app.get("/get_load")
     async def get_load() -> list[dict]:
         """SGLang's load report, one entry per data-parallel rank (this process is one, --dp-rank):
         what the router's power_of_two policy and /get_loads read."""
-        load = await asyncio.to_thread(engine.get_server_info)
+        load = await engine.get_server_info_async()
         return [{"dp_rank": app.state.server_settings["dp_rank"], "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
                  "num_waiting_reqs": load["num_waiting_reqs"], "num_tokens": load["kv_used_tokens"]}]
 
@@ -114,7 +115,7 @@ def add_native_routes(app: FastAPI, incremental_streaming_output: bool = False) 
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        info = await asyncio.to_thread(engine.get_server_info)
+        info = await engine.get_server_info_async()
         return Response(metrics.render(info), media_type="text/plain; version=0.0.4")
 
     @app.get("/debug/check_memory")

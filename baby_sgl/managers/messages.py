@@ -33,4 +33,9 @@ class Stop:
     pass
 
 
-Message = NewReq | AbortReq | Call | Stop
+@dataclass
+class Wake:
+    """Makes an idle loop turn: a reader wants something published (snapshots.py)."""
+
+
+Message = NewReq | AbortReq | Call | Stop | Wake

@@ -21,33 +21,49 @@ def match_prefix(req: Req, tree_cache: BasePrefixCache[Any], sessions: SessionCo
     """Finds the request's cached prefix. The last token is always computed, because its
     logits give the next token, so at most len - 1 tokens can come from the cache. A streaming
     session's turn finds its prefix in the row its session holds (locked there already, so
-    the root stands in as the node to lock)."""
+    the root stands in as the node to lock). A match is kept while neither the cache nor the
+    request changed since: matching again would find the same, at a cost proportional to the
+    prompt, for every request that waits, at every step."""
     held = sessions.held_prefix(req)
     if held is not None:
-        req.prefix_indices, req.last_node = held, tree_cache.root
-    else:
-        limit = req.seqlen - 1
-        start = req.logprob_start_len
-        if start is not None and req.input_logprobs_pending():  # prompt logprobs need those positions computed here
-            limit = min(limit, start)
-        match = tree_cache.match_prefix(req.fill_ids[:limit])
-        req.prefix_indices, req.last_node = match.slots, match.node
+        req.prefix_indices, req.last_node, req.prefix_match_key = held, tree_cache.root, None
+        return
+    key = (tree_cache.version, req.seqlen)
+    if req.prefix_match_key == key:
+        return
+    limit = req.seqlen - 1
+    start = req.logprob_start_len
+    if start is not None and req.input_logprobs_pending():  # prompt logprobs need those positions computed here
+        limit = min(limit, start)
+    match = tree_cache.match_prefix(req.fill_ids[:limit])
+    req.prefix_indices, req.last_node, req.prefix_match_key = match.slots, match.node, key
 
 
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # need the radix tree; fcfs without it, as SGLang
-# lpm sorts only queues up to this long; a longer one is served in arrival order (as SGLang).
-LPM_MAX_QUEUE = 128
+# The cache-aware policies sort only queues up to this long (they need every waiting request's
+# match); a longer one is served in arrival order, as SGLang does for lpm.
+CACHE_AWARE_MAX_QUEUE = 128
+# At most this many waiting requests are looked at (and matched) per step: admission stops there.
+MAX_CONSIDERED_PER_STEP = 128
+
+
+def sorts_by_prefix(policy: str, queue_len: int) -> bool:
+    """Whether the policy's order needs every waiting request's prefix matched first."""
+    return policy in CACHE_AWARE_POLICIES and queue_len <= CACHE_AWARE_MAX_QUEUE
 
 
 def sort_waiting(waiting: list[Req], policy: str, rng: random.Random, root: Any = None) -> None:
-    """Orders the waiting queue in place (every request's prefix is matched already):
+    """Orders the waiting queue in place (for lpm and dfs-weight, every request's prefix is
+    matched already; queues longer than CACHE_AWARE_MAX_QUEUE keep their arrival order):
     - fcfs: arrival order;
     - lpm: longest cached prefix first (stable on ties);
     - dfs-weight: a depth-first walk of the radix tree from `root`, heaviest subtree (most
       waiting requests under it) first, so requests sharing a prefix run together;
     - lof: longest output (max_new_tokens) first;
     - random: shuffled with the scheduler's seeded generator (same seed and arrivals, same order)."""
-    if policy == "lpm" and len(waiting) <= LPM_MAX_QUEUE:
+    if policy in CACHE_AWARE_POLICIES and not sorts_by_prefix(policy, len(waiting)):
+        return
+    if policy == "lpm":
         waiting.sort(key=lambda r: -len(r.prefix_indices))
     elif policy == "dfs-weight":
         waiting[:] = _dfs_weight_order(waiting, root)

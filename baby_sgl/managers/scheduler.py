@@ -12,7 +12,6 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from baby_sgl.errors import EngineDeadError
 from baby_sgl.managers.io_struct import SessionParams
 from baby_sgl.managers.memory_checker import check_memory
-from baby_sgl.managers.messages import AbortReq, Call, Message, NewReq, Stop
+from baby_sgl.managers.messages import AbortReq, Call, Message, NewReq, Stop, Wake
 from baby_sgl.core.req import Req
 from baby_sgl.managers.schedule_batch import ScheduleBatch
 from baby_sgl.managers.scheduler_batches import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, BatchFormation
@@ -28,6 +27,7 @@ from baby_sgl.managers.scheduler_output import OutputProcessing
 from baby_sgl.managers.scheduler_spec import Speculation, make_drafter
 from baby_sgl.managers.schedule_policy import CACHE_AWARE_POLICIES
 from baby_sgl.managers.session_controller import SessionController
+from baby_sgl.managers.snapshots import Progress, Snapshots
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 from baby_sgl.mem_cache.chunk_cache import ChunkCache
@@ -38,10 +38,13 @@ from baby_sgl.sampling.logprobs import record_input_logprobs
 from baby_sgl.sampling.sampler import Sampler
 from baby_sgl.server_args import EngineArgs
 from baby_sgl.managers.activity import Activity
+from baby_sgl.managers.scheduler_view import take_snapshot
 from baby_sgl.trace import Tracer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from baby_sgl.managers.scheduler_view import SchedulerSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +53,6 @@ _STALLED_POLL_S = 0.02
 _IDLE_WAKE_S = 60.0  # an idle scheduler wakes at least this often, whatever session timeouts say
 _CALL_POLL_S = 0.25  # how often a caller waiting on the scheduler checks that it is alive
 _SHUTDOWN_JOIN_S = 5.0
-
-
-@dataclass(frozen=True)
-class Progress:
-    """The scheduler as of its loop's last turn, readable from any thread: health checks must
-    not wait for a loop that may be stuck, and the event loop must not touch its lists."""
-
-    running: int
-    waiting: int
-    last_forward: float  # time.monotonic() when the last forward pass ended
 
 
 class Scheduler(BatchFormation, OutputProcessing, Speculation):
@@ -106,7 +99,7 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         self.dead: BaseException | None = None  # what stopped the loop, if it stopped on its own
         self.on_death: list[Callable[[BaseException], None]] = []
         self.last_forward = time.monotonic()  # when the last forward pass ended
-        self.progress = Progress(0, 0, self.last_forward)
+        self.snapshots = Snapshots(Progress(0, 0, self.last_forward), self.load_info())
         self.thread = threading.Thread(target=self._loop, name="baby-sgl-scheduler", daemon=True)
         self.thread.start()
 
@@ -120,12 +113,42 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
 
     def submit(self, req: Req) -> None:
         self._check_alive()
-        self.inbox.put(NewReq(req))
+        self._put(NewReq(req))
+
+    def _put(self, msg: Message) -> None:
+        self.inbox.put(msg)
+        self.snapshots.unsettle()  # after the put: see Snapshots.publish
+
+    @property
+    def progress(self) -> Progress:
+        return self.snapshots.progress
 
     def num_queued(self) -> int:
         """Requests not yet admitted: waiting, or still in the inbox (any thread; as of the loop's
         last turn)."""
         return self.progress.waiting + self.inbox.qsize()
+
+    def load(self) -> dict[str, Any]:
+        """load_info as fresh as this question (see snapshots.py), waiting in this thread."""
+        return self.snapshots.wait(self.snapshots.load_probe())
+
+    async def load_async(self) -> dict[str, Any]:
+        """`load`, waiting on the running event loop."""
+        return await self.snapshots.wait_async(self.snapshots.load_probe())
+
+    def view_snapshot(self) -> SchedulerSnapshot:
+        """The dashboard's snapshot, as fresh as this question, waiting in this thread."""
+        return self.snapshots.wait(self._want_view())
+
+    async def view_snapshot_async(self) -> SchedulerSnapshot:
+        return await self.snapshots.wait_async(self._want_view())
+
+    def _want_view(self) -> Callable[[], SchedulerSnapshot | None]:
+        """Asks for a dashboard snapshot at the next turn its rate allows; returns the probe."""
+        probe, wake = self.snapshots.view_probe()
+        if wake:
+            self._put(Wake())  # an idle loop sleeps until a message comes
+        return probe
 
     def add_session_req(self, req: Req, session_params: SessionParams) -> None:
         """In the scheduler thread (through `call`): makes req a turn of its session and queues
@@ -134,14 +157,14 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         self.waiting.append(req)
 
     def abort(self, rid: str) -> None:
-        self.inbox.put(AbortReq(rid))
+        self._put(AbortReq(rid))
 
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Runs fn in the scheduler thread between steps and returns its result. Raises
         EngineDeadError, rather than waiting forever, if the scheduler stops meanwhile."""
         self._check_alive()
         done: queue.Queue[tuple[bool, Any]] = queue.Queue()
-        self.inbox.put(Call(fn, done))
+        self._put(Call(fn, done))
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
@@ -157,7 +180,7 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
 
     def shutdown(self) -> None:
         self._stop.set()
-        self.inbox.put(Stop())
+        self._put(Stop())
         self.thread.join(timeout=_SHUTDOWN_JOIN_S)
         if self.tracer:
             self.tracer.close()
@@ -168,20 +191,22 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
             self._run()
         except BaseException as e:  # noqa: BLE001 - whatever it was, nobody may wait forever
             self._die(e)
+        finally:
+            self.snapshots.close(repr(self.dead) if self.dead else "shut down")
 
     def _run(self) -> None:
         stalled = False
+        self._publish()  # every turn ends with one, before the next turn may sleep
         while not self._stop.is_set():
             try:
                 # Idle: sleep until a message (or a session timeout). Stalled (requests wait but
                 # none could be scheduled): poll at a low rate instead of spinning a core.
                 self._drain_inbox(block=stalled or not self.has_work(),
                                   max_wait=_STALLED_POLL_S if stalled else _IDLE_WAKE_S)
-                self._publish()
+                self._publish_progress()  # what was just queued counts against the queue limit at once
                 if self._stop.is_set():
                     break
                 stalled = not self.step() and self.has_work()
-                self._publish()
             except Exception as e:  # a bug, not bad input: fail what was in flight, keep serving
                 logger.exception("scheduler step failed")
                 self.error, stalled = e, False
@@ -193,11 +218,20 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
                     logger.error("memory check failed after a step: %s", e)
                     self.error = e
                     self._fail_all(f"internal error: {e}")
+            self._publish()
+
+    def _publish_progress(self) -> None:
+        self.snapshots.progress = self._progress()
+
+    def _progress(self) -> Progress:
+        return Progress(len(self.running) + (self.chunked_req is not None), len(self.waiting), self.last_forward)
 
     def _publish(self) -> None:
-        """What other threads may read without a call (one object, replaced whole)."""
-        self.progress = Progress(len(self.running) + (self.chunked_req is not None), len(self.waiting),
-                                 self.last_forward)
+        """What other threads read without a call: progress and load every turn, the dashboard's
+        snapshot when one is wanted and due."""
+        self.snapshots.publish(self._progress(), self.load_info(),
+                               settled=lambda: not self.has_work() and self.inbox.empty(),
+                               take_view=lambda: take_snapshot(self))
 
     def _die(self, e: BaseException) -> None:
         """The loop itself failed: answer everyone who waits, then tell the owners (a server
@@ -225,7 +259,8 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
                 logger.exception("on_death callback failed")
 
     def load_info(self) -> dict[str, Any]:
-        """Counters and gauges for /server_info and /metrics (call through `call`)."""
+        """Counters and gauges for /server_info and /metrics (in the scheduler thread; others
+        read the copy published every turn: `load`)."""
         used = self.allocator.size - self.allocator.available_size() - self.tree_cache.evictable_size()
         return {**self.stats, "num_running_reqs": len(self.running) + (self.chunked_req is not None),
                 "num_waiting_reqs": len(self.waiting), "kv_used_tokens": used,
@@ -239,27 +274,37 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         return self.running + ([self.chunked_req] if self.chunked_req is not None else [])
 
     def _drain_inbox(self, block: bool, max_wait: float) -> None:
-        while True:
-            wait = None
-            if block:
-                expiry = self.sessions.expire()  # wake up to expire idle sessions
-                wait = max_wait if expiry is None else min(expiry, max_wait)
+        """Handles the messages in the inbox when it is looked at, and no more: messages that
+        keep coming wait for the next turn, so a step always runs in between (a flood of calls
+        cannot starve the requests). Blocks for the first one if `block`."""
+        if block:
+            waits = (max_wait, self.sessions.expire(), self.snapshots.view_due_in())  # wake to expire sessions too
             try:
-                msg = self.inbox.get(block=block, timeout=wait)
+                msg = self.inbox.get(timeout=min(w for w in waits if w is not None))
             except queue.Empty:
                 return
-            block = False
-            if isinstance(msg, NewReq):
-                self.waiting.append(msg.req)
-            elif isinstance(msg, AbortReq):
-                self._mark_abort(msg.rid)
-            elif isinstance(msg, Call):
-                try:
-                    msg.done.put((True, msg.fn()))
-                except Exception as e:
-                    msg.done.put((False, e))
-            elif isinstance(msg, Stop):
+            if not self._handle(msg):
                 return
+        for _ in range(self.inbox.qsize()):
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if not self._handle(msg):
+                return
+
+    def _handle(self, msg: Message) -> bool:
+        """One message; False for Stop."""
+        if isinstance(msg, NewReq):
+            self.waiting.append(msg.req)
+        elif isinstance(msg, AbortReq):
+            self._mark_abort(msg.rid)
+        elif isinstance(msg, Call):
+            try:
+                msg.done.put((True, msg.fn()))
+            except Exception as e:
+                msg.done.put((False, e))
+        return not isinstance(msg, Stop)
 
     def _mark_abort(self, rid: str) -> None:
         for req in self.waiting + self.running + ([self.chunked_req] if self.chunked_req else []):

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 from baby_sgl.managers.schedule_batch import ScheduleBatch
 from baby_sgl.managers.scheduler_state import SchedulerState
-from baby_sgl.managers.schedule_policy import (AddResult, PrefillAdder, match_prefix, shares_uncached_prefix,
-                                               sort_waiting)
+from baby_sgl.managers.schedule_policy import (MAX_CONSIDERED_PER_STEP, AddResult, PrefillAdder, match_prefix,
+                                               shares_uncached_prefix, sort_waiting, sorts_by_prefix)
 from baby_sgl.core.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
@@ -51,19 +51,20 @@ class BatchFormation(SchedulerState):
             return None, False
         short_of_memory = False
         if adder.new_chunked_req is None:
-            self._match_waiting()
+            if sorts_by_prefix(self.schedule_policy, len(self.waiting)):
+                self._match_waiting(self.waiting)
             sort_waiting(self.waiting, self.schedule_policy, self.rng, self.tree_cache.root)
             room = self.args.max_running_requests - len(self.running) - len(adder.can_run)
             free_rows = len(self.req_to_token_pool.free_slots)
             share = not self.args.disable_radix_cache
-            for req in list(self.waiting):
-                if share and shares_uncached_prefix(req, adder.can_run):
-                    continue
+            for req in self.waiting[:MAX_CONSIDERED_PER_STEP]:
                 if room <= 0:
                     break
                 needs_row = req.session is None or req.session.held is None  # else it resumes its session's row
                 if needs_row and free_rows <= 0:
                     short_of_memory = True  # idle sessions hold the rows
+                    continue
+                if not self._match_waiting([req]) or (share and shares_uncached_prefix(req, adder.can_run)):
                     continue
                 if adder.add_one_req(req) == AddResult.NO_ROOM:
                     short_of_memory = not adder.can_run
@@ -79,15 +80,19 @@ class BatchFormation(SchedulerState):
         batch.prepare_for_extend()
         return batch, False
 
-    def _match_waiting(self) -> None:
-        """Finds each waiting request's cached prefix; one that fails ends alone."""
-        for req in list(self.waiting):
+    def _match_waiting(self, reqs: list[Req]) -> bool:
+        """Finds these waiting requests' cached prefixes; one that fails ends alone. False if
+        any failed."""
+        ok = True
+        for req in list(reqs):
             try:
                 match_prefix(req, self.tree_cache, self.sessions)
             except Exception as e:
                 logger.exception("request %s failed", req.rid)
                 self.waiting.remove(req)
                 self._fail_req(req, f"internal error while handling this request: {e!r}")
+                ok = False
+        return ok
 
     def _mix_running(self, batch: ScheduleBatch) -> None:
         """--enable-mixed-chunk: the running requests decode in the same pass as the prefill, so

@@ -157,6 +157,7 @@ class OutputProcessing(SchedulerState):
         self.sessions.turn_ended(req)
         if self.drafter is not None:  # its text joins what later requests may draft from
             self.drafter.add_cached_text(req.fill_ids)
+        req.draft_state = None  # its own index of its text: no later step drafts for it
 
     def _emit(self, req: Req) -> None:
         """Sends the new text and ids to whoever waits for this request (stream) or the whole

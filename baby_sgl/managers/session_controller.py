@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,13 +35,29 @@ from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 MAX_SESSION_TURNS = 1024
 
 
+@dataclass(frozen=True)
+class FinishedTurn:
+    """What a later turn needs of a finished one: its tokens, 4 bytes each (the request itself,
+    with its logprobs and drafting state, is not kept)."""
+
+    tokens: array[int]  # its input, then its output
+    input_len: int
+
+    @staticmethod
+    def of(req: Req) -> FinishedTurn:
+        return FinishedTurn(array("i", req.origin_input_ids + req.output_ids), len(req.origin_input_ids))
+
+    def context(self, with_output: bool) -> list[int]:
+        return (self.tokens if with_output else self.tokens[: self.input_len]).tolist()
+
+
 @dataclass
 class Session:
     id: str
     capacity_of_str_len: int
     streaming: bool
     timeout: float | None
-    reqs: dict[str, Req] = field(default_factory=dict)  # every turn by rid
+    reqs: dict[str, Req | FinishedTurn] = field(default_factory=dict)  # every turn by rid: running or finished
     children: dict[str | None, list[str]] = field(default_factory=dict)  # rid -> continuations; None: roots
     last_rid: str | None = None
     in_flight: set[str] = field(default_factory=set)
@@ -144,7 +161,7 @@ class SessionController:
                 raise ValueError(f"a streaming session continues its last request ({session.last_rid!r}), not {rid!r}")
             rid = session.last_rid
         prev = session.reqs[rid] if rid is not None else None
-        if prev is not None and not prev.finished and not replace:
+        if isinstance(prev, Req) and not prev.finished and not replace:
             raise ValueError(f"request {rid!r} is still running; a turn can only continue a finished request "
                              f"(or replace it)")
         input_ids = self._turn_input(prev, req.origin_input_ids, offset, drop_output)
@@ -168,12 +185,15 @@ class SessionController:
         session.in_flight.add(req.rid)
         session.last_active = time.monotonic()
 
-    def _turn_input(self, prev: Req | None, new: list[int], offset: int, drop_output: bool) -> list[int]:
+    def _turn_input(self, prev: Req | FinishedTurn | None, new: list[int], offset: int, drop_output: bool) -> list[int]:
         if prev is None:
             return list(new)
         if new and new[0] == self.bos_token_id:  # an appended turn does not start a new sequence
             new = new[1:]
-        context = list(prev.origin_input_ids) if drop_output else prev.origin_input_ids + prev.output_ids
+        if isinstance(prev, FinishedTurn):
+            context = prev.context(with_output=not drop_output)
+        else:  # a running turn being replaced: its output so far
+            context = list(prev.origin_input_ids) if drop_output else prev.origin_input_ids + prev.output_ids
         if offset > len(context):
             raise ValueError(f"session_params.offset {offset} is past the end of the context ({len(context)} tokens)")
         return (context[:offset] if offset else context) + new
@@ -184,7 +204,7 @@ class SessionController:
         doomed = session.descendants(rid) + ([rid] if rid is not None else [])
         for r in doomed:
             req = session.reqs[r]
-            if not req.finished:
+            if isinstance(req, Req) and not req.finished:
                 req.to_abort = "replaced by a later request in its session"
         for r in session.descendants(rid):
             session.reqs.pop(r)
@@ -246,6 +266,8 @@ class SessionController:
         """Bookkeeping once a turn's KV is settled: the session may close now."""
         session = req.session
         if session is not None:
+            if session.reqs.get(req.rid) is req:  # (a replaced turn is gone already)
+                session.reqs[req.rid] = FinishedTurn.of(req)
             session.in_flight.discard(req.rid)
             session.last_active = time.monotonic()
             self._close_if_done(session)

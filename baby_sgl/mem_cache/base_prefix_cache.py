@@ -39,6 +39,9 @@ class BasePrefixCache(ABC, Generic[H]):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = allocator.page_size
+        # Changes whenever what match_prefix could find changes (an insertion, an eviction): a
+        # match made at the same version is still valid, and its handle still in the cache.
+        self.version = 0
 
     def no_slots(self) -> torch.Tensor:
         """An empty list of KV slots, on the pool's device."""

@@ -63,6 +63,7 @@ class RadixCache(BasePrefixCache[TreeNode]):
         self.reset()
 
     def reset(self) -> None:
+        self.version += 1
         self.root = TreeNode([], self.no_slots(), None)
         self.root.lock_ref = 1  # the root is never evicted
         self.evictable_size_ = 0
@@ -100,6 +101,7 @@ class RadixCache(BasePrefixCache[TreeNode]):
             leaf = TreeNode(key[done:], value[done:].clone().cpu(), node)
             node.children[self._child_key(leaf.key)] = leaf
             self.evictable_size_ += len(leaf.key)
+            self.version += 1
             if self.tracer:
                 self.tracer.event("cache_insert", tokens=len(leaf.key), cached=done)
         return done
@@ -147,6 +149,8 @@ class RadixCache(BasePrefixCache[TreeNode]):
             del parent.children[self._child_key(leaf.key)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
+        if freed:
+            self.version += 1
         if freed and self.tracer:
             self.tracer.event("cache_evict", tokens=freed)
         if evicted and self.on_evict:
