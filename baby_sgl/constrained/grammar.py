@@ -14,8 +14,15 @@ HTTP server awaits the compile without holding a worker thread), remembers it by
 invalid one too, with its error), and each request gets its own matcher, a copy of the compiled
 one. In the scheduler thread, the sampler
 asks every constrained request's matcher for its allowed tokens (a bitmask) and sets the rest of
-the logits to -inf before penalties' results are sampled (SGLang's order: penalties, the mask,
-logit_bias); the scheduler then feeds the chosen token to the matcher. The matcher lives on the
+the logits to -inf, after every other operation on them (see sampling/sampler.py); the scheduler
+then feeds the chosen token to the matcher.
+
+The library's limits (LLParserLimits: lexer fuel, Earley items and lexer states per step, grammar
+size) bound what a compile and a step cost; past one, a matcher enters its error state. It is
+checked after every mask and every token, and ends that request alone (finish_reason abort, the
+library's reason), never quietly. The copies of a grammar share its lexer's tables, and with them
+the budget of lexer expressions, so a grammar that failed while in use is dropped from the cache:
+the next request with it compiles it afresh. The matcher lives on the
 request, so retraction (which keeps the output) and chunked prefill (which samples nothing until
 the prompt is done) leave it where it was. When the grammar can take no further token the request
 finishes (`stop`, matched on that token).
@@ -63,23 +70,27 @@ class ConstraintError(ValueError):
 class GrammarMatcher:
     """One request's position in its grammar (scheduler thread only)."""
 
-    def __init__(self, matcher: Any) -> None:
-        self._m = matcher
+    def __init__(self, matcher: Any, compiled: CompiledGrammar) -> None:
+        self._m, self._compiled = matcher, compiled
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         import llguidance.torch
 
         llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
         if self._m.is_error():  # the library then allows only EOS: say why instead of ending quietly
-            reason = _library_error(self._m)
-            raise ConstraintError(f"the output cannot continue under its constraint: {reason}")
+            self._fail(_library_error(self._m))
 
     def accept_token(self, token: int) -> None:
-        """Advances past the sampled token; raises ConstraintError if the grammar does not allow it."""
-        if not self._m.consume_token(token):
-            reason = _library_error(self._m) or ("no allowed token was left (min_new_tokens, stop_token_ids or "
-                                                 "logit_bias forbade every token the grammar allows)")
-            raise ConstraintError(f"the output cannot continue under its constraint: {reason}")
+        """Advances past the sampled token; raises ConstraintError if the grammar does not allow it
+        or the library cannot go on."""
+        if not self._m.consume_token(token) or self._m.is_error():
+            self._fail(_library_error(self._m) or ("no allowed token was left (min_new_tokens, stop_token_ids or "
+                                                   "logit_bias forbade every token the grammar allows)"))
+
+    def _fail(self, reason: str) -> None:
+        if self._m.is_error():
+            self._compiled.failed = True
+        raise ConstraintError(f"the output cannot continue under its constraint: {reason}")
 
     def is_terminated(self) -> bool:
         """No further token can follow (the grammar is complete and closed)."""
@@ -90,10 +101,11 @@ class CompiledGrammar:
     def __init__(self, template: Any) -> None:
         self._template = template
         self._lock = threading.Lock()  # copies are made from submitting threads
+        self.failed = False  # a matcher of it entered the library's error state: not to be reused
 
     def matcher(self) -> GrammarMatcher:
         with self._lock:
-            return GrammarMatcher(self._template.deep_copy())
+            return GrammarMatcher(self._template.deep_copy(), self)
 
 
 class GrammarCache:
@@ -118,7 +130,9 @@ class GrammarCache:
         wrong with it (an invalid grammar, or constraints off)."""
         with self._lock:
             hit = self._cache.get(key)
-            if hit is not None:
+            if isinstance(hit, CompiledGrammar) and hit.failed:
+                self._forget(key)
+            elif hit is not None:
                 self._cache.move_to_end(key)
                 return _done(hit)
             if key in self._pending:
@@ -143,6 +157,11 @@ class GrammarCache:
 
     def __len__(self) -> int:
         return len(self._cache)
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        """Whether a usable compiled grammar of (kind, text) is cached."""
+        hit = self._cache.get(key)
+        return isinstance(hit, CompiledGrammar) and not hit.failed
 
     def _start_threads(self) -> None:
         if self._threads:
@@ -172,8 +191,11 @@ class GrammarCache:
         self._cache[key] = result
         self._cached_chars += len(key[1])
         while self._cache and (len(self._cache) > _CACHE_SIZE or self._cached_chars > _CACHE_TEXT_BUDGET):
-            old, _ = self._cache.popitem(last=False)
-            self._cached_chars -= len(old[1])
+            self._forget(next(iter(self._cache)))
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        del self._cache[key]
+        self._cached_chars -= len(key[1])
 
     def _tokenizer(self):
         with self._lock:
@@ -202,10 +224,15 @@ class GrammarCache:
                 grammar = llguidance.LLMatcher.grammar_from_regex(text)
             else:  # ebnf: SGLang's (xgrammar's) GBNF dialect, root rule `root`
                 grammar = llguidance.grammar_from("ebnf", text)
-            matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
-            if not matcher.is_error():
-                # The first mask is where a grammar too complex for the library shows; computing
-                # it here also warms the tables the scheduler's first mask would build.
+            matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0,
+                                           limits=llguidance.LLParserLimits(verbose_errors=False))
+            # The first mask is where a grammar too complex for the library shows; computing it
+            # here also warms the tables the scheduler's first mask would build. Copies share the
+            # lexer's budget, so a second copy's mask shows whether a request's would still fit
+            # (a{300000}: the first fits, and uses up the rest).
+            for _ in range(2):
+                if matcher.is_error():
+                    break
                 probe = matcher.deep_copy()
                 llguidance.torch.fill_next_token_bitmask(probe, torch.zeros(1, (self.vocab_size + 31) // 32,
                                                                             dtype=torch.int32, device="cpu"))

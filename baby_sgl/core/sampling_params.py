@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 import re2
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_N, MAX_STOP, MAX_STOP_LEN, Int32, NonNegInt32,
                                  StrictModel, Text, TokenId, accept_defaults_only, validate)
@@ -21,6 +21,18 @@ logger = logging.getLogger(__name__)
 _EPS = 1e-6
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_LEN)]
 MAX_STOP_REGEX, MAX_STOP_REGEX_BYTES = 32, 256  # as SGLang
+# Stops are looked for after every token in the last STOP_WINDOW characters only (the new text and
+# what a match ending in it could have begun in before it), so what they cost a token does not grow
+# with the output. A stop string is at most this long; a longer stop_regex match may be missed.
+STOP_WINDOW = MAX_STOP_LEN
+# RE2's memory for one stop_regex, its program and the DFA states it caches: a pattern too large
+# for it is refused (a 256-byte pattern can compile to 288k instructions, 66 ms of compiling).
+STOP_REGEX_MAX_MEM = 2**20
+# What one request's stops cost at every token, all n samples together: characters of stop strings,
+# and instructions of the stop_regex programs (an RE2 search costs up to its program's size a
+# character when the pattern's DFA outgrows its memory: 8192 instructions x STOP_WINDOW ~ 6 ms).
+MAX_STOP_CHARS = 2**16
+MAX_STOP_REGEX_PROGRAM = 2**13
 # Characters of a constraint. Compile time grows with size (an EBNF grammar's conversion is
 # quadratic in its rule chains: 87 KB took 12 s), so these are generous for real grammars
 # (OpenAI's own schema limits are of this order) and keep one compile short.
@@ -34,19 +46,43 @@ _DEFAULT_ONLY: dict[str, Any] = {"structural_tag": None, "custom_params": None, 
                  "choice": ([],)}
 
 
-@functools.lru_cache(maxsize=4096)
-def stop_regex_matcher(pattern: str):
+@functools.lru_cache(maxsize=256)
+def stop_regex_matcher(pattern: str) -> re2._Regexp:
     """stop_regex compiled by RE2, which matches in linear time: Python's `re` can backtrack for
     exponential time on a short hostile pattern, in the scheduler thread. RE2 has no lookaround or
-    backreferences; such a pattern is refused."""
+    backreferences; such a pattern is refused, as is one whose program outgrows STOP_REGEX_MAX_MEM."""
     options = re2.Options()
     options.log_errors = False
+    options.max_mem = STOP_REGEX_MAX_MEM
     try:
         return re2.compile(pattern, options)
     except re2.error as e:
         reason = e.args[0].decode() if e.args and isinstance(e.args[0], bytes) else str(e)
-        raise ValueError(f"invalid stop_regex {pattern!r}: {reason} (RE2 syntax: no lookaround or "
+        if "too large" in reason:
+            raise ValueError(f"stop_regex {pattern[:40]!r} is too large: its RE2 program outgrows "
+                             f"{STOP_REGEX_MAX_MEM} bytes") from None
+        raise ValueError(f"invalid stop_regex {pattern[:40]!r}: {reason} (RE2 syntax: no lookaround or "
                          f"backreferences)") from None
+
+
+def check_stop_budget(stop: list[str], stop_regex: list[str], n: int) -> list[re2._Regexp]:
+    """Bounds what looking for a request's stops costs at every token, its n samples together
+    (see MAX_STOP_CHARS); returns the stop_regex patterns compiled. Raises ValueError naming the
+    field over its budget."""
+    chars = n * sum(map(len, stop))
+    if chars > MAX_STOP_CHARS:
+        raise ValueError(f"stop: {chars} characters of stop strings (n={n} samples), more than the "
+                         f"{MAX_STOP_CHARS} allowed per request")
+    compiled, program = [], 0
+    for pattern in stop_regex:
+        if len(pattern.encode()) > MAX_STOP_REGEX_BYTES:
+            raise ValueError(f"stop_regex {pattern[:40]!r} is over {MAX_STOP_REGEX_BYTES} bytes")
+        compiled.append(stop_regex_matcher(pattern))  # raises ValueError naming the problem
+        program += n * compiled[-1].programsize
+        if program > MAX_STOP_REGEX_PROGRAM:  # checked as they compile: the rest need not
+            raise ValueError(f"stop_regex: the patterns compile to more than {MAX_STOP_REGEX_PROGRAM} RE2 "
+                             f"instructions (n={n} samples), the budget of one request")
+    return compiled
 
 
 class SamplingParams(StrictModel):
@@ -77,6 +113,7 @@ class SamplingParams(StrictModel):
     logit_bias: dict[str, LogitBias] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
     spaces_between_special_tokens: bool = True
     stream_interval: int | None = Field(None, ge=1, le=2**20)  # stream every k tokens (None: every one)
+    _stop_regexes: list[re2._Regexp] = PrivateAttr(default_factory=list)  # stop_regex compiled
 
     @model_validator(mode="before")
     @classmethod
@@ -112,20 +149,23 @@ class SamplingParams(StrictModel):
             if len(getattr(self, kind)) > MAX_GRAMMAR_CHARS[kind]:
                 raise ValueError(f"{kind} is {len(getattr(self, kind))} characters, more than the "
                                  f"{MAX_GRAMMAR_CHARS[kind]} allowed")
-        for pattern in self.stop_regex:
-            if len(pattern.encode()) > MAX_STOP_REGEX_BYTES:
-                raise ValueError(f"stop_regex {pattern[:40]!r} is over {MAX_STOP_REGEX_BYTES} bytes")
-            stop_regex_matcher(pattern)  # raises ValueError naming the problem
+        self._stop_regexes = check_stop_budget(self.stop, self.stop_regex, self.n)
         for key in self.logit_bias:
             if not (key.isascii() and key.isdigit()) or int(key) > INT64_MAX:
                 raise ValueError(f"logit_bias keys are token ids, got {key!r}")
         return self
 
     def check_vocab(self, vocab_size: int) -> None:
-        """The checks that need the model: token ids in logit_bias."""
-        bad = [k for k in self.logit_bias if int(k) >= vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        """The checks that need the model: token ids in logit_bias and stop_token_ids."""
+        for field, ids in (("logit_bias", [int(k) for k in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{field} holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+    @property
+    def stop_regexes(self) -> list[re2._Regexp]:
+        """stop_regex compiled, in its order."""
+        return self._stop_regexes
 
     @property
     def grammar(self) -> tuple[str, str] | None:

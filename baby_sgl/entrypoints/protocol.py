@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, model_validator
 
 from baby_sgl.entrypoints.chat import ChatRequest, NamedTool, ToolChoice
 from baby_sgl.entrypoints.tool_grammar import Tool
 from baby_sgl.managers.io_struct import (CloseSessionReqInput, LogprobOptions, OpenSessionReqInput,
                                          SessionParams)
-from baby_sgl.core.sampling_params import GRAMMAR_KINDS, Grammar, LogitBias, SamplingParams, StopString
+from baby_sgl.core.sampling_params import (GRAMMAR_KINDS, Grammar, LogitBias, SamplingParams, StopString,
+                                           check_stop_budget)
 from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_BATCH, MAX_ID_LEN, MAX_N, MAX_STOP, Id, Int32,
                                  NonNegInt32, StrictModel, Text, TokenId, TopLogprobsNum, SGLangInput)
 
@@ -147,6 +148,12 @@ class _OpenAISampling(SGLangInput):
     separate_reasoning: bool = True
     stream_reasoning: bool = True
 
+    @model_validator(mode="after")
+    def _stop_budget(self) -> _OpenAISampling:
+        """The n choices are n engine requests: their stops' cost is bounded together."""
+        check_stop_budget(_as_list(self.stop), _as_list(self.stop_regex), self.n)
+        return self
+
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
         params = {
             "max_new_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
@@ -163,6 +170,10 @@ class _OpenAISampling(SGLangInput):
         if constraint and any(k in params for k in GRAMMAR_KINDS):
             raise ValueError("give response_format or one of regex, ebnf, json_schema, not both")
         return params | constraint
+
+
+def _as_list(value: str | list[str] | None) -> list[str]:
+    return [] if value is None else [value] if isinstance(value, str) else value
 
 
 class CompletionRequest(_OpenAISampling):

@@ -16,7 +16,7 @@ from baby_sgl.constrained.grammar import ConstraintError
 from baby_sgl.managers.detokenizer import detokenize_step
 from baby_sgl.managers.scheduler_state import SchedulerState
 from baby_sgl.core.forward_batch import ForwardMode
-from baby_sgl.core.sampling_params import stop_regex_matcher
+from baby_sgl.core.sampling_params import STOP_WINDOW
 
 if TYPE_CHECKING:
     from baby_sgl.core.req import Req
@@ -122,10 +122,11 @@ class OutputProcessing(SchedulerState):
             req.finished_reason = {"type": "stop", "matched": token}
         text_before = len(req.text)
         detokenize_step(self.tokenizer, req, final=req.finished)
-        if not req.finished and p.stop:
-            self._check_stop_strings(req, max(0, text_before - max(map(len, p.stop)) + 1))
-        if not req.finished and p.stop_regex:
-            self._check_stop_regex(req)
+        if not req.finished and len(req.text) > text_before:  # only new text can complete a stop
+            if p.stop:
+                self._check_stop_strings(req, max(0, text_before - max(map(len, p.stop)) + 1))
+            if not req.finished and p.stop_regex:
+                self._check_stop_regex(req, max(0, text_before - STOP_WINDOW))
 
     def _check_stop_strings(self, req: Req, start: int) -> None:
         """Looks for a stop string in the text that could contain one only now."""
@@ -137,10 +138,15 @@ class OutputProcessing(SchedulerState):
             req.finished_reason = {"type": "stop", "matched": matched}
 
     @staticmethod
-    def _check_stop_regex(req: Req) -> None:
-        """As SGLang: a search over the output text, which is kept whole (RE2: linear time)."""
-        for pattern in req.sampling_params.stop_regex:
-            if stop_regex_matcher(pattern).search(req.text):
+    def _check_stop_regex(req: Req, start: int) -> None:
+        """As SGLang, a search of the output text (which is kept whole), for a match beginning at
+        `start` or later: one ending in the new text, at most STOP_WINDOW characters long. The
+        character before `start` is given as context, for ^ and \\b."""
+        context = max(0, start - 1)
+        window = req.text[context:]
+        p = req.sampling_params
+        for pattern, regex in zip(p.stop_regex, p.stop_regexes):
+            if regex.search(window, start - context):
                 req.finished_reason = {"type": "stop", "matched": pattern}
                 return
 

@@ -1,5 +1,11 @@
-"""Batched next-token selection, in SGLang's order: penalties (and min_new_tokens' blocked
-stops), the grammar mask, logit_bias; then greedy, or temperature, top-k, top-p, min-p and a draw.
+"""Batched next-token selection: penalties (and min_new_tokens' blocked stops), logit_bias, the
+temperature, then the grammar mask; then greedy, or top-k, top-p, min-p and a draw.
+
+The mask comes last among the operations on logits, so none can undo it: a forbidden token's
+logit is -inf, which the filters after it only ever keep out (they remove tokens, never add
+them), and the logits it is added to are finite or -inf (see `_scale`), never NaN. (SGLang
+applies logit_bias after the mask; a bias is finite, so the order does not change which tokens
+are allowed.)
 
 Sampling inverts the kept distribution's cumulative sum at one uniform draw per request (the
 first token whose cumulative probability exceeds u * total). A request with a seed draws its u
@@ -31,10 +37,11 @@ class Sampler:
             logits = self._apply_penalties(logits.clone(), reqs)
         if any(len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs):
             logits = self._block_stop_tokens(logits.clone(), reqs)
-        if any(r.grammar is not None for r in reqs):
-            logits = apply_grammar_masks(logits.clone(), reqs)
         if any(r.sampling_params.logit_bias for r in reqs):
             logits = self._apply_logit_bias(logits.clone(), reqs)
+        logits = self._scale(logits, reqs)
+        if any(r.grammar is not None for r in reqs):
+            logits = apply_grammar_masks(logits, reqs)
         next_ids = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
         if sampled:
@@ -43,15 +50,25 @@ class Sampler:
         ids = next_ids.tolist()
         if any(r.return_logprob for r in reqs):
             # As SGLang: the distribution the token came from, temperature included when sampled.
-            temps = torch.tensor([1.0 if r.sampling_params.is_greedy else r.sampling_params.temperature
-                                  for r in reqs], dtype=logits.dtype, device=logits.device)
-            record_output_logprobs(torch.log_softmax(logits / temps[:, None], dim=-1), reqs, ids)
+            record_output_logprobs(torch.log_softmax(logits, dim=-1), reqs, ids)
         return ids
 
+    @staticmethod
+    def _scale(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """A new tensor of the logits divided by each sampled row's temperature (greedy rows by 1),
+        finite or -inf throughout. A temperature past the dtype's range counts as its largest value
+        (1e308 was infinite in float32, and -inf / inf is NaN, which defeated the grammar mask); a
+        logit that penalties or a tiny temperature pushed to +inf becomes the largest finite one, a
+        NaN -inf (never drawn)."""
+        finfo = torch.finfo(logits.dtype)
+        temps = [1.0 if r.sampling_params.is_greedy else min(r.sampling_params.temperature, finfo.max) for r in reqs]
+        scaled = logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
+        return scaled.nan_to_num_(nan=float("-inf"), posinf=finfo.max, neginf=float("-inf"))
+
     def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+        """logits: already scaled by temperature and masked (see __call__)."""
         params = [r.sampling_params for r in reqs]
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device).unsqueeze(1)
-        probs = torch.softmax(logits / temps, dim=-1)
+        probs = torch.softmax(logits, dim=-1)
         top_ks = [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params]
         kmax = max(top_ks)
         if kmax == self.vocab_size and all(p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):

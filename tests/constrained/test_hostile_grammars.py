@@ -23,18 +23,6 @@ def test_a_long_ref_chain_compiles_on_a_deep_stack(engine):
     assert engine.generate("ok", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
 
 
-@pytest.mark.parametrize("regex", ["a{1000000}", "(x{1000}){1000}"])
-def test_a_regex_too_complex_to_run_ends_its_request_with_the_reason(engine, regex):
-    """It compiles, but the library's lexer gives up at the first token: the request ends with
-    the library's reason (one line), never quietly as an empty 'stop', never as an internal error."""
-    out = engine.generate("x", {"regex": regex, "max_new_tokens": 4})
-    reason = out["meta_info"]["finish_reason"]
-    assert reason["type"] == "abort" and out["output_ids"] == []
-    assert reason["message"].startswith("the output cannot continue under its constraint: lexer error")
-    assert "\n" not in reason["message"] and len(reason["message"]) < 300
-    assert engine.scheduler.stats["num_failed_reqs"] == 0
-
-
 def test_a_regex_the_library_refuses_fails_at_submission(engine):
     """15000 alternatives and an unclosed group: refused when the request is made, with the
     library's reason cut short."""
