@@ -6,10 +6,13 @@ its interpreter) serves every scenario; a scenario is one function in SCENARIOS 
 from __future__ import annotations
 
 import contextlib
+import json
+import socket
 import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -49,30 +52,42 @@ def median_of(base: str, runs: int = 5) -> float:
 
 
 @contextlib.contextmanager
-def pollers(base: str, path: str, clients: int = 16) -> Iterator[None]:
-    """clients threads GET path as fast as they are answered; yields once every one was answered."""
-    stop, answered, refused = threading.Event(), [0] * clients, []
+def clients_in_a_loop(base: str, send: Callable[[httpx.Client], httpx.Response], expect: int, what: str,
+                      clients: int) -> Iterator[None]:
+    """clients threads each send a request as soon as the last is answered, every answer `expect`;
+    yields once every one was answered."""
+    stop, answered, wrong = threading.Event(), [0] * clients, []
     deadline = time.monotonic() + HOSTILE_S
 
-    def poll(i: int) -> None:
-        with httpx.Client(timeout=HOSTILE_S) as c:
+    def loop(i: int) -> None:
+        with httpx.Client(base_url=base, timeout=HOSTILE_S) as c:
             while not stop.is_set() and time.monotonic() < deadline:
-                r = c.get(base + path)
-                if r.status_code != 200:
-                    refused.append(r.status_code)
+                r = send(c)
+                if r.status_code != expect:
+                    wrong.append(r.status_code)
                 answered[i] += 1
 
-    threads = [threading.Thread(target=poll, args=(i,), daemon=True) for i in range(clients)]
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
         t.start()
     try:
-        wait_until(lambda: all(answered), f"every poller of {path} to be answered once", timeout=HOSTILE_S)
+        wait_until(lambda: all(answered), f"every client of {what} to be answered once", timeout=HOSTILE_S)
         yield
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=HOSTILE_S)
-    assert not refused, f"{path} answered {refused[:5]}"
+    assert not wrong, f"{what} answered {wrong[:5]}"
+
+
+def pollers(base: str, path: str, clients: int = 16) -> contextlib.AbstractContextManager[None]:
+    """clients threads GET path as fast as they are answered."""
+    return clients_in_a_loop(base, lambda c: c.get(path), 200, path, clients)
+
+
+def refused_in_a_loop(base: str, body: dict, clients: int = 4) -> contextlib.AbstractContextManager[None]:
+    """clients threads POST body to /generate as fast as they are answered, each answer a 400."""
+    return clients_in_a_loop(base, lambda c: c.post("/generate", json=body), 400, "/generate", clients)
 
 
 def dashboard_pollers(base: str) -> contextlib.AbstractContextManager[None]:
@@ -85,7 +100,55 @@ def metrics_pollers(base: str) -> contextlib.AbstractContextManager[None]:
     return pollers(base, "/metrics")
 
 
-SCENARIOS: list[Scenario] = [dashboard_pollers, metrics_pollers]
+def costly_stop_regexes(base: str) -> contextlib.AbstractContextManager[None]:
+    # Before: core/sampling_params.py compiled any 32 patterns and scheduler_output.py searched
+    # them over the whole output after every token; each such request stalled the scheduler.
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 256, "n": 16, "ignore_eos": True,
+                                             "stop_regex": [".{1000}" * 36 + "z"] * 32}}
+    return refused_in_a_loop(base, body)
+
+
+def prompts_far_past_the_context(base: str) -> contextlib.AbstractContextManager[None]:
+    # Before: tokenizer_manager.py tokenized the whole text (80x the context) before refusing it.
+    return refused_in_a_loop(base, {"text": "word " * 80_000, "sampling_params": GREEDY})
+
+
+@contextlib.contextmanager
+def logprob_streams_nobody_reads(base: str) -> Iterator[None]:
+    """One long logprob stream at a time whose client never reads, a new one every second (the
+    old one's socket closed): it holds one of the two running slots, the innocent the other."""
+    # Before: every event repeated all earlier logprobs (entrypoints/native_api.py's stream), a
+    # quadratic amount of JSON made and buffered on the event loop every innocent shares.
+    host, port = urlsplit(base).hostname, urlsplit(base).port
+    body = json.dumps({"text": "x", "stream": True, "return_logprob": True, "top_logprobs_num": 20,
+                       "token_ids_logprob": list(range(256)),
+                       "sampling_params": {"max_new_tokens": 900, "ignore_eos": True, **GREEDY}}).encode()
+    head = (f"POST /generate HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    stop, opened = threading.Event(), []
+
+    def open_streams() -> None:
+        deadline = time.monotonic() + HOSTILE_S
+        while not stop.is_set() and time.monotonic() < deadline:
+            sock = socket.create_connection((host, port))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(head + body)
+            opened.append(sock)
+            stop.wait(1.0)
+            sock.close()
+
+    thread = threading.Thread(target=open_streams, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: opened, "a stream to be opened", timeout=HOSTILE_S)
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=HOSTILE_S)
+
+
+SCENARIOS: list[Scenario] = [dashboard_pollers, metrics_pollers, costly_stop_regexes, prompts_far_past_the_context,
+                             logprob_streams_nobody_reads]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.__name__)
