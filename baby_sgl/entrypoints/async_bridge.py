@@ -54,6 +54,12 @@ class AsyncEngine:
         self._lock = threading.Lock()  # submissions run in worker threads
         self._pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         self._preparing = 0  # requests on or waiting for the pool (event loop only)
+        # Aborts of rids that had no request yet, while some submission was in progress: that
+        # submission may be the one the abort meant (rid -> the ticket it got). Bounded, and
+        # emptied whenever no submission is in progress.
+        self._tickets = itertools.count()
+        self._submitting: set[int] = set()
+        self._early_aborts: OrderedDict[str, int] = OrderedDict()
 
     async def off_loop(self, requests: int, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the bounded pool, off the event loop: the tokenizing and templating of
@@ -77,12 +83,6 @@ class AsyncEngine:
         """Aborts every request submitted through this bridge (the server stops)."""
         for rid in list(self.active):
             self.abort(rid)
-        # Aborts of rids that had no request yet, while some submission was in progress: that
-        # submission may be the one the abort meant (rid -> the ticket it got). Bounded, and
-        # emptied whenever no submission is in progress.
-        self._tickets = itertools.count()
-        self._submitting: set[int] = set()
-        self._early_aborts: OrderedDict[str, int] = OrderedDict()
 
     def abort(self, rid: str) -> None:
         with self._lock:
