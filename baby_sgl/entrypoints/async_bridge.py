@@ -11,7 +11,6 @@ gets fewer, larger pieces, never an ever longer queue."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import threading
 import time
@@ -53,7 +52,8 @@ class AsyncEngine:
         self._reserved: dict[str, list[str]] = {}
         self._lock = threading.Lock()  # submissions run in worker threads
         self._pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
-        self._preparing = 0  # requests on or waiting for the pool (event loop only)
+        self._preparing = 0  # requests on or waiting for the pool
+        self._prep_lock = threading.Lock()
         # Aborts of rids that had no request yet, while some submission was in progress: that
         # submission may be the one the abort meant (rid -> the ticket it got). Bounded, and
         # emptied whenever no submission is in progress.
@@ -73,10 +73,16 @@ class AsyncEngine:
             if self.engine.num_queued() + self._preparing + requests > self.max_queued:
                 raise ServerBusyError(f"the request queue is full ({self.max_queued} requests wait); "
                                       "try again later")
-        self._preparing += requests
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
-        finally:
+        with self._prep_lock:
+            self._preparing += requests
+        job = self._pool.submit(fn, *args)
+        # Counted down in the worker the moment fn returns (or when the job is cancelled unrun), not
+        # when this coroutine resumes: by then fn's requests are in the engine's queue, counted there.
+        job.add_done_callback(lambda _: self._done_preparing(requests))
+        return await asyncio.wrap_future(job)
+
+    def _done_preparing(self, requests: int) -> None:
+        with self._prep_lock:
             self._preparing -= requests
 
     def abort_all(self) -> None:

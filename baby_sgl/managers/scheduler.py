@@ -94,6 +94,8 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
                       "spec_draft_chances": 0, "spec_verify_steps": 0, "spec_draft_tokens": 0,
                       "spec_accepted_tokens": 0}
         self.inbox: queue.Queue[Message] = queue.Queue()
+        # Requests in the inbox (its calls and aborts are not queued requests).
+        self._inbox_lock, self._inbox_reqs = threading.Lock(), 0
         self._stop = threading.Event()
         self.error: BaseException | None = None  # the last failure the loop survived
         self.dead: BaseException | None = None  # what stopped the loop, if it stopped on its own
@@ -113,6 +115,8 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
 
     def submit(self, req: Req) -> None:
         self._check_alive()
+        with self._inbox_lock:
+            self._inbox_reqs += 1
         self._put(NewReq(req))
 
     def _put(self, msg: Message) -> None:
@@ -124,9 +128,9 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         return self.snapshots.progress
 
     def num_queued(self) -> int:
-        """Requests not yet admitted: waiting, or still in the inbox (any thread; as of the loop's
-        last turn)."""
-        return self.progress.waiting + self.inbox.qsize()
+        """Requests not yet admitted: waiting (as of the loop's last turn), or still in the inbox;
+        any thread."""
+        return self.progress.waiting + self._inbox_reqs
 
     def load(self) -> dict[str, Any]:
         """load_info as fresh as this question (see snapshots.py), waiting in this thread."""
@@ -296,6 +300,8 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
     def _handle(self, msg: Message) -> bool:
         """One message; False for Stop."""
         if isinstance(msg, NewReq):
+            with self._inbox_lock:
+                self._inbox_reqs -= 1
             self.waiting.append(msg.req)
         elif isinstance(msg, AbortReq):
             self._mark_abort(msg.rid)

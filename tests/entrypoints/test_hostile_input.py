@@ -187,16 +187,27 @@ def test_session_limit(strict_server):
 
 def test_full_queue_is_503_with_retry_after(strict_server, strict_engine):
     # The scheduler is held inside a call, so nothing is admitted and four requests fill the queue.
-    release = threading.Event()
+    held_now, release = threading.Event(), threading.Event()
     sched = strict_engine.scheduler
+
+    def hold() -> None:
+        held_now.set()
+        release.wait()
+
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        held = pool.submit(sched.call, release.wait)
-        queued = [pool.submit(httpx.post, strict_server + "/generate", json={"text": f"q{i}", "sampling_params": {
-            "max_new_tokens": 2}}, headers=AUTH, timeout=60) for i in range(4)]
-        wait_until(lambda: sched.num_queued() >= 4, "four requests to queue", timeout=30, interval=0.01)
-        r = httpx.post(strict_server + "/generate", json={"text": "x"}, headers=AUTH)
-        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "queue" in error_of(r)
-        release.set()
+        held = pool.submit(sched.call, hold)
+        try:
+            # Held before the requests come, or the first could be admitted and run first.
+            assert held_now.wait(timeout=30), "the scheduler never took the call"
+            # The held call is no queued request: it must not take one of the four places (Before:
+            # Scheduler.num_queued counted the inbox's calls too, and a fourth request could be refused).
+            queued = [pool.submit(httpx.post, strict_server + "/generate", json={"text": f"q{i}", "sampling_params": {
+                "max_new_tokens": 2}}, headers=AUTH, timeout=60) for i in range(4)]
+            wait_until(lambda: sched.num_queued() >= 4, "four requests to queue", timeout=30, interval=0.01)
+            r = httpx.post(strict_server + "/generate", json={"text": "x"}, headers=AUTH)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1" and "queue" in error_of(r)
+        finally:
+            release.set()  # a failure above must not leave the scheduler held
         held.result()
         assert all(f.result().status_code == 200 for f in queued)
     # A call larger than the whole queue could never fit: that is the client's error.
