@@ -4,6 +4,7 @@ it, its settings refused at start, and the bounds on what a request costs before
 
 from __future__ import annotations
 
+import concurrent.futures
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,6 @@ from transformers import AutoTokenizer
 from baby_sgl import Engine
 from baby_sgl.server_args import ServerArgs
 from conftest import serve_in_thread, wait_idle
-from helpers import wait_until
 
 JSON = {"content-type": "application/json"}
 TINY = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
@@ -95,10 +95,26 @@ def test_allowed_hosts_are_read_as_a_list():
 KEY = "front-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 LONG_TOKEN = "#" * 64  # the longest token: texts up to 64 characters a token could fit the context
-# A template that takes seconds to render a message that says "slow": work on the pool that prepares requests.
-SLOW_TEMPLATE = ("{% for m in messages %}{% if m['content'] == 'slow' %}{% for i in range(100000) %}"
-                 "{% for j in range(30) %}{% endfor %}{% endfor %}{% endif %}"
-                 "<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: ")
+
+
+class PrepareGate:
+    """Holds the templating of any message that says "held" on the pool that prepares requests,
+    until the test releases it: the pool's work made as long as the test needs, whatever the CPU."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Semaphore(0)
+        self.release = threading.Event()
+
+    def wrap(self, apply_chat_template):
+        def gated(messages, *args, **kwargs):
+            if any(m.get("content") == "held" for m in messages):
+                self.entered.release()
+                assert self.release.wait(timeout=300), "the test never released the held requests"
+            return apply_chat_template(messages, *args, **kwargs)
+        return gated
+
+
+GATE = PrepareGate()
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +124,11 @@ def front(tiny_llama, tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.add_tokens([LONG_TOKEN])
     tokenizer.save_pretrained(path)
-    template = path / "slow.jinja"
-    template.write_text(SLOW_TEMPLATE)
+    template = path / "plain.jinja"
+    template.write_text("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: ")
     engine = Engine(str(path), dtype="float32", max_total_tokens=4096, chat_template=str(template))
+    manager = engine.tokenizer_manager
+    manager.apply_chat_template = GATE.wrap(manager.apply_chat_template)
     args = ServerArgs(api_key=KEY, allowed_hosts=("models.internal", "10.1.2.3"), max_queued_requests=2)
     with serve_in_thread(engine, args) as base:
         yield base
@@ -148,26 +166,17 @@ def test_a_prompt_far_past_the_context_is_refused_by_its_prefix(front):
 def test_requests_being_prepared_count_against_the_queue_limit(front):
     # Before: chat.py:prepare ran in asyncio.to_thread and async_bridge.py:_submit counted only the
     # engine's queue, so any number of requests could wait to be tokenized beyond --max-queued-requests.
-    slow = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "slow"}]}
-    answers: list[int] = []
-
-    def send() -> None:  # sent again if it met a probe and the other one on the pool (3 > 2)
-        while (status := httpx.post(front + "/v1/messages", json=slow, headers=AUTH, timeout=300).status_code) == 503:
-            pass
-        answers.append(status)
-
-    senders = [threading.Thread(target=send) for _ in range(2)]
-    for t in senders:
-        t.start()
-
-    def refused() -> bool:  # only while both slow requests are on the pool: 2 + this one > 2
-        return httpx.post(front + "/generate", json=TINY, headers=AUTH, timeout=60).status_code == 503
-
-    wait_until(lambda: refused() or not any(t.is_alive() for t in senders), "the queue to be full", timeout=300)
-    busy = [t.is_alive() for t in senders]
-    for t in senders:
-        t.join(timeout=300)
-    assert answers == [200, 200]
-    assert any(busy), "the slow requests ended before a third was refused"
+    held = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "held"}]}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        try:
+            answers = [pool.submit(httpx.post, front + "/v1/messages", json=held, headers=AUTH, timeout=300)
+                       for _ in range(2)]
+            for _ in answers:  # both on the pool, neither in the engine's queue yet
+                assert GATE.entered.acquire(timeout=60), "a held request never reached the pool"
+            r = httpx.post(front + "/generate", json=TINY, headers=AUTH, timeout=60)
+            assert r.status_code == 503 and "queue is full" in r.text, r.text
+        finally:
+            GATE.release.set()  # a failure above must not leave the pool held
+        assert [a.result().status_code for a in answers] == [200, 200]
     assert httpx.post(front + "/generate", json=TINY, headers=AUTH).status_code == 200
     wait_idle(front, headers=AUTH)

@@ -7,7 +7,7 @@ if not, the error.
 
 A program also fails when the frontend's executor caught an error (it reports those as warnings
 and goes on) or when one of its HTTP requests was not answered 200; each result lists the paths
-its program requested.
+its program requested and the lines of each streamed answer.
 
 Two imports of that module reach into SGLang's server package, which the frontend does not need
 and which is installed without its dependencies: `is_hip` (is the GPU an AMD one; no) and, in
@@ -74,7 +74,8 @@ def main() -> None:
         refused = [(e["path"], e["status"], e.get("response")) for e in exchanges if e["status"] != 200]
         results[name] = {"passed": error is None and not executor_errors and not refused, "error": error,
                          "executor_errors": executor_errors, "refused": refused,
-                         "paths": [e["path"] for e in exchanges], "seconds": round(time.perf_counter() - t0, 2)}
+                         "paths": [e["path"] for e in exchanges], "seconds": round(time.perf_counter() - t0, 2),
+                         "streams": [e["events"] for e in exchanges if e["stream"]]}
     print(json.dumps(results))
 
 
