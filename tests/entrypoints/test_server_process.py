@@ -107,8 +107,8 @@ def test_a_dead_engine_fails_clients_and_exits_nonzero(tiny_llama_long):
         assert r.status_code == 503 and "stopped" in r.json()["error"]["message"]
         try:  # until the process is gone, health says it is unhealthy
             assert httpx.get(base + "/health", timeout=5).status_code == 503
-        except httpx.ConnectError:
-            pass
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+            pass  # gone, or going: a connection the closing listener had queued is reset unanswered
         code = proc.wait(timeout=15)
         waiter.join(timeout=15)
     finally:
