@@ -13,9 +13,10 @@ from typing import Any, cast
 
 import torch
 
+from baby_sgl.bench.checkpoints import SHAPES, ensure_checkpoint
 from baby_sgl.bench.copy_workload import copy_workload, multi_turn_workload
 from baby_sgl.bench.peers import PEERS, run_peer
-from baby_sgl.bench.roofline import measure_roofs
+from baby_sgl.bench.roofline import cpu_description, measure_roofs
 from baby_sgl.bench.workloads import Workload, one_batch_workload, random_workload, shared_prefix_workload
 from baby_sgl.engine import Engine
 from baby_sgl.core.memory_pool import KVPool
@@ -168,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "many greedy outputs match; json-schema: every request constrained to a JSON schema; "
                         "no-speculation: baby-sgl without --speculative-algorithm; request-only-drafts: with "
                         "drafts from each request's own text only"),
+    p.add_argument("--model-shape", choices=sorted(SHAPES), default=None,
+                   help="instead of --model-path: random weights in that real model's shape, built once into the "
+                        "cache (a Q4_0 GGUF for baby-sgl and llama.cpp, the same weights as a Hugging Face "
+                        "bfloat16 directory for vLLM and transformers)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
     EngineArgs.add_cli_args(p)
@@ -184,6 +189,12 @@ def main(argv: list[str]) -> int:
         p.error("--compare json-schema runs the other workloads")
     if {"no-speculation", "request-only-drafts"} & set(args.compare) and not args.speculative_algorithm:
         p.error("--compare no-speculation / request-only-drafts need --speculative-algorithm")
+    hf_dir = None
+    if args.model_shape:
+        if args.model_path:
+            p.error("--model-shape brings its own model: leave out --model-path")
+        checkpoint = ensure_checkpoint(SHAPES[args.model_shape])
+        kwargs["model_path"], hf_dir = checkpoint.gguf, checkpoint.hf_dir
     run: Callable[..., dict] = run_one_batch if args.workload == "one-batch" else run_engine
     with Engine(**kwargs) as engine:
         wl = build_workload(args, engine)
@@ -197,7 +208,7 @@ def main(argv: list[str]) -> int:
         roofs = run_in_own_thread(lambda: measure_roofs(engine))  # see threads.py
         model_path, dtype = engine.model_path, engine.dtype
         memory = memory_budget(engine)
-    report: dict[str, Any] = {"workload": wl.name, "num_prompts": len(wl.prompts), "input_tokens": wl.input_tokens,
+    report: dict[str, Any] = {"model": args.model_shape or model_path, "cpu": cpu_description(), "workload": wl.name, "num_prompts": len(wl.prompts), "input_tokens": wl.input_tokens,
               "output_tokens": sum(wl.output_lens), "dtype": str(dtype), "threads": torch.get_num_threads(),
               "server_args": kwargs, "roofs": roofs, "memory": memory, "results": [result],
               "peak_rss_mb": report_rss}
@@ -209,7 +220,7 @@ def main(argv: list[str]) -> int:
         result["prefill_tok_s"] = wl.input_tokens / result["prefill_s"]
         result["prefill_roof_fraction"] = result["prefill_tok_s"] / roofs["compute_roof_tok_s"]
     for compare in args.compare:
-        report["results"] += compare_with(compare, args, kwargs, wl, run, result, model_path, dtype,
+        report["results"] += compare_with(compare, args, kwargs, wl, run, result, (model_path, hf_dir), dtype,
                                           report_constrained if compare == "json-schema" else None)
     print_report(report)
     if args.output_file:
@@ -221,15 +232,18 @@ def main(argv: list[str]) -> int:
 
 
 def compare_with(compare: str, args: argparse.Namespace, kwargs: dict, wl: Workload, run: Callable[..., dict],
-                 base: dict, model_path: str, dtype: torch.dtype, constrained: dict | None) -> list[dict]:
-    """The result rows of one --compare choice."""
+                 base: dict, model: tuple[str, str | None], dtype: torch.dtype, constrained: dict | None) -> list[dict]:
+    """The result rows of one --compare choice. model: the path baby-sgl loaded, and the Hugging
+    Face directory of the same weights where there is one (--model-shape)."""
+    model_path, hf_dir = model
     if compare == "hf":
         from baby_sgl.bench.hf_baseline import compare_hf
 
-        return compare_hf(model_path, dtype, wl)
+        return compare_hf(hf_dir or model_path, dtype, wl)
     if compare in PEERS:
         return [run_peer(compare, model_path, dtype, wl, args.workload == "one-batch", torch.get_num_threads(), base,
-                         prompt_lookup=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0)]
+                         prompt_lookup=args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0,
+                         hf_dir=hf_dir)]
     if compare == "json-schema":
         assert constrained is not None
         return [constrained]
@@ -243,6 +257,7 @@ def compare_with(compare: str, args: argparse.Namespace, kwargs: dict, wl: Workl
 
 
 def print_report(report: dict) -> None:
+    print(f"model {report['model']} on {report['cpu']}")
     print(f"workload {report['workload']}: {report['num_prompts']} prompts, {report['input_tokens']} input tokens, "
           f"{report['output_tokens']} output tokens, {report['dtype']}, {report['threads']} threads")
     roofs = report["roofs"]

@@ -58,15 +58,16 @@ def hf_dir_for(model_source: str) -> str:
 
 
 def run_peer(name: str, model_source: str, dtype: torch.dtype, wl: Workload, one_batch: bool, threads: int,
-             base: dict, prompt_lookup: int = 0) -> dict:
+             base: dict, prompt_lookup: int = 0, hf_dir: str | None = None) -> dict:
     """Runs the peer on wl; returns a result row shaped like baby-sgl's, with the ratio inputs
     and how many greedy outputs equal baby-sgl's (base). prompt_lookup > 0: llama.cpp drafts that
-    many tokens by prompt lookup (LlamaPromptLookupDecoding)."""
+    many tokens by prompt lookup (LlamaPromptLookupDecoding). hf_dir: a Hugging Face directory of
+    the same weights for vLLM, instead of the GGUF file dequantized."""
     spec = {"prompts": wl.prompts, "output_lens": wl.output_lens, "one_batch": one_batch, "threads": threads,
             "max_model_len": max(map(len, wl.prompts)) + max(wl.output_lens) + 16, "prompt_lookup": prompt_lookup}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if name == "vllm":
-        spec.update(model=hf_dir_for(model_source), dtype=str(dtype).removeprefix("torch."))
+        spec.update(model=hf_dir or hf_dir_for(model_source), dtype=str(dtype).removeprefix("torch."))
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"  # unbound, it stalls on small machines
         label = f"vLLM CPU {spec['dtype']}"
     else:

@@ -3,6 +3,8 @@ memory read bandwidth, turned into tokens/s and decode-step bounds for the loade
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 
 import torch
@@ -10,6 +12,20 @@ import torch
 from baby_sgl.engine import Engine
 from baby_sgl.layers.linear import Linear
 from baby_sgl.layers.quantization import QuantizedWeight
+
+
+def cpu_description() -> str:
+    """The CPU's model and the instruction sets that decide which kernels can run: a figure is
+    only meaningful next to these."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    shown = sorted(f for f in flags if f == "avx2" or f.startswith(("avx512", "amx", "avx_vnni")))
+    return f"{model}, {os.cpu_count()} cores ({' '.join(shown) or 'no AVX2'})"
 
 
 def _best_of(fn, repeats: int = 5) -> float:

@@ -15,8 +15,6 @@ import json
 import logging
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -26,7 +24,7 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
-from baby_sgl.cache_dirs import cache_root
+from baby_sgl.cache_dirs import cache_root, write_atomically
 from baby_sgl.layers.quantization import QuantizedWeight, WeightType
 
 logger = logging.getLogger(__name__)
@@ -84,7 +82,7 @@ def load_gguf(path: str, quantized: bool = False) -> tuple[dict, dict[str, torch
     if not (have_weights and os.path.isdir(tokenizer_dir)):
         logger.info("converting %s to a Hugging Face checkpoint (once; cached under %s)", path, root)
     if not os.path.isdir(tokenizer_dir):
-        _write_atomically(tokenizer_dir, lambda tmp: _convert_tokenizer(path, tmp))
+        write_atomically(tokenizer_dir, lambda tmp: convert_tokenizer(path, tmp))
     if quantized:
         config, state_dict = _convert_weights(path, keep_quantized=True)
         return config, state_dict, tokenizer_dir
@@ -95,9 +93,9 @@ def load_gguf(path: str, quantized: bool = False) -> tuple[dict, dict[str, torch
 
     config, state_dict = _convert_weights(path)
     dense = cast(dict[str, torch.Tensor], state_dict)  # nothing kept quantized
-    _write_atomically(weights_file, lambda tmp: save_file(dense, tmp))
+    write_atomically(weights_file, lambda tmp: save_file(dense, tmp))
     # The config goes last: its presence tells a later load that the weights file is complete.
-    _write_atomically(config_file, lambda tmp: _write_json(config, tmp))
+    write_atomically(config_file, lambda tmp: _write_json(config, tmp))
     return config, state_dict, tokenizer_dir
 
 
@@ -106,29 +104,13 @@ def _cache_key(path: str) -> str:
     return hashlib.sha1(repr((path, st.st_size, st.st_mtime_ns, _CACHE_VERSION)).encode()).hexdigest()
 
 
-def _write_atomically(target: str, write: Callable[[str], None]) -> None:
-    """Has `write` create a file or dir at a fresh path beside `target`, then renames it into place, so
-    a crash never leaves a half-written cache entry. Concurrent converters produce the same content, so
-    losing the race for a directory (rename refuses a non-empty target) is fine."""
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    scratch = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".tmp-")
-    try:
-        tmp = os.path.join(scratch, "out")
-        write(tmp)
-        os.rename(tmp, target)
-    except OSError:
-        if not os.path.exists(target):
-            raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
 def _write_json(obj: Any, path: str) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
 
 
-def _convert_tokenizer(path: str, out_dir: str) -> None:
+def convert_tokenizer(path: str, out_dir: str) -> None:
+    """The GGUF file's vocabulary as a Hugging Face tokenizer directory."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
