@@ -83,6 +83,16 @@ def test_a_second_call_builds_nothing(built, monkeypatch):
     assert [f.stat().st_mtime_ns for f in files] == stamps
 
 
+def test_every_build_writes_the_same_files(built, tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoints, "cache_root", lambda: tmp_path)
+    again = ensure_checkpoint(TINY["qwen2"])
+    first = Path(built["qwen2"].gguf).parent
+    names = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(Path(again.gguf).parent) for p in Path(again.gguf).parent.rglob("*")
+                           if p.is_file())
+    assert all((first / n).read_bytes() == (Path(again.gguf).parent / n).read_bytes() for n in names)
+
+
 def test_q4_0_values_are_exact_in_bfloat16_and_as_gguf_reads_them():
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
