@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 # Part of the cache key: bump it whenever the files built change.
 _VERSION = 1
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18  # values per block; a float16 scale and 16 bytes of 4-bit values
+TensorGroup = list[tuple[str, tuple[int, ...]]]  # (Hugging Face name, shape), one safetensors shard
 
 # Qwen2.5's special tokens (ids 151643...), as its tokenizer lists them.
 QWEN2_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -161,9 +162,6 @@ def _write_weights(shape: ModelShape, cfg: dict, groups: list[TensorGroup], seed
             save_file(tensors, os.path.join(hf_dir, shard), metadata={"format": "pt"})
     with open(os.path.join(hf_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": 2 * total}, "weight_map": weight_map}, f, indent=1)
-
-
-TensorGroup = list[tuple[str, tuple[int, ...]]]  # (Hugging Face name, shape), one safetensors shard
 
 
 def _tensor_groups(shape: ModelShape) -> list[TensorGroup]:
