@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import re2
 
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_N, MAX_STOP, MAX_STOP_LEN, Int32, NonNegInt32,
                                  StrictModel, Text, TokenId, accept_defaults_only, validate)
@@ -154,8 +155,9 @@ class SamplingParams(StrictModel):
     spaces_between_special_tokens: bool = True
     stream_interval: int | None = Field(None, ge=1, le=2**20)  # stream every k tokens (None: every one)
     # The server's own constraint (chat tools, json_schema after thinking): given by the chat layer
-    # through from_dict, never by a client (a JSON body cannot hold a ServerGrammar), never dumped.
-    server_grammar: ServerGrammar | None = Field(None, exclude=True)
+    # through from_dict, never by a client (a JSON body cannot hold a ServerGrammar): not in the API
+    # schema, never dumped.
+    server_grammar: SkipJsonSchema[ServerGrammar | None] = Field(None, exclude=True)
     _stop_regexes: list[re2._Regexp] = PrivateAttr(default_factory=list)  # stop_regex compiled
 
     @model_validator(mode="before")
