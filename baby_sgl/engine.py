@@ -31,7 +31,7 @@ from baby_sgl.distributed.tp_group import GroupBroken, TensorParallel
 from baby_sgl.errors import EngineDeadError
 from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams
 from baby_sgl.constrained.grammar import GrammarCache
-from baby_sgl.core.sampling_params import SamplingParams
+from baby_sgl.core.sampling_params import SamplingParams, ServerGrammar
 from baby_sgl.server_args import SERVER_ONLY, EngineArgs
 from baby_sgl.threads import run_in_own_thread
 from baby_sgl.validation import validate
@@ -198,16 +198,19 @@ class Engine:
     def submit(self, prompt: str | None = None, sampling_params: dict | None = None,
                input_ids: list[int] | None = None, rid: str | None = None, stream: bool = False,
                on_output: Callable[[dict], None] | None = None, session_params: dict | None = None,
-               partial_logprobs: bool = True, **logprob_options: Any) -> list[Req]:
+               partial_logprobs: bool = True, server_grammar: ServerGrammar | None = None,
+               **logprob_options: Any) -> list[Req]:
         """Starts one request (n of them if sampling_params has n > 1) and returns at once.
         on_output(chunk) is called from the scheduler thread with each new piece (stream) or
         only the final result; chunk["finished"] tells which. Each piece's logprob lists hold only
         its own entries (the prompt's in the first piece that has them), so a stream costs what its
         output does; partial_logprobs=False leaves them out of every piece but the last, which then
         holds them all (for a consumer that only keeps the end). logprob_options: as `generate`.
+        server_grammar: the constraint a server front end built for the request (chat tools).
         Raises ValueError on bad input."""
         self.tokenizer_manager.check_session_logprobs(session_params, logprob_options)
-        made, _ = self.tokenizer_manager.make_reqs(prompt, input_ids, sampling_params, rid, **logprob_options)
+        made, _ = self.tokenizer_manager.make_reqs(prompt, input_ids, sampling_params, rid,
+                                                   server_grammar=server_grammar, **logprob_options)
         reqs = [r for r in made if isinstance(r, Req)]
         if len(reqs) < len(made):
             raise next(e for e in made if isinstance(e, ValueError))
@@ -248,9 +251,9 @@ class Engine:
         open session (see open_session). Logprobs as SGLang: return_logprob adds the output
         tokens' to meta_info, logprob_start_len >= 0 the prompt's from that position,
         top_logprobs_num the k best of each, token_ids_logprob those of the given ids."""
-        options = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
-                   "logprob_start_len": logprob_start_len, "token_ids_logprob": token_ids_logprob,
-                   "return_text_in_logprobs": return_text_in_logprobs}
+        options: dict[str, Any] = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
+                                   "logprob_start_len": logprob_start_len, "token_ids_logprob": token_ids_logprob,
+                                   "return_text_in_logprobs": return_text_in_logprobs}
         self.tokenizer_manager.check_session_logprobs(session_params, options)
         reqs, single = self.tokenizer_manager.make_reqs(prompt, input_ids, sampling_params, rid, **options)
         if single and len(reqs) == 1 and isinstance(reqs[0], ValueError):

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import re2
 
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_N, MAX_STOP, MAX_STOP_LEN, Int32, NonNegInt32,
                                  StrictModel, Text, TokenId, accept_defaults_only, validate)
@@ -37,6 +39,13 @@ MAX_STOP_REGEX_PROGRAM = 2**13
 # quadratic in its rule chains: 87 KB took 12 s), so these are generous for real grammars
 # (OpenAI's own schema limits are of this order) and keep one compile short.
 MAX_GRAMMAR_CHARS = {"json_schema": 128 * 1024, "regex": 128 * 1024, "ebnf": 32 * 1024}
+# A grammar the server builds from what a client sent (its tools, or a json_schema to hold after the
+# thinking: entrypoints/tool_grammar.py) writes each character of its source a bounded number of
+# times, around a fixed part (the call format, the thinking): it may be this large, and no larger.
+# The source is bounded by the request's own limits (the tools are in the prompt, which must fit
+# the context), never by the client's ebnf limit, which the client did not use.
+SERVER_GRAMMAR_BASE_CHARS = 4096
+SERVER_GRAMMAR_CHARS_PER_SOURCE_CHAR = 32  # a pythonic call's argument `"a":{}` makes ~150 characters of rules
 MAX_LOGIT_BIAS = 4096
 Grammar = Annotated[Text, Field(min_length=1)]
 LogitBias = Annotated[float, Field(ge=-100, le=100)]  # OpenAI's range
@@ -44,6 +53,29 @@ GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 # SGLang's fields we do not implement: accepted at these values only.
 _DEFAULT_ONLY: dict[str, Any] = {"structural_tag": None, "custom_params": None, "beam_width": (None, 1), "watermark": None,
                  "choice": ([],)}
+
+
+def check_grammar_chars(kind: str, text: str) -> None:
+    """A client's own constraint of that kind within MAX_GRAMMAR_CHARS; raises ValueError naming it."""
+    if len(text) > MAX_GRAMMAR_CHARS[kind]:
+        raise ValueError(f"{kind} is {len(text)} characters, more than the {MAX_GRAMMAR_CHARS[kind]} allowed")
+
+
+@dataclass(frozen=True)
+class ServerGrammar:
+    """A Lark grammar (`ebnf`, `%llguidance`) this server built from source_chars characters of what
+    the client sent as `source` (the field errors name). Bounded by its source's size (see
+    SERVER_GRAMMAR_BASE_CHARS), not by MAX_GRAMMAR_CHARS, which bounds the client's own grammars."""
+
+    ebnf: str
+    source: str
+    source_chars: int
+
+    def __post_init__(self) -> None:
+        limit = SERVER_GRAMMAR_BASE_CHARS + SERVER_GRAMMAR_CHARS_PER_SOURCE_CHAR * self.source_chars
+        if len(self.ebnf) > limit:
+            raise ValueError(f"the grammar built from {self.source} is {len(self.ebnf)} characters, more than the "
+                             f"{limit} its {self.source_chars} characters allow")
 
 
 @functools.lru_cache(maxsize=256)
@@ -63,6 +95,15 @@ def stop_regex_matcher(pattern: str) -> re2._Regexp:
                              f"{STOP_REGEX_MAX_MEM} bytes") from None
         raise ValueError(f"invalid stop_regex {pattern[:40]!r}: {reason} (RE2 syntax: no lookaround or "
                          f"backreferences)") from None
+
+
+def check_copies_budget(field: str, count: int, n: int, limit: int) -> None:
+    """A list-valued field that costs work at every step of each of the n samples (stop_token_ids,
+    logit_bias, token_ids_logprob): its entries, all samples together, within what one sample may
+    have. Raises ValueError naming the field."""
+    if n * count > limit:
+        raise ValueError(f"{field}: {n * count} entries (n={n} samples of {count}), more than the {limit} "
+                         f"allowed per request")
 
 
 def check_stop_budget(stop: list[str], stop_regex: list[str], n: int) -> list[re2._Regexp]:
@@ -113,6 +154,10 @@ class SamplingParams(StrictModel):
     logit_bias: dict[str, LogitBias] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
     spaces_between_special_tokens: bool = True
     stream_interval: int | None = Field(None, ge=1, le=2**20)  # stream every k tokens (None: every one)
+    # The server's own constraint (chat tools, json_schema after thinking): given by the chat layer
+    # through from_dict, never by a client (a JSON body cannot hold a ServerGrammar): not in the API
+    # schema, never dumped.
+    server_grammar: SkipJsonSchema[ServerGrammar | None] = Field(None, exclude=True)
     _stop_regexes: list[re2._Regexp] = PrivateAttr(default_factory=list)  # stop_regex compiled
 
     @model_validator(mode="before")
@@ -143,13 +188,16 @@ class SamplingParams(StrictModel):
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens "
                              f"({self.max_new_tokens})")
         kinds = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        if kinds and self.server_grammar is not None:
+            raise ValueError(f"give {kinds[0]} or {self.server_grammar.source}, not both: the server builds a "
+                             f"grammar from {self.server_grammar.source}")
         if len(kinds) > 1:
             raise ValueError(f"give at most one of json_schema, regex, ebnf; got {' and '.join(kinds)}")
         for kind in kinds:
-            if len(getattr(self, kind)) > MAX_GRAMMAR_CHARS[kind]:
-                raise ValueError(f"{kind} is {len(getattr(self, kind))} characters, more than the "
-                                 f"{MAX_GRAMMAR_CHARS[kind]} allowed")
+            check_grammar_chars(kind, getattr(self, kind))
         self._stop_regexes = check_stop_budget(self.stop, self.stop_regex, self.n)
+        check_copies_budget("stop_token_ids", len(self.stop_token_ids), self.n, MAX_STOP)
+        check_copies_budget("logit_bias", len(self.logit_bias), self.n, MAX_LOGIT_BIAS)
         for key in self.logit_bias:
             if not (key.isascii() and key.isdigit()) or int(key) > INT64_MAX:
                 raise ValueError(f"logit_bias keys are token ids, got {key!r}")
@@ -170,19 +218,25 @@ class SamplingParams(StrictModel):
     @property
     def grammar(self) -> tuple[str, str] | None:
         """(kind, text) of the request's constraint, if any: the grammar cache's key."""
+        if self.server_grammar is not None:
+            return "ebnf", self.server_grammar.ebnf
         return next(((k, getattr(self, k)) for k in GRAMMAR_KINDS if getattr(self, k) is not None), None)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any] | SamplingParams | None,
-                  defaults: dict[str, Any] | None = None) -> SamplingParams:
+    def from_dict(cls, d: dict[str, Any] | SamplingParams | None, defaults: dict[str, Any] | None = None,
+                  server_grammar: ServerGrammar | None = None) -> SamplingParams:
         """Builds and validates; raises ValueError naming the offending field. Fields the
-        request leaves out (or sets to null) take the model's defaults, then ours."""
+        request leaves out (or sets to null) take the model's defaults, then ours. server_grammar:
+        the constraint the server built for the request, if any."""
         if isinstance(d, SamplingParams):
+            server_grammar = server_grammar or d.server_grammar  # not dumped
             d = d.model_dump(exclude_unset=True)
         if d is not None and not isinstance(d, dict):
             raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
         merged = dict(defaults or {})
         merged.update({k: v for k, v in (d or {}).items() if v is not None})
+        if server_grammar is not None:
+            merged["server_grammar"] = server_grammar
         return validate(cls, merged, "sampling_params")
 
     @classmethod

@@ -202,7 +202,8 @@ def add_anthropic_routes(app: FastAPI) -> None:
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request):
         turn = await aengine.off_loop(1, lambda: prepare(engine, app.state.server_settings, body.chat_request()))
-        item = {"input_ids": turn.input_ids, "sampling_params": body.sampling_params() | turn.constraint}
+        item = {"input_ids": turn.input_ids, "sampling_params": body.sampling_params() | turn.constraint,
+                "server_grammar": turn.server_grammar}
         chunks = app.state.async_engine.generate([item], body.stream, request.is_disconnected)
         head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": body.model}
         stops = set(body.stop_sequences or [])

@@ -194,7 +194,8 @@ class AsyncEngine:
         keys = set()
         for item in items:
             try:
-                key = SamplingParams.from_dict(item.get("sampling_params"), self.engine.sampling_defaults).grammar
+                key = SamplingParams.from_dict(item.get("sampling_params"), self.engine.sampling_defaults,
+                                               item.get("server_grammar")).grammar
             except ValueError:
                 continue  # submission reports it
             if key is not None:
@@ -256,7 +257,8 @@ class AsyncEngine:
 
     def _engine_rids(self, item: dict[str, Any]) -> list[str]:
         """The rids the engine will give this item's requests (n > 1 makes copies)."""
-        params = SamplingParams.from_dict(item.get("sampling_params"), self.engine.sampling_defaults)
+        params = SamplingParams.from_dict(item.get("sampling_params"), self.engine.sampling_defaults,
+                                          item.get("server_grammar"))
         return TokenizerManager.copy_rids(item["rid"], params.n)
 
     def _forget(self, keys: list[str]) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Literal, cast
 
 from jinja2.exceptions import TemplateError
 
-from baby_sgl.core.sampling_params import GRAMMAR_KINDS, MAX_GRAMMAR_CHARS
+from baby_sgl.core.sampling_params import GRAMMAR_KINDS, ServerGrammar, check_grammar_chars
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.reasoning import REASONING_PARSERS, ReasoningSplitter, prompt_opens_reasoning
 from baby_sgl.entrypoints.tool_grammar import Tool, json_after_thinking, tool_grammar
@@ -67,7 +67,8 @@ class ChatRequest:
 @dataclass
 class ChatTurn:
     input_ids: list[int]
-    constraint: dict[str, str]  # sampling params to add
+    constraint: dict[str, str]  # sampling params to add: the request's own constraint, if it stays as sent
+    server_grammar: ServerGrammar | None  # the constraint built here instead (tools, json_schema after thinking)
     starts_inside: bool | None  # the reasoning parser's start (None: no split)
     tool_format: str | None  # the calls format to read (None: no tools)
     tool_names: frozenset[str]  # the functions a call may name
@@ -111,7 +112,7 @@ def prepare(engine: Engine, settings: dict[str, Any], req: ChatRequest) -> ChatT
         starts_inside = REASONING_PARSERS[reasoning_parser] or prompt_opens_reasoning(
             _generation_prompt(engine, messages, req.template_kwargs, template_tools) + req.prefill)
     thinking = None if starts_inside is None else ("open" if starts_inside else "may")
-    constraint = dict(req.constraint)
+    constraint, server_grammar = dict(req.constraint), None
     strict = any(t.strict for t in tools)
     if forced or strict:
         if constraint:
@@ -120,21 +121,15 @@ def prepare(engine: Engine, settings: dict[str, Any], req: ChatRequest) -> ChatT
         assert fmt is not None
         # a named function is called once; `required` and strict calls may be several, if parallel
         parallel = req.parallel_tool_calls and named is None
-        constraint = {"ebnf": _built(tool_grammar(fmt, tools, forced, parallel, thinking), "the tools' schemas")}
+        source = sum(len(json.dumps({"name": t.name, "parameters": t.parameters})) for t in tools)
+        server_grammar = ServerGrammar(tool_grammar(fmt, tools, forced, parallel, thinking), "tools", source)
     elif thinking is not None and "json_schema" in constraint:
-        constraint = {"ebnf": _built(json_after_thinking(constraint.pop("json_schema"), thinking), "json_schema")}
+        schema = constraint.pop("json_schema")
+        check_grammar_chars("json_schema", schema)  # the client's own bound on what it sent
+        server_grammar = ServerGrammar(json_after_thinking(schema, thinking), "json_schema", len(schema))
     assert set(constraint) <= set(GRAMMAR_KINDS)
-    return ChatTurn(ids, constraint, starts_inside if req.separate_reasoning else None, fmt if tools else None,
-                    frozenset(t.name for t in tools), forced or strict)
-
-
-def _built(grammar: str, source: str) -> str:
-    """A grammar this server built from source, checked against the bound on grammars here, so
-    that the error names what the client sent."""
-    if len(grammar) > MAX_GRAMMAR_CHARS["ebnf"]:
-        raise ValueError(f"the grammar built from {source} is {len(grammar)} characters, more than the "
-                         f"{MAX_GRAMMAR_CHARS['ebnf']} a request may compile")
-    return grammar
+    return ChatTurn(ids, constraint, server_grammar, starts_inside if req.separate_reasoning else None,
+                    fmt if tools else None, frozenset(t.name for t in tools), forced or strict)
 
 
 _END_OF_MESSAGE = "5f0c9a1e-end-of-the-last-message"  # stands for the last message's text

@@ -118,6 +118,7 @@ def add_openai_routes(app: FastAPI) -> None:
         turn = await app.state.async_engine.off_loop(
             1, lambda: prepare(engine, app.state.server_settings, body.chat_request(constraint)))
         item = {"input_ids": turn.input_ids, "sampling_params": params | turn.constraint,
+                "server_grammar": turn.server_grammar,
                 "return_logprob": body.logprobs, "top_logprobs_num": body.top_logprobs or 0}
         logprobs = (lambda _, meta: _chat_logprobs(engine, meta)) if body.logprobs else _no_logprobs
         reader = turn.reader if turn.starts_inside is not None or turn.tool_format else None

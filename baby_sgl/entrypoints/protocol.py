@@ -13,8 +13,8 @@ from baby_sgl.entrypoints.chat import ChatRequest, NamedTool, ToolChoice
 from baby_sgl.entrypoints.tool_grammar import Tool
 from baby_sgl.managers.io_struct import (CloseSessionReqInput, LogprobOptions, OpenSessionReqInput,
                                          SessionParams)
-from baby_sgl.core.sampling_params import (GRAMMAR_KINDS, Grammar, LogitBias, SamplingParams, StopString,
-                                           check_stop_budget)
+from baby_sgl.core.sampling_params import (GRAMMAR_KINDS, MAX_LOGIT_BIAS, Grammar, LogitBias, SamplingParams,
+                                           StopString, check_copies_budget, check_stop_budget)
 from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_BATCH, MAX_ID_LEN, MAX_N, MAX_STOP, Id, Int32,
                                  NonNegInt32, StrictModel, Text, TokenId, TopLogprobsNum, SGLangInput)
 
@@ -149,9 +149,12 @@ class _OpenAISampling(SGLangInput):
     stream_reasoning: bool = True
 
     @model_validator(mode="after")
-    def _stop_budget(self) -> _OpenAISampling:
-        """The n choices are n engine requests: their stops' cost is bounded together."""
+    def _budget(self) -> _OpenAISampling:
+        """The n choices are n engine requests: what their stops, stop tokens and logit_bias cost
+        at every step is bounded together."""
         check_stop_budget(_as_list(self.stop), _as_list(self.stop_regex), self.n)
+        check_copies_budget("stop_token_ids", len(self.stop_token_ids or []), self.n, MAX_STOP)
+        check_copies_budget("logit_bias", len(self.logit_bias or {}), self.n, MAX_LOGIT_BIAS)
         return self
 
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any, cast
 from jinja2.exceptions import TemplateError
 
 from baby_sgl.constrained.grammar import GrammarCache
-from baby_sgl.managers.io_struct import ReqOptions
+from baby_sgl.managers.io_struct import MAX_TOKEN_IDS_LOGPROB, ReqOptions
 from baby_sgl.core.req import Req
 from baby_sgl.sampling.logprobs import with_texts
-from baby_sgl.core.sampling_params import SamplingParams
+from baby_sgl.core.sampling_params import SamplingParams, ServerGrammar, check_copies_budget
 from baby_sgl.validation import validate, validate_text
 
 if TYPE_CHECKING:
@@ -71,21 +71,22 @@ class TokenizerManager:
         self._token_texts: dict[int, str] = {}
 
     def make_reqs(self, prompt: Any, input_ids: Any, sampling_params: Any, rid: Any,
-                  **options: Any) -> tuple[list[Req | ValueError], bool]:
+                  *, server_grammar: ServerGrammar | None = None, **options: Any) -> tuple[list[Req | ValueError], bool]:
         """One Req per prompt (n per prompt sampled n times), or the ValueError that refused it.
-        options: the ReqOptions fields besides rid (logprobs)."""
+        server_grammar: the constraint the server built (SamplingParams.server_grammar); options:
+        the ReqOptions fields besides rid (logprobs)."""
         items, params, rids, single = split_batch(prompt, input_ids, sampling_params, rid)
         reqs: list[Req | ValueError] = []
         for i, (item, sp, r) in enumerate(zip(items, params, rids)):
             try:
-                reqs.extend(self.make_req(item, sp, r, options))
+                reqs.extend(self.make_req(item, sp, r, options, server_grammar))
             except ValueError as e:
                 reqs.append(ValueError(f"request {i}: {e}" if not single else str(e)))
         return reqs, single
 
     def make_req(self, item: str | list[int], sampling_params: dict[str, Any] | SamplingParams | None, rid: str | None,
-                 options: dict[str, Any]) -> list[Req]:
-        params = SamplingParams.from_dict(sampling_params, self.sampling_defaults)
+                 options: dict[str, Any], server_grammar: ServerGrammar | None = None) -> list[Req]:
+        params = SamplingParams.from_dict(sampling_params, self.sampling_defaults, server_grammar)
         params.check_vocab(self.vocab_size)
         opts = validate(ReqOptions, {"rid": rid, **{k: v for k, v in options.items() if v is not None}})
         ids = self.prompt_ids(item)
@@ -99,6 +100,7 @@ class TokenizerManager:
                 raise ValueError(f"logprob_start_len={opts.logprob_start_len} is beyond the prompt's "
                                  f"{len(ids)} tokens")
             start = opts.logprob_start_len
+        check_copies_budget("token_ids_logprob", len(opts.token_ids_logprob or []), params.n, MAX_TOKEN_IDS_LOGPROB)
         bad = [t for t in opts.token_ids_logprob or [] if t >= self.vocab_size]
         if bad:
             raise ValueError(f"token_ids_logprob holds token ids outside the vocabulary: {bad[:5]}")

@@ -190,16 +190,3 @@ def test_a_schema_too_deep_after_the_thinking_is_a_400(thinking_base):
     r = httpx.post(thinking_base + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and "json_schema" in r.json()["error"]["message"], r.text
     wait_idle(thinking_base)
-
-
-def test_a_grammar_built_from_the_tools_names_them_when_too_large(tiny_llama_long):
-    # Before: sampling_params.py:SamplingParams._check refused it as `ebnf`, which the client never sent.
-    many = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}
-    body = {"model": "m", "messages": USER, "max_tokens": 4, "tool_choice": "required",
-            "tools": [{"type": "function", "function": {"name": "many", "parameters": many}}]}
-    engine = Engine(tiny_llama_long, dtype="float32", max_total_tokens=16384)
-    with serve_in_thread(engine, ServerArgs(tool_call_parser="pythonic")) as base:
-        r = httpx.post(base + "/v1/chat/completions", json=body, timeout=60)
-        message = r.json()["error"]["message"]
-        assert r.status_code == 400 and "tools' schemas" in message and "ebnf" not in message, r.text
-        wait_idle(base)
