@@ -33,7 +33,7 @@ from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInpu
 from baby_sgl.constrained.grammar import GrammarCache
 from baby_sgl.core.sampling_params import SamplingParams, ServerGrammar
 from baby_sgl.server_args import SERVER_ONLY, EngineArgs
-from baby_sgl.threads import run_in_own_thread
+from baby_sgl.threads import fit_threads_to_cores, run_in_own_thread
 from baby_sgl.validation import validate
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class Engine:
         self.device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
         # The settings as the engine runs them: the prefill chunk resolved (-1: unchunked).
         self.engine_args = dataclasses.replace(args, chunked_prefill_size=self._chunk_size(args))
+        fit_threads_to_cores()
         # On a thread of its own, which ends before the engine serves (see threads.py).
         run_in_own_thread(self._build)
 

@@ -10,15 +10,38 @@ thread that had loaded the model had also run parallel ops, and a 64-token prefi
 the only one with workers, and work done beside a running engine (the bench's roof measurement)
 runs on a short-lived thread as well. (The one-call decode step has a pool of its own and is not
 affected.)
+
+Both torch's threads and that pool are at most as many as the cores the process may use: a
+second thread on a core only waits for the first, at every barrier of every op.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch
+
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+def usable_cores() -> int:
+    """The cores this thread may run on: its affinity mask, where the OS has one."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def fit_threads_to_cores() -> None:
+    """Lowers torch's thread count to usable_cores(). OpenMP counts the cores once, when the
+    process starts: a mask narrowed since (taskset -p, a parent pinning the thread that starts
+    the engine) left more threads than cores."""
+    cores = usable_cores()
+    if torch.get_num_threads() > cores:
+        logger.info("torch threads %d -> %d: the cores this process may use", torch.get_num_threads(), cores)
+        torch.set_num_threads(cores)
 
 
 def run_in_own_thread(fn: Callable[[], T], name: str = "baby-sgl-setup") -> T:

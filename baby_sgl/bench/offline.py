@@ -15,6 +15,7 @@ import torch
 
 from baby_sgl.bench.checkpoints import SHAPES, ensure_checkpoint
 from baby_sgl.bench.copy_workload import copy_workload, multi_turn_workload
+from baby_sgl.bench.neighbours import busy_core, second_engine
 from baby_sgl.bench.peers import PEERS, run_peer
 from baby_sgl.bench.roofline import cpu_description, measure_roofs
 from baby_sgl.bench.workloads import Workload, one_batch_workload, random_workload, shared_prefix_workload
@@ -114,6 +115,18 @@ def variant(result: dict, label: str, base: dict) -> dict:
     return result
 
 
+def beside(result: dict, label: str, base: dict) -> dict:
+    """The same workload with a neighbour on the cores: its slowdown against the solo run (the
+    decode step's, for one batch; else the output rate's) and the fraction of solo speed kept."""
+    result["engine"] = f"baby-sgl {label}"
+    if "decode_step_median_s" in result:
+        slowdown = result["decode_step_median_s"] / base["decode_step_median_s"]
+    else:
+        slowdown = base["output_tok_s"] / result["output_tok_s"]
+    result |= {"slowdown": slowdown, "solo_speed_kept": 1 / slowdown}
+    return result
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -173,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of --model-path: random weights in that real model's shape, built once into the "
                         "cache (a Q4_0 GGUF for baby-sgl and llama.cpp, the same weights as a Hugging Face "
                         "bfloat16 directory for vLLM and transformers)")
+    p.add_argument("--beside-busy-core", action="store_true",
+                   help="run the workload again beside a process that keeps one core busy; print its slowdown")
+    p.add_argument("--beside-engine", action="store_true",
+                   help="run the workload again beside a second engine process on the same cores that serves the "
+                        "same workload without pause; print the slowdown")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
     EngineArgs.add_cli_args(p)
@@ -205,6 +223,7 @@ def main(argv: list[str]) -> int:
         report_rss = peak_rss_mb()
         if "json-schema" in args.compare:
             report_constrained = run(engine, wl, {"json_schema": json.dumps(BENCH_SCHEMA)})
+        neighbours = run_beside_neighbours(args, kwargs, engine, wl, run, result)
         roofs = run_in_own_thread(lambda: measure_roofs(engine))  # see threads.py
         model_path, dtype = engine.model_path, engine.dtype
         memory = memory_budget(engine)
@@ -219,6 +238,7 @@ def main(argv: list[str]) -> int:
     if "prefill_s" in result:  # one batch: the prompt tokens' pass against the matmul roof
         result["prefill_tok_s"] = wl.input_tokens / result["prefill_s"]
         result["prefill_roof_fraction"] = result["prefill_tok_s"] / roofs["compute_roof_tok_s"]
+    report["results"] += neighbours
     for compare in args.compare:
         report["results"] += compare_with(compare, args, kwargs, wl, run, result, (model_path, hf_dir), dtype,
                                           report_constrained if compare == "json-schema" else None)
@@ -229,6 +249,19 @@ def main(argv: list[str]) -> int:
         with open(args.output_file, "a") as f:
             f.write(json.dumps(report) + "\n")
     return 0
+
+
+def run_beside_neighbours(args: argparse.Namespace, kwargs: dict, engine: Engine, wl: Workload,
+                          run: Callable[..., dict], base: dict) -> list[dict]:
+    """The rows of --beside-busy-core and --beside-engine."""
+    rows = []
+    if args.beside_busy_core:
+        with busy_core():
+            rows.append(beside(run(engine, wl), "beside a busy core", base))
+    if args.beside_engine:
+        with second_engine(kwargs, wl):
+            rows.append(beside(run(engine, wl), "beside a second engine", base))
+    return rows
 
 
 def compare_with(compare: str, args: argparse.Namespace, kwargs: dict, wl: Workload, run: Callable[..., dict],

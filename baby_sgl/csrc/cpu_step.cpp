@@ -161,6 +161,9 @@ class DecodeStep {
     return out;
   }
 
+  // The threads of its pool: the count asked for, at most the cores the process may use.
+  int num_threads() const { return pool_.size(); }
+
   // input_ids, positions, out_cache_loc, req_pool_indices, seq_lens: int64 [M]; req_to_token: the
   // request-to-slot table, int64 [requests, W], whose row req_pool_indices[m] holds row m's KV
   // slots in its first seq_lens[m] entries (the new token's last). Returns float32 logits [M, vocab].
@@ -550,5 +553,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<py::dict, py::list, py::tuple, py::tuple, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                     const at::Tensor&, const at::Tensor&, std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("run", &bsgl::DecodeStep::run)
-      .def("profile", &bsgl::DecodeStep::profile);
+      .def("profile", &bsgl::DecodeStep::profile)
+      .def_property_readonly("num_threads", &bsgl::DecodeStep::num_threads);
 }
