@@ -120,8 +120,7 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         self._put(NewReq(req))
 
     def _put(self, msg: Message) -> None:
-        self.inbox.put(msg)
-        self.snapshots.unsettle()  # after the put: see Snapshots.publish
+        self.snapshots.sending(lambda: self.inbox.put(msg))
 
     @property
     def progress(self) -> Progress:
