@@ -215,13 +215,14 @@ class AsyncEngine:
 
     def _register(self, key: str, reqs: list[Req], ticket: int) -> None:
         """The requests of one item are in: abortable by their rid from now on, and aborted now
-        if an abort for that rid came while they were being submitted."""
+        if an abort for their rid came while they were being submitted (the item's rid: all of
+        them; a copy's rid: that copy, as `abort` does once they run)."""
         with self._lock:
             self.active[key] = reqs
-            aborted_at = [self._early_aborts.pop(r, -1) for r in {key, *(req.rid for req in reqs)}]
-        if max(aborted_at) > ticket:
-            for req in reqs:
-                self.engine.abort_request(req.rid)
+            item_aborted = self._early_aborts.pop(key, -1) > ticket
+            copies_aborted = [req for req in reqs if self._early_aborts.pop(req.rid, -1) > ticket]
+        for req in reqs if item_aborted else copies_aborted:
+            self.engine.abort_request(req.rid)
 
     def _submit(self, items: list[dict[str, Any]], deliver: Callable[[dict], None],
                 stream: bool, ticket: int) -> tuple[list[Req], list[str]]:
