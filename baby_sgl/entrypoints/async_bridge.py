@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import threading
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -242,9 +243,12 @@ class AsyncEngine:
         keys: list[str] = list(given)
         try:
             for item in items:
-                reqs = self.engine.submit(**item, stream=True, on_output=deliver, partial_logprobs=stream)
+                # An item without a rid gets one as its key: an abort of it reaches all its
+                # copies, one of a copy's own rid that copy alone.
+                key = item.get("rid") or uuid.uuid4().hex
+                reqs = self.engine.submit(**(item | {"rid": key}), stream=True, on_output=deliver,
+                                          partial_logprobs=stream)
                 submitted += reqs
-                key = item.get("rid") or reqs[0].rid
                 if key not in given:
                     keys.append(key)
                 self._register(key, reqs, ticket)
