@@ -1,13 +1,25 @@
-"""What the scheduler publishes (managers/snapshots.py) under the interleavings a busy machine
-makes: a sender preempted between its message and what it tells the readers."""
+"""What the scheduler publishes (managers/snapshots.py, and the queue's length) under the
+interleavings a busy machine makes: a sender preempted between its message and what it tells the
+readers, a reader that looks while the scheduler is handling its inbox."""
 
 from __future__ import annotations
 
 import threading
 
-from helpers import wait_until
+import pytest
+
+from baby_sgl import Engine
+from helpers import GREEDY, wait_until
 
 _PREEMPTED_S = 2.0  # how long the sender below stays preempted, at most
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tiny_llama):
+    """One request runs at a time: the others wait in the queue."""
+    with Engine(tiny_llama, dtype="float32", max_total_tokens=8192, max_running_requests=1) as engine:
+        yield engine
+        engine.check_memory()
 
 
 def test_a_message_taken_before_its_sender_resumes_leaves_readers_answered(engine, monkeypatch):
@@ -41,3 +53,27 @@ def test_a_message_taken_before_its_sender_resumes_leaves_readers_answered(engin
     # generous against the reader's own cost (milliseconds), far below the idle scheduler's 60 s
     assert answered.wait(20), "server info waited for a turn an idle scheduler does not take"
     reader.join()
+
+
+def test_a_request_leaving_the_inbox_is_counted_as_queued_throughout(one_at_a_time, monkeypatch):
+    # Before: Scheduler._handle took a request off the inbox count (`self._inbox_reqs -= 1`) and
+    # the waiting count was published only after the whole inbox was handled: in between, the
+    # request counted nowhere, and a request at the --max-queued-requests limit could be let in.
+    engine = one_at_a_time
+    sched = engine.scheduler
+    seen: list[int] = []  # num_queued as other threads saw it, right after the inbox was handled
+    real_drain = sched._drain_inbox
+
+    def drain_then_look(*args, **kwargs) -> None:
+        real_drain(*args, **kwargs)
+        if not seen and sched.waiting:
+            seen.append(engine.num_queued())
+
+    monkeypatch.setattr(sched, "_drain_inbox", drain_then_look)
+    running = engine.submit("runs first", {"max_new_tokens": 300, **GREEDY})
+    wait_until(lambda: sched.progress.running, "the first request to run")
+    waiting = engine.submit("waits", {"max_new_tokens": 1, **GREEDY})
+    wait_until(lambda: seen, "the second request to leave the inbox")
+    for req in running + waiting:
+        engine.abort_request(req.rid)
+    assert seen == [1]
