@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import platform
 import random
+import threading
 import time
 from collections.abc import Callable
 
@@ -40,6 +41,21 @@ async def wait_until_async(condition: Callable[[], object], what: str, timeout: 
             return value
         assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
         await asyncio.sleep(interval)
+
+
+def hold_submissions(engine, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Makes engine.submit wait, as tokenizing a long prompt does: returns (submitting, release),
+    the first set once a submission has begun, which then waits for the second."""
+    submitting, release = threading.Event(), threading.Event()
+    real_submit = engine.submit
+
+    def slow_submit(**kwargs):
+        submitting.set()
+        assert release.wait(30)
+        return real_submit(**kwargs)
+
+    monkeypatch.setattr(engine, "submit", slow_submit)
+    return submitting, release
 
 
 # Every setting the engine must be exact under (invariant 6).

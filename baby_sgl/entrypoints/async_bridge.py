@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import threading
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -216,13 +217,14 @@ class AsyncEngine:
 
     def _register(self, key: str, reqs: list[Req], ticket: int) -> None:
         """The requests of one item are in: abortable by their rid from now on, and aborted now
-        if an abort for that rid came while they were being submitted."""
+        if an abort for their rid came while they were being submitted (the item's rid: all of
+        them; a copy's rid: that copy, as `abort` does once they run)."""
         with self._lock:
             self.active[key] = reqs
-            aborted_at = [self._early_aborts.pop(r, -1) for r in {key, *(req.rid for req in reqs)}]
-        if max(aborted_at) > ticket:
-            for req in reqs:
-                self.engine.abort_request(req.rid)
+            item_aborted = self._early_aborts.pop(key, -1) > ticket
+            copies_aborted = [req for req in reqs if self._early_aborts.pop(req.rid, -1) > ticket]
+        for req in reqs if item_aborted else copies_aborted:
+            self.engine.abort_request(req.rid)
 
     def _submit(self, items: list[dict[str, Any]], deliver: Callable[[dict], None],
                 stream: bool, ticket: int) -> tuple[list[Req], list[str]]:
@@ -242,9 +244,12 @@ class AsyncEngine:
         keys: list[str] = list(given)
         try:
             for item in items:
-                reqs = self.engine.submit(**item, stream=True, on_output=deliver, partial_logprobs=stream)
+                # An item without a rid gets one as its key: an abort of it reaches all its
+                # copies, one of a copy's own rid that copy alone.
+                key = item.get("rid") or uuid.uuid4().hex
+                reqs = self.engine.submit(**(item | {"rid": key}), stream=True, on_output=deliver,
+                                          partial_logprobs=stream)
                 submitted += reqs
-                key = item.get("rid") or reqs[0].rid
                 if key not in given:
                     keys.append(key)
                 self._register(key, reqs, ticket)

@@ -216,6 +216,10 @@ class ChatReader:
         if holding."""
         out: list[ChatEvent] = []
         for e in events:
+            if isinstance(e, Content | CallStart):
+                # Calls come one after another, ended: one still open here broke off (its object
+                # was no call) and the output went on. It was not cut, and is never given whole.
+                self._open.clear()
             if isinstance(e, Content):
                 out.append(e)
             elif isinstance(e, CallStart | CallArgs):

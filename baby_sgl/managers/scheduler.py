@@ -120,17 +120,17 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         self._put(NewReq(req))
 
     def _put(self, msg: Message) -> None:
-        self.inbox.put(msg)
-        self.snapshots.unsettle()  # after the put: see Snapshots.publish
+        self.snapshots.sending(lambda: self.inbox.put(msg))
 
     @property
     def progress(self) -> Progress:
         return self.snapshots.progress
 
     def num_queued(self) -> int:
-        """Requests not yet admitted: waiting (as of the loop's last turn), or still in the inbox;
-        any thread."""
-        return self.progress.waiting + self._inbox_reqs
+        """Requests not yet admitted: waiting (as of the loop's last turn, or of its request's
+        arrival, see `_handle`), or still in the inbox; any thread."""
+        with self._inbox_lock:
+            return self.progress.waiting + self._inbox_reqs
 
     def load(self) -> dict[str, Any]:
         """load_info as fresh as this question (see snapshots.py), waiting in this thread."""
@@ -207,7 +207,6 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
                 # none could be scheduled): poll at a low rate instead of spinning a core.
                 self._drain_inbox(block=stalled or not self.has_work(),
                                   max_wait=_STALLED_POLL_S if stalled else _IDLE_WAKE_S)
-                self._publish_progress()  # what was just queued counts against the queue limit at once
                 if self._stop.is_set():
                     break
                 stalled = not self.step() and self.has_work()
@@ -223,9 +222,6 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
                     self.error = e
                     self._fail_all(f"internal error: {e}")
             self._publish()
-
-    def _publish_progress(self) -> None:
-        self.snapshots.progress = self._progress()
 
     def _progress(self) -> Progress:
         return Progress(len(self.running) + (self.chunked_req is not None), len(self.waiting), self.last_forward)
@@ -300,9 +296,12 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
     def _handle(self, msg: Message) -> bool:
         """One message; False for Stop."""
         if isinstance(msg, NewReq):
+            # From the inbox's count to the published waiting count at once (num_queued reads
+            # both under this lock): a request counted nowhere could pass the queue limit.
             with self._inbox_lock:
                 self._inbox_reqs -= 1
-            self.waiting.append(msg.req)
+                self.waiting.append(msg.req)
+                self.snapshots.progress = self._progress()
         elif isinstance(msg, AbortReq):
             self._mark_abort(msg.rid)
         elif isinstance(msg, Call):

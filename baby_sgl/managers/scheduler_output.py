@@ -110,7 +110,13 @@ class OutputProcessing(SchedulerState):
 
     def _append_token(self, req: Req, token: int) -> None:
         if req.grammar is not None:  # raises ConstraintError if the token breaks the constraint
-            req.grammar.accept_token(token)
+            try:
+                req.grammar.accept_token(token)
+            except ConstraintError:
+                # The sampler recorded its logprobs: the token is not output, nor are they.
+                for entries in (req.output_token_logprobs, req.output_top_logprobs, req.output_token_ids_logprobs):
+                    del entries[len(req.output_ids):]
+                raise
         req.output_ids.append(token)
         self.stats["generation_tokens"] += 1
         p = req.sampling_params

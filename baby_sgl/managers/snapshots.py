@@ -62,8 +62,8 @@ class Snapshots:
     def publish(self, progress: Progress, load: dict[str, Any], settled: Callable[[], bool],
                 take_view: Callable[[], Any] | None) -> None:
         """A new turn's state; take_view is called for the dashboard's snapshot when one is due.
-        settled() says the state stands until a message comes (checked under the lock, so a
-        sender's `unsettle` after its put cannot be lost)."""
+        settled() says the state stands until a message comes (checked under the lock, which a
+        sender holds from its put until it has marked the state unsettled: see `sending`)."""
         view: Any = None
         now = time.monotonic()
         if take_view is not None and self._view_wanted and now >= self._next_view_at:
@@ -102,9 +102,13 @@ class Snapshots:
                 pass
 
     # ---- other threads -------------------------------------------------------------------------
-    def unsettle(self) -> None:
-        """A sender put a message in the inbox: readers wait for the turn that takes it."""
+    def sending(self, put: Callable[[], None]) -> None:
+        """put() a message in the scheduler's inbox: readers wait for the turn that takes it. Both
+        under the lock, so no turn publishes in between: a scheduler that took the message and
+        published `settled` before this sender marked it unsettled would leave readers waiting
+        for a turn that an idle scheduler does not take."""
         with self._lock:
+            put()
             self._settled = False
 
     def load_probe(self) -> Callable[[], dict[str, Any] | None]:

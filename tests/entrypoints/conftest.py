@@ -112,6 +112,16 @@ def serve_in_thread(engine: Engine, server_args: ServerArgs | None = None) -> It
 
 
 @contextlib.contextmanager
+def serve_checked(engine: Engine, server_args: ServerArgs | None = None,
+                  headers: dict | None = None) -> Iterator[str]:
+    """serve_in_thread, whose server must come back to idle with its memory intact once the tests
+    that used it are done (wait_idle, sending headers)."""
+    with serve_in_thread(engine, server_args) as base:
+        yield base
+        wait_idle(base, headers=headers)
+
+
+@contextlib.contextmanager
 def thinking_server(model: str, template_dir, generation_prompt: str = "assistant: ") -> Iterator[str]:
     """A server with --reasoning-parser qwen3 over a template that opens the thinking block when
     enable_thinking is set (as Qwen3's closes it when it is not), after generation_prompt."""

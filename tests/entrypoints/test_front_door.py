@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from baby_sgl import Engine
 from baby_sgl.server_args import ServerArgs
-from conftest import serve_in_thread, wait_idle
+from conftest import serve_checked, wait_idle
 
 JSON = {"content-type": "application/json"}
 TINY = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
@@ -130,9 +130,8 @@ def front(tiny_llama, tmp_path_factory):
     manager = engine.tokenizer_manager
     manager.apply_chat_template = GATE.wrap(manager.apply_chat_template)
     args = ServerArgs(api_key=KEY, allowed_hosts=("models.internal", "10.1.2.3"), max_queued_requests=2)
-    with serve_in_thread(engine, args) as base:
+    with serve_checked(engine, args, headers=AUTH) as base:
         yield base
-        wait_idle(base, headers=AUTH)
 
 
 @pytest.mark.parametrize("host, status", [("models.internal", 200), ("Models.Internal:8443", 200),

@@ -17,7 +17,7 @@ import pytest
 
 from baby_sgl import Engine
 from baby_sgl.server_args import ServerArgs
-from entrypoints.conftest import serve_in_thread, wait_idle
+from entrypoints.conftest import serve_checked
 
 
 def _contract(cls_name: str) -> dict:
@@ -131,9 +131,8 @@ def test_every_streamed_event_has_new_text(server):
 @pytest.fixture(scope="module")
 def incremental_server(tiny_llama):
     engine = Engine(tiny_llama, dtype="float32", max_total_tokens=2048)
-    with serve_in_thread(engine, ServerArgs(incremental_streaming_output=True)) as base:
+    with serve_checked(engine, ServerArgs(incremental_streaming_output=True)) as base:
         yield base
-        wait_idle(base)
 
 
 def _events(base: str, body: dict) -> list[dict]:

@@ -17,7 +17,7 @@ import pytest
 
 from baby_sgl import Engine
 from baby_sgl.server_args import ServerArgs
-from conftest import aborted_requests, serve_in_thread, server_counter, wait_idle
+from conftest import aborted_requests, serve_checked, server_counter, wait_idle
 from helpers import wait_until
 
 SEND_TIMEOUT_S = 1.0
@@ -30,9 +30,8 @@ LONG = {"max_new_tokens": 16000, "ignore_eos": True, "temperature": 0}  # second
 @pytest.fixture(scope="module")
 def impatient_server(tiny_llama_long):
     engine = Engine(tiny_llama_long, dtype="float32", max_total_tokens=65536)
-    with serve_in_thread(engine, ServerArgs(stream_send_timeout=SEND_TIMEOUT_S)) as base:
+    with serve_checked(engine, ServerArgs(stream_send_timeout=SEND_TIMEOUT_S)) as base:
         yield base
-        wait_idle(base)
 
 
 def send_request(base: str, path: str, body: dict) -> socket.socket:

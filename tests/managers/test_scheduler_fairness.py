@@ -21,7 +21,7 @@ from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.managers import scheduler as scheduler_module
 from baby_sgl.managers.messages import Call
 from baby_sgl.managers.snapshots import VIEW_INTERVAL_S
-from helpers import GREEDY, wait_until
+from helpers import GREEDY, hold_submissions, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -126,15 +126,7 @@ def test_an_abort_sent_while_the_request_is_submitted_ends_it(engine, monkeypatc
     # Before: AsyncEngine.abort found the rid reserved with no requests yet (`for req in
     # self.active.get(rid, [])`) and sent nothing, so the request ran to its end.
     aengine = AsyncEngine(engine, Metrics("tiny"))
-    submitting, aborted = threading.Event(), threading.Event()
-    real_submit = engine.submit
-
-    def slow_submit(**kwargs):  # tokenizing a long prompt takes a while
-        submitting.set()
-        assert aborted.wait(30)
-        return real_submit(**kwargs)
-
-    monkeypatch.setattr(engine, "submit", slow_submit)
+    submitting, aborted = hold_submissions(engine, monkeypatch)
 
     async def run() -> dict:
         item = {"prompt": "slow to submit", "sampling_params": {"max_new_tokens": 200, **GREEDY}, "rid": "early"}

@@ -12,16 +12,15 @@ import pytest
 
 from baby_sgl import Engine
 from baby_sgl.core.sampling_params import MAX_STOP_CHARS, MAX_STOP_REGEX_PROGRAM, STOP_WINDOW
-from entrypoints.conftest import serve_in_thread, wait_idle
+from entrypoints.conftest import serve_checked, wait_idle
 
 HOSTILE_STOP_REGEX = [".{1000}" * 36 + "z"] * 32  # 253 bytes each, as the limit allows
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    with serve_in_thread(Engine(tiny_llama, dtype="float32", max_total_tokens=4096)) as base:
+    with serve_checked(Engine(tiny_llama, dtype="float32", max_total_tokens=4096)) as base:
         yield base
-        wait_idle(base)
 
 
 def _error(r: httpx.Response) -> str:
