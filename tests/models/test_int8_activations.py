@@ -19,12 +19,12 @@ QUESTIONS = [
     "Why is the sky blue?", "What does a CPU do?", "List two mammals that can fly or glide.",
     "Summarize the key benefits of unit testing in software engineering.",
 ]
-# Bounds on what the rounding may move, with room over what every build showed (2-core Zen 4):
-# the chosen tokens' logprobs moved by at most 0.15-0.17 before the outputs parted; 3 to 5 of the
-# 8 outputs parted within 32 tokens, each where the float path's two best tokens were within 0.05
-# of each other (a near-tie, which a move of half that much flips).
-LOGPROB_BOUND = 0.3
-TIE_MARGIN = 0.2
+# Bounds on what the rounding may move, with room over what every build showed (2-core Zen 4, one
+# request at a time): the chosen tokens' logprobs moved by at most 0.15-0.23 before the outputs
+# parted; 3 to 5 of the 8 outputs parted within 32 tokens, each where the float path's two best
+# tokens were within 0.12 of each other (a near-tie, which such a move flips).
+LOGPROB_BOUND = 0.4
+TIE_MARGIN = 0.25
 
 
 def _decode(mode: str) -> list[dict]:
@@ -32,8 +32,9 @@ def _decode(mode: str) -> list[dict]:
         step = engine.scheduler.runner.step
         assert step is not None and step.int8_activations == (mode == "on")
         prompts = [engine.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW},
-                               return_logprob=True, top_logprobs_num=2)
+        # One request at a time: int8 activations take products of fewer than 4 rows.
+        outs = [engine.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW},
+                                return_logprob=True, top_logprobs_num=2) for p in prompts]
         engine.check_memory()
     return [o["meta_info"] for o in outs]
 
