@@ -22,6 +22,7 @@ from baby_sgl.managers.snapshots import Progress
 from baby_sgl.managers.tokenizer_manager import LogprobCursor, TokenizerManager
 from baby_sgl.core.memory_pool import KVPool
 from baby_sgl.model_config import ModelConfig
+from baby_sgl.model_executor import cpu_step
 from baby_sgl.model_executor.model_runner import ModelRunner
 from baby_sgl.cpu_ops import cpu_ops
 from baby_sgl.toolchain import cpu_has_native_bf16
@@ -101,7 +102,8 @@ class Engine:
         args = self.engine_args
         runner = ModelRunner(cfg, loaded.weights, self.dtype, self.device,
                              compile_max_bs=args.torch_compile_max_bs if args.enable_torch_compile else None,
-                             tp=self.tp.group if self.tp else None)
+                             tp=self.tp.group if self.tp else None,
+                             int8_activations=cpu_step.int8_activations(args.cpu_int8_activations, self.dtype))
         # The model holds its own copies now: free the checkpoint's tensors before the KV pool
         # is allocated, or both count towards the peak memory.
         loaded.weights = iter(())

@@ -19,6 +19,7 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 REASONING_PARSER_NAMES = ("deepseek-r1", "qwen3")  # entrypoints/reasoning.py
 TOOL_CALL_PARSER_NAMES = ("qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic")  # entrypoints/tool_parsers.py
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+CPU_INT8_ACTIVATIONS_CHOICES = ("auto", "on", "off")
 
 
 def _setting(default: Any, help: str) -> Any:
@@ -35,6 +36,10 @@ class EngineArgs:
     quantization: str | None = _setting(
         None, "a GGUF's quantized matrices: gguf (the default on a CPU with the kernel) multiplies them "
               "as stored; none dequantizes them to the dtype at load")
+    cpu_int8_activations: str = _setting(
+        "auto", "the CPU decode step multiplies quantized GGUF weights with its activations rounded to int8 "
+                "blocks (integer dot products, as llama.cpp; faster, results move by the rounding): on, off, "
+                "or auto (on unless the dtype is float32, whose results stay transformers')")
     device: str = _setting("auto", "cpu, cuda, or auto (cuda when available)")
     page_size: int = _setting(1, "KV slots per page (a power of two); the radix cache shares whole pages")
     disable_radix_cache: bool = _setting(False, "no prefix sharing between requests (each prompt is prefilled whole)")
@@ -87,6 +92,9 @@ class EngineArgs:
                              f"got {self.schedule_policy!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.cpu_int8_activations not in CPU_INT8_ACTIVATIONS_CHOICES:
+            raise ValueError(f"cpu_int8_activations must be one of {', '.join(CPU_INT8_ACTIVATIONS_CHOICES)}, "
+                             f"got {self.cpu_int8_activations!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         if self.quantization == "gguf" and (self.tp_size > 1 or self.enable_torch_compile):

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "int8_products.h"
 #include "ops.h"
 #include "spin_pool.h"
 #include "torch_glue.h"
@@ -38,6 +39,13 @@ namespace {
 struct Experts {
   Weight router;
   std::vector<Weight> gate_up, down;
+};
+
+// A thread's copy of a product's activations in the form its products take: bfloat16, or int8
+// blocks.
+struct RowCopies {
+  std::vector<uint16_t> bf16;
+  Q8Rows int8;
 };
 
 struct Layer {
@@ -75,6 +83,7 @@ class DecodeStep {
         expert_size_(cfg["moe_intermediate_size"].cast<int64_t>()),
         renormalize_(cfg["norm_topk_prob"].cast<bool>()),
         bf16_products_(kHasBF16Products && cfg["bf16_products"].cast<bool>()),
+        int8_activations_(cfg["int8_activations"].cast<bool>()),
         pool_(cfg["num_threads"].cast<int>()),
         cos_(cos.contiguous()),
         sin_(sin.contiguous()),
@@ -262,21 +271,25 @@ class DecodeStep {
     for (int64_t i = 0; i < hidden_; ++i) out[i] = w[i] * (x[i] * r);
   }
 
-  // Thread tid's share (its output columns) of out[rows, w.n] = x[rows, w.k] w^T; xb: its
-  // bfloat16 copy of x when the products go in bfloat16.
-  void linear(const Weight& w, const float* x, int64_t rows, float* out, int tid, int nt,
-              std::vector<uint16_t>& xb) const {
+  // Thread tid's share (its output columns) of out[rows, w.n] = x[rows, w.k] w^T; copies: its
+  // copy of x in the form the products take (every thread makes its own: no barrier, and the
+  // same values).
+  void linear(const Weight& w, const float* x, int64_t rows, float* out, int tid, int nt, RowCopies& copies) const {
     int64_t n0, n1;
     split_range(w.n, tid, nt, n0, n1);
+    if (int8_activations_ && rows < kInt8MaxRows && is_block_quantized(w.type)) {
+      quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
+      product_q8(w, copies.int8, out, w.n, n0, n1);
+      return;
+    }
 #if defined(__AVX512BF16__)
     if (bf16_products_ && rows >= kBF16MinRows && w.k % 32 == 0) {
-      xb.resize(rows * w.k);
-      to_bf16_rows(x, w.k, rows, w.k, xb.data());
-      product_bf16(w, xb.data(), rows, out, w.n, n0, n1);
+      copies.bf16.resize(rows * w.k);
+      to_bf16_rows(x, w.k, rows, w.k, copies.bf16.data());
+      product_bf16(w, copies.bf16.data(), rows, out, w.n, n0, n1);
       return;
     }
 #endif
-    (void)xb;
     product(w, x, w.k, rows, out, w.n, n0, n1);
   }
 
@@ -339,7 +352,7 @@ class DecodeStep {
     const int64_t H = hidden_, M = b.rows;
     pool_.run(nthreads, [&](int tid, int nt) {
       const FlushDenormals flush;
-      std::vector<uint16_t> xb;  // this thread's bfloat16 copy of a product's activations
+      RowCopies xb;  // this thread's copy of a product's activations
       // Thread 0 charges the time since its last mark (its op and the wait for the others) to
       // one of matmul / attention / the rest when profiling is on.
       auto last = std::chrono::steady_clock::now();
@@ -434,7 +447,7 @@ class DecodeStep {
   // expert's gate/up product over its tokens, the activation, and its down product into one row
   // per (token, choice) of s.expert_out; the caller adds them up per token.
   template <typename Mark>
-  void experts(const Experts& x, Scratch& s, int64_t M, int tid, int nt, std::vector<uint16_t>& xb, Mark& mark) {
+  void experts(const Experts& x, Scratch& s, int64_t M, int tid, int nt, RowCopies& xb, Mark& mark) {
     const int64_t H = hidden_, S = expert_size_;
     linear(x.router, s.h.data(), M, s.router.data(), tid, nt, xb);
     pool_.barrier();
@@ -535,6 +548,7 @@ class DecodeStep {
   bool profiling_ = false;
   double profile_[kKinds] = {};
   bool bf16_products_;  // bfloat16 dtype on a CPU with AVX512_BF16: batches use vdpbf16ps
+  bool int8_activations_;  // a few rows times quantized weights go in int8 (int8_products.h)
   SpinPool pool_;
   std::unique_ptr<Scratch> scratch_;  // run() is called by one thread at a time (the scheduler's)
   at::Tensor cos_, sin_, local_cos_, local_sin_;

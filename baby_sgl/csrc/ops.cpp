@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "int8_products.h"
 #include "ops.h"
 #include "torch_glue.h"
 
@@ -36,6 +37,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& data, int64_t type, int
   const float* xp = xf.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { product(w, xp, k, rows, op, n, begin, end); });
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// x [M, K] float32 times a block-quantized weight with x rounded to int8 blocks first
+// (int8_products.h): what the decode step computes with --cpu-int8-activations.
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type, int64_t n, int64_t k,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat, "x must be float32 [M, ", k, "]");
+  TORCH_CHECK(is_block_quantized(static_cast<int>(type)), "int8 activations meet block-quantized weights only");
+  const Weight w = make_weight(data, type, n, k, bias);
+  const at::Tensor xc = x.contiguous();
+  Q8Rows a;
+  quantize_rows_q8(xc.data_ptr<float>(), k, x.size(0), k, a);
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { product_q8(w, a, out.data_ptr<float>(), n, begin, end); });
+  return out;
 }
 
 // Rows `ids` of the weight (or all rows) as float32 or bfloat16: embedding lookups, and whole
@@ -205,6 +221,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
 
 void register_ops(pybind11::module& m) {
   m.def("linear", &linear, "x times a stored (possibly quantized) weight, float32 accumulation (CPU)");
+  m.def("linear_int8", &linear_int8, "x rounded to int8 blocks times a quantized weight (CPU)");
   m.def("dequantize", &dequantize, "rows of a stored weight as float32 or bfloat16 (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, rounding as transformers does (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of [gate | up] rows (CPU)");

@@ -65,6 +65,7 @@ class AlignedBuffer {
     size_ = n;
   }
   T* data() { return data_; }
+  const T* data() const { return data_; }
   T& operator[](int64_t i) { return data_[i]; }
 
  private:

@@ -26,6 +26,12 @@ if TYPE_CHECKING:
     from baby_sgl.models.llama import DecoderLayer, LlamaForCausalLM
 
 
+def int8_activations(mode: str, dtype: torch.dtype) -> bool:
+    """--cpu-int8-activations resolved: auto rounds activations to int8 blocks in every dtype but
+    float32 (llama.cpp always does; float32 keeps transformers' results)."""
+    return mode == "on" or (mode == "auto" and dtype != torch.float32)
+
+
 def can_run(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
     """Any family the decoder serves, every matrix in a format the kernel reads (the experts' and
     the router's plain), activations in float32 or bfloat16, heads of a multiple of 16 values
@@ -89,14 +95,19 @@ def _weight(module: torch.nn.Module) -> tuple:
 
 
 class CpuDecodeStep:
-    def __init__(self, ops: Any, model: LlamaForCausalLM, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool) -> None:
+    def __init__(self, ops: Any, model: LlamaForCausalLM, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool,
+                 int8_activations: bool = False) -> None:
+        """int8_activations: products of quantized matrices with a few rows round the activations
+        to int8 blocks (csrc/int8_products.h)."""
         cfg = model.config
+        self.int8_activations = int8_activations
         # Gemma's embedding scale, rounded to the model's dtype as the op-by-op path rounds it.
         embed_scale = torch.tensor(cfg.embed_scale, dtype=model.norm.weight.dtype).item()
         config = dict(hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                       head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
                       rms_norm_eps=cfg.rms_norm_eps, num_threads=torch.get_num_threads(),
-                      bf16_products=kv_pool.dtype == torch.bfloat16, attn_scale=model.layers[0].self_attn.scale,
+                      bf16_products=kv_pool.dtype == torch.bfloat16, int8_activations=int8_activations,
+                      attn_scale=model.layers[0].self_attn.scale,
                       embed_scale=embed_scale, final_logit_softcap=cfg.final_logit_softcap or 0.0,
                       hidden_act=cfg.hidden_act, num_experts_per_tok=cfg.num_experts_per_tok,
                       moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob)

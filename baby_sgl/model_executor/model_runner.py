@@ -35,8 +35,9 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, weights, dtype: torch.dtype, device: torch.device,
                  attention_backend: str = "torch_native", compile_max_bs: int | None = None,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, int8_activations: bool = False) -> None:
         self.tp = tp
+        self.int8_activations = int8_activations  # the decode step's (cpu_step.int8_activations)
         self.dense = EAGER
         if tp is not None:
             shard = tp_plan.plan(cfg, tp.size)[tp.rank]
@@ -107,7 +108,8 @@ class ModelRunner:
                                                  journal=self.tp is not None and self.is_leader)
         self._kv_pool = KVPool(max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         if self.step_ops is not None:
-            self.step = cpu_step.CpuDecodeStep(self.step_ops, self.model, self.kv_pool, self.req_to_token_pool)
+            self.step = cpu_step.CpuDecodeStep(self.step_ops, self.model, self.kv_pool, self.req_to_token_pool,
+                                               self.int8_activations)
         return self.req_to_token_pool
 
     def forward(self, b: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

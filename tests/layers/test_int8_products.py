@@ -1,0 +1,70 @@
+"""The CPU kernel's products with activations rounded to int8 blocks (csrc/int8_products.h, the
+decode step's --cpu-int8-activations) against a plain reference: the weights dequantized times
+the activations quantized as llama.cpp's Q8 blocks and dequantized, in float64. Built for this
+CPU (AVX-512 VNNI where it has it) and, on x86, for AVX2 (x86-64-v3) and for no SIMD (x86-64)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as G
+from gguf.quants import dequantize, quantize
+
+from baby_sgl.layers.quantization import WeightType
+
+TYPES = {G.Q8_0: WeightType.Q8_0, G.Q4_0: WeightType.Q4_0, G.Q4_1: WeightType.Q4_1}
+N = 67  # an odd share of columns per thread
+
+
+def _weight(kind: G, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = np.random.default_rng(k).standard_normal((N, k)).astype(np.float32)
+    blocks = quantize(w, kind)
+    return torch.from_numpy(blocks), torch.from_numpy(dequantize(blocks, kind).reshape(N, k).astype(np.float64))
+
+
+def q8_dequantized(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as Q8 blocks of 32 and back, in float64: d = max|x| / 127, q = round(x / d) (half
+    to even, the product x * (1 / d) rounded to float32 first)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv).double() * d.double()).reshape(x.shape)
+
+
+def _activations(rows: int, k: int) -> torch.Tensor:
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows * k))
+    x[-1, -32:] *= 1e3  # a block of large values beside small ones
+    if k > 32:
+        x[0, :32] = 0.0  # an all-zero block: scale 0
+    return x
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+@pytest.mark.parametrize("k", [32, 96, 288])  # one block; odd counts of blocks
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])  # tiles of 4, then the tails
+def test_int8_products_equal_float64_on_the_rounded_activations(ops, kind, k, rows):
+    data, ref = _weight(kind, k)
+    x = _activations(rows, k)
+    bias = torch.randn(N)
+    out = ops.linear_int8(x, data, int(TYPES[kind]), N, k, bias)
+    expected = q8_dequantized(x) @ ref.T + bias.double()
+    # float32 scales and sums over at most 9 blocks: a few ulps of the largest partial sum.
+    scale = (q8_dequantized(x).abs() @ ref.abs().T).max()
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6 * scale.item())
+    # The rounding is real: the float32 product of the unrounded activations differs.
+    assert not torch.allclose(out.double(), x.double() @ ref.T + bias.double(), rtol=0, atol=1e-5 * scale.item())
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_a_rows_int8_result_does_not_depend_on_its_batch(ops, kind):
+    data, _ = _weight(kind, 96)
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(1))
+    batched = ops.linear_int8(x, data, int(TYPES[kind]), N, 96, None)
+    for i in range(7):
+        assert torch.equal(ops.linear_int8(x[i : i + 1], data, int(TYPES[kind]), N, 96, None)[0], batched[i])
+
+
+def test_int8_products_refuse_dense_weights(ops):
+    with pytest.raises(RuntimeError, match="block-quantized"):
+        ops.linear_int8(torch.randn(1, 32), torch.randn(N, 32), int(WeightType.F32), N, 32, None)
