@@ -172,3 +172,9 @@ def engine(_tiny_engine):
     """A shared engine on the tiny Llama; the memory invariant is checked after each test."""
     yield _tiny_engine
     _tiny_engine.check_memory()
+
+
+@pytest.fixture(scope="session")
+def deep_llama(tmp_path_factory) -> str:
+    """The tiny Llama with 32 layers: ~260 barriers a decode step, as a real model's."""
+    return _save_tiny(tmp_path_factory.mktemp("deep-llama"), "llama", num_hidden_layers=32)

@@ -13,7 +13,6 @@ import pytest
 
 from baby_sgl import toolchain
 from baby_sgl.bench.offline import main
-from conftest import _save_tiny
 
 pytestmark = [
     pytest.mark.cpu_only("the CPU's one-call decode step and its thread pool"),
@@ -70,12 +69,6 @@ with Engine(sys.argv[1], dtype="float32") as engine:
     engine.generate(input_ids=[1, 5, 9], sampling_params=params)
     print(json.dumps({"pool_threads": pool, "seconds": time.perf_counter() - t0}))
 """
-
-
-@pytest.fixture(scope="module")
-def deep_llama(tmp_path_factory) -> str:
-    """The tiny Llama with 32 layers: ~260 barriers a decode step, as a real model's."""
-    return _save_tiny(tmp_path_factory.mktemp("deep-llama"), "llama", num_hidden_layers=32)
 
 
 def test_step_threads_sharing_one_core_take_turns(deep_llama):
