@@ -78,11 +78,21 @@ class ServerGrammar:
                              f"{limit} its {self.source_chars} characters allow")
 
 
-@functools.lru_cache(maxsize=256)
 def stop_regex_matcher(pattern: str) -> re2._Regexp:
     """stop_regex compiled by RE2, which matches in linear time: Python's `re` can backtrack for
     exponential time on a short hostile pattern, in the scheduler thread. RE2 has no lookaround or
     backreferences; such a pattern is refused, as is one whose program outgrows STOP_REGEX_MAX_MEM."""
+    compiled = _compile_stop_regex(pattern)
+    if isinstance(compiled, str):
+        raise ValueError(compiled)
+    return compiled
+
+
+@functools.lru_cache(maxsize=256)
+def _compile_stop_regex(pattern: str) -> re2._Regexp | str:
+    """The pattern compiled, or why it is refused: refusals are kept too, since a refused pattern
+    can take milliseconds to fail, holding the interpreter all along, and a client sending it again
+    and again would take that time from the scheduler's thread each time."""
     options = re2.Options()
     options.log_errors = False
     options.max_mem = STOP_REGEX_MAX_MEM
@@ -91,10 +101,8 @@ def stop_regex_matcher(pattern: str) -> re2._Regexp:
     except re2.error as e:
         reason = e.args[0].decode() if e.args and isinstance(e.args[0], bytes) else str(e)
         if "too large" in reason:
-            raise ValueError(f"stop_regex {pattern[:40]!r} is too large: its RE2 program outgrows "
-                             f"{STOP_REGEX_MAX_MEM} bytes") from None
-        raise ValueError(f"invalid stop_regex {pattern[:40]!r}: {reason} (RE2 syntax: no lookaround or "
-                         f"backreferences)") from None
+            return f"stop_regex {pattern[:40]!r} is too large: its RE2 program outgrows {STOP_REGEX_MAX_MEM} bytes"
+        return f"invalid stop_regex {pattern[:40]!r}: {reason} (RE2 syntax: no lookaround or backreferences)"
 
 
 def check_copies_budget(field: str, count: int, n: int, limit: int) -> None:
