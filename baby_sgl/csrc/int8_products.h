@@ -113,7 +113,6 @@ inline void block_scales(const uint8_t* p, float& d, float& offset) {
   }
 }
 
-constexpr int64_t block_bytes(int T) { return T == kQ8_0 ? 34 : T == kQ4_0 ? 18 : 20; }
 
 // out[m * ldo + j] = a's rows m0 .. m0 + MR - 1 . w.row(j) (+ bias): each block's integer dot
 // products scaled and added to a float32 sum per row (a vector of partial sums, then the offset
@@ -130,7 +129,7 @@ inline void tile_q8(const Weight& w, int64_t j, const Q8Rows& a, int64_t m0, flo
   float acc[MR] = {};
 #endif
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* p = row + block_bytes(T) * b;
+    const uint8_t* p = row + row_bytes(T, 32) * b;
     float d, offset;
     block_scales<T>(p, d, offset);
 #if defined(__AVX2__)

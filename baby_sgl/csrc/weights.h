@@ -19,7 +19,7 @@ namespace bsgl {
 
 enum WeightType : int { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_0 = 3, kQ4_1 = 4 };
 
-inline int64_t row_bytes(int type, int64_t k) {
+constexpr int64_t row_bytes(int type, int64_t k) {
   switch (type) {
     case kF32: return 4 * k;
     case kBF16: return 2 * k;
