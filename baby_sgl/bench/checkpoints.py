@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 # Part of the cache key: bump it whenever the files built change.
 _VERSION = 1
+CPU = torch.device("cpu")  # the files are written from host memory, whatever the default device
 Q4_0_BLOCK, Q4_0_BYTES = 32, 18  # values per block; a float16 scale and 16 bytes of 4-bit values
 TensorGroup = list[tuple[str, tuple[int, ...]]]  # (Hugging Face name, shape), one safetensors shard
 
@@ -186,16 +187,16 @@ def _tensor_groups(shape: ModelShape) -> list[TensorGroup]:
 def _draw(shape: ModelShape, name: str, dims: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One tensor as (bfloat16 for the Hugging Face file, GGUF data: Q4_0 blocks or float32), the same values."""
     if name.endswith("norm.weight"):
-        ones = torch.ones(dims)
+        ones = torch.ones(dims, device=CPU)
         return ones.bfloat16(), ones
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    gen = torch.Generator(device=CPU).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if len(dims) == 1:  # a bias
-        bias = (torch.randn(dims, generator=gen) * shape.init_std).bfloat16()
+        bias = (torch.randn(dims, generator=gen, device=CPU) * shape.init_std).bfloat16()
         return bias, bias.float()
-    values, blocks = torch.empty(dims, dtype=torch.bfloat16), torch.empty(
-        (dims[0], dims[1] // Q4_0_BLOCK * Q4_0_BYTES), dtype=torch.uint8)
+    values = torch.empty(dims, dtype=torch.bfloat16, device=CPU)
+    blocks = torch.empty((dims[0], dims[1] // Q4_0_BLOCK * Q4_0_BYTES), dtype=torch.uint8, device=CPU)
     for rows in _row_chunks(dims):  # bounded float32 scratch, whatever the matrix
-        drawn = torch.randn((rows.stop - rows.start, dims[1]), generator=gen) * shape.init_std
+        drawn = torch.randn((rows.stop - rows.start, dims[1]), generator=gen, device=CPU) * shape.init_std
         blocks[rows], exact = quantize_q4_0_exact(drawn)
         values[rows] = exact.bfloat16()
     return values, blocks
