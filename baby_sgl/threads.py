@@ -8,10 +8,10 @@ them to sleep after every region, and every later parallel op waits for them to 
 thread that had loaded the model had also run parallel ops, and a 64-token prefill 86 ms instead of
 56. So the engine loads on a thread that ends before it serves, leaving the scheduler's thread
 the only one with workers, and work done beside a running engine (the bench's roof measurement)
-runs on a short-lived thread as well. (The one-call decode step has a pool of its own and is not
-affected.)
+runs on a short-lived thread as well. The one-call decode step runs on the same team
+(csrc/step_team.h): a second set of threads spinning beside it made a batch-1 step 2.6x slower.
 
-Both torch's threads and that pool are at most as many as the cores the process may use: a
+Those threads are at most as many as the cores the process may use: a
 second thread on a core only waits for the first, at every barrier of every op.
 """
 
@@ -24,6 +24,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+
+from baby_sgl import native_env
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -42,6 +44,10 @@ def fit_threads_to_cores() -> None:
     if torch.get_num_threads() > cores:
         logger.info("torch threads %d -> %d: the cores this process may use", torch.get_num_threads(), cores)
         torch.set_num_threads(cores)
+    if not native_env.SPIN_SET_BEFORE_TORCH:
+        logger.warning("torch was imported before baby_sgl, so its OpenMP threads spin for milliseconds after each "
+                       "op (native_env.py): import baby_sgl first, or set GOMP_SPINCOUNT=1000, for a faster "
+                       "decode beside other work")
 
 
 def run_in_own_thread(fn: Callable[[], T], name: str = "baby-sgl-setup") -> T:

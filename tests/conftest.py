@@ -13,8 +13,9 @@ TEST_DEVICE = os.environ.get("BABY_SGL_TEST_DEVICE", "cpu")
 if TEST_DEVICE == "cpu":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-import pytest
-import torch
+import baby_sgl  # noqa: F401,E402  (before torch: baby_sgl/native_env.py)
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from helpers import ARCHS, TINY_KW, build_for
 

@@ -1,5 +1,5 @@
 """The engine's threads fit the cores the process may use, and the one-call step's barriers do not
-stall when its threads share a core (csrc/spin_pool.h). Each case runs in a child process, whose
+stall when its threads share a core (csrc/step_team.h). Each case runs in a child process, whose
 affinity it narrows."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _child(script: str, *args: str) -> dict:
 
 
 def test_threads_fit_a_narrowed_affinity_mask(tiny_llama):
-    # Failed before: engine.py:Engine.__init__ kept torch's 2 threads, and SpinPool(threads)
+    # Failed before: engine.py:Engine.__init__ kept torch's 2 threads, and the step's pool
     # started a worker per thread asked for, two spinning on the one core.
     got = _child(_NARROWED_BEFORE_START, tiny_llama)
     assert got["torch_threads"] == 1
@@ -72,7 +72,7 @@ with Engine(sys.argv[1], dtype="float32") as engine:
 
 
 def test_step_threads_sharing_one_core_take_turns(deep_llama):
-    # Failed before: spin_pool.h:SpinPool::barrier spun (`while (phase_ == phase) cpu_relax();`)
+    # Failed before: spin_pool.h:SpinPool::barrier (now step_team.h) spun (`while (phase_ == phase) cpu_relax();`)
     # until the kernel preempted the waiter, a scheduler tick per barrier: 73 s on a 2-core EPYC,
     # 0.6 s now. The bound is 25x that, 10x with the core also shared with another process.
     got = _child(_SQUEEZED_AFTER_START, deep_llama, "64")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -48,3 +51,28 @@ def test_engine_loads_off_the_callers_thread(tiny_llama, monkeypatch):
 def test_engine_start_errors_reach_the_caller(tiny_llama):
     with pytest.raises(ValueError, match="gguf"):
         Engine(tiny_llama, quantization="gguf")
+
+
+_SPIN_SEEN = """
+import logging, os, sys
+if sys.argv[1] == "torch-first":
+    import torch  # noqa: F401
+import baby_sgl
+from baby_sgl import native_env, threads
+logging.basicConfig(level=logging.WARNING)
+threads.fit_threads_to_cores()
+print(os.environ["GOMP_SPINCOUNT"], native_env.SPIN_SET_BEFORE_TORCH)
+"""
+
+
+@pytest.mark.parametrize("order", ["baby-sgl-first", "torch-first"])
+def test_openmp_spin_is_set_before_torch_loads(order):
+    # libgomp reads GOMP_SPINCOUNT once, as torch loads it (native_env.py): with its default the
+    # step's threads and torch's held the cores for milliseconds after each op.
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    done = subprocess.run([sys.executable, "-c", _SPIN_SEEN, order], capture_output=True, text=True, timeout=120,
+                          env=dict(env, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    in_time = order == "baby-sgl-first"
+    assert done.stdout.split() == ["1000", str(in_time)]
+    assert ("import baby_sgl first" in done.stderr) is not in_time

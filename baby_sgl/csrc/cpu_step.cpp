@@ -6,7 +6,7 @@
 // ones in a windowed layer —, o_proj, residual, RMSNorm, the MLP (gate/up, SiLU or GELU-tanh,
 // down) or a mixture of experts, residual; Gemma's norms around each sublayer), the final norm and
 // the logits (soft-capped where the model says). Activations stay float32 throughout (the KV pool keeps its dtype). The
-// threads of a SpinPool run all of it: each op splits its outputs among them and a barrier
+// threads of a StepTeam run all of it: each op splits its outputs among them and a barrier
 // separates it from the next, so they spin between ops instead of being put to sleep and woken
 // hundreds of times a step, and no Python runs between them. Every output element is computed
 // by one thread in a fixed order: the result does not depend on the thread count or on the
@@ -28,7 +28,7 @@
 #include "attention.h"
 #include "int8_products.h"
 #include "ops.h"
-#include "spin_pool.h"
+#include "step_team.h"
 #include "torch_glue.h"
 #include "weights.h"
 
@@ -549,7 +549,7 @@ class DecodeStep {
   double profile_[kKinds] = {};
   bool bf16_products_;  // bfloat16 dtype on a CPU with AVX512_BF16: batches use vdpbf16ps
   bool int8_activations_;  // a few rows times quantized weights go in int8 (int8_products.h)
-  SpinPool pool_;
+  StepTeam pool_;
   std::unique_ptr<Scratch> scratch_;  // run() is called by one thread at a time (the scheduler's)
   at::Tensor cos_, sin_, local_cos_, local_sin_;
   std::vector<at::Tensor> k_buffers_, v_buffers_, keep_;

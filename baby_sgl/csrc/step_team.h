@@ -1,15 +1,16 @@
-// A pool of threads that spin between the ops of a step, as llama.cpp's and vLLM's CPU backends
-// do. OpenMP's own waiting could not be relied on: once a second thread of the process (the
-// engine loads on one thread, schedules on another) has run a parallel region, libgomp counts
-// more threads than cores and its workers go to sleep at every barrier, which made a batch-1
-// decode step (~240 barriers) twice as slow.
+// The threads that run a decode step: the calling thread's OpenMP team, torch's own, with a
+// barrier of ours between the step's ops (~240 of them a step). A pool of threads of the step's
+// own beside torch's made two sets of threads take turns on the cores: libgomp's workers spin for
+// milliseconds after every torch op (sampling runs a few per step), and a batch-1 step of the
+// default model took 11.7 ms instead of 4.1 on a 2-core EPYC (Zen 4). libgomp's own barrier
+// sleeps at once where the process has more threads than cores (threads.py keeps it from that).
 //
 // A wait spins only briefly, then yields its core, then sleeps on a futex (Wait below). Spinning
-// alone assumed every thread of the pool has a core of its own: beside a busy process, or a
-// second engine on the same cores, a descheduled worker made every barrier wait out its time
-// slice, and the spinning waiter kept its own core busy, so the kernel could not move the
-// descheduled one there. How long anyone waits changes only speed: each output is computed by
-// one thread in a fixed order.
+// alone assumed every thread has a core of its own: beside a busy process, or a second engine on
+// the same cores, a descheduled thread made every barrier wait out its time slice, and the
+// spinning waiter kept its own core busy, so the kernel could not move the descheduled one
+// there. How long anyone waits changes only speed: each output is computed by one thread in a
+// fixed order.
 #pragma once
 
 #include <algorithm>
@@ -20,6 +21,10 @@
 #include <functional>
 #include <thread>
 #include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #if defined(__linux__)
 #include <linux/futex.h>
@@ -114,51 +119,47 @@ class Wait {
   std::atomic<int> sleepers_{0};
 };
 
-class SpinPool {
+class StepTeam {
  public:
-  // How long a barrier (or run(), for the workers) spins, then yields, before it sleeps. Short:
-  // on a 2-core EPYC (Zen 4) a batch-1 decode step beside a one-core busy loop took 1.0x its
-  // solo time with 10 / 50 us, 1.2x with 20 / 100, 2.0x with 50 / 200 (spinning only: 1.2-2.0x),
-  // and beside a second engine 1.4-1.6x, 1.6-2.2x, 2.6x (spinning only: 2.7-2.8x); 16 random
-  // prompts ran as fast as with spinning only, within the runs' noise.
+  // How long a barrier spins, then yields, before it sleeps. Short: on a 2-core EPYC (Zen 4) a
+  // batch-1 decode step beside a one-core busy loop took 1.0x its solo time with 10 / 50 us, 1.2x
+  // with 20 / 100, 2.0x with 50 / 200 (spinning only: 1.2-2.0x), and beside a second engine
+  // 1.4-1.6x, 1.6-2.2x, 2.6x (spinning only: 2.7-2.8x).
   static constexpr auto kSpin = std::chrono::microseconds(10);
   static constexpr auto kYield = std::chrono::microseconds(50);
-  // How long an idle worker waits before sleeping: longer than the scheduler's work between two
-  // decode steps (~1 ms), so a stream of steps never pays a wake-up; it yields for most of it.
-  static constexpr auto kIdle = std::chrono::milliseconds(4);
 
   // At most as many threads as the process has cores: a second thread on a core only waits.
-  explicit SpinPool(int threads) {
-    threads = std::max(1, std::min(threads, usable_cores()));
-    for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { work(i); });
-  }
+  explicit StepTeam(int threads) : threads_(std::max(1, std::min(threads, usable_cores()))) {}
 
-  ~SpinPool() {
-    stop_.store(true);
-    generation_.add(1);
-    for (auto& t : workers_) t.join();
-  }
+  int size() const { return threads_; }
 
-  int size() const { return static_cast<int>(workers_.size()) + 1; }
-
-  // Runs fn(tid, n) on n threads, the caller being tid 0, and returns when all are done. Every
-  // worker answers every run, those beyond n at once, so none can still be reading this run's
-  // task when the next one is set.
+  // Runs fn(tid, n) on n threads of the calling thread's OpenMP team, the caller being tid 0, and
+  // returns when all are done.
   void run(int n, const std::function<void(int, int)>& fn) {
-    n = std::max(1, std::min(n, size()));
-    task_ = &fn;
-    active_ = n;
-    arrived_.store(0);
-    pending_.store(static_cast<uint32_t>(workers_.size()));
-    generation_.add(1);
-    fn(0, n);
-    for (uint32_t left = pending_.load(); left != 0; left = pending_.load()) pending_.wait_while(left, kSpin, kYield);
+    n = std::max(1, std::min(n, threads_));
+#if defined(_OPENMP)
+    if (n > 1) {
+#pragma omp parallel num_threads(n)
+      {
+        fn(omp_get_thread_num(), omp_get_num_threads());
+        barrier();  // libgomp's own barrier at the region's end spins for milliseconds
+      }
+      return;
+    }
+#endif
+    fn(0, 1);
   }
 
-  // Every participant of the current run() calls it; none returns before all have arrived.
+  // Every thread of the current run() calls it; none returns before all have arrived.
   void barrier() {
+#if defined(_OPENMP)
+    const int n = omp_get_num_threads();
+#else
+    const int n = 1;
+#endif
+    if (n == 1) return;
     const uint32_t phase = phase_.load();
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == active_) {
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
       arrived_.store(0, std::memory_order_relaxed);
       phase_.store(phase + 1);
       return;
@@ -167,23 +168,9 @@ class SpinPool {
   }
 
  private:
-  void work(int tid) {
-    uint32_t seen = 0;
-    while (true) {
-      generation_.wait_while(seen, kSpin, kIdle);
-      seen = generation_.load();
-      if (stop_.load()) return;
-      if (tid < active_) (*task_)(tid, active_);
-      pending_.subtract(1);
-    }
-  }
-
-  std::vector<std::thread> workers_;
-  const std::function<void(int, int)>* task_ = nullptr;
-  int active_ = 1;
-  Wait generation_, phase_, pending_;
+  const int threads_;
+  Wait phase_;
   std::atomic<int> arrived_{0};
-  std::atomic<bool> stop_{false};
 };
 
 }  // namespace bsgl
