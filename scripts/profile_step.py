@@ -19,9 +19,8 @@ import random
 import time
 from collections import defaultdict
 
-from torch.profiler import ProfilerActivity, profile
-
-from baby_sgl import Engine
+from baby_sgl import Engine  # before torch: baby_sgl/native_env.py
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 
 def timed(store: dict, key: str, fn, when=lambda: True):
