@@ -1,4 +1,4 @@
-"""Runs the benchmark suite and writes docs/benchmarks.md (and the README's results table).
+"""Runs the benchmark suite and writes its table into docs/benchmarks.md.
 
     bash scripts/setup_peers.sh             # once: vLLM's CPU engine and llama.cpp, each in its venv
     python scripts/benchmarks.py            # the runs below, SmolLM2-135M, this machine's threads
@@ -117,7 +117,6 @@ def replace_block(path: Path, table: str) -> None:
 def main() -> None:
     table = render(run_all())
     replace_block(ROOT / "docs" / "benchmarks.md", table)
-    replace_block(ROOT / "README.md", table)
     print(table)
 
 

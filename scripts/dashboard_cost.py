@@ -1,4 +1,4 @@
-"""What the dashboard costs serving (the README's figures).
+"""What the dashboard costs serving (the figures in docs/server.md).
 
 1. One snapshot (what the scheduler takes for the dashboard, at most every 0.2 s however many
    read it) timed inside the scheduler thread, with a few hundred tree nodes and 8 requests

@@ -3,6 +3,8 @@ policy, and each orders the waiting queue as it says."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from baby_sgl import Engine
@@ -61,8 +63,26 @@ def test_orders(tiny_llama):
         # Heaviest subtree first (A: two requests), then B; the root's own requests last.
         assert sched.call(lambda: order("dfs-weight")) == ["r2", "r4", "r1", "r0", "r3"]
         assert sched.call(lambda: order("lof")) == ["r3", "r1", "r2", "r0", "r4"]
-        shuffled = sched.call(lambda: order("random"))
-        assert sorted(shuffled) == ["r0", "r1", "r2", "r3", "r4"]
         for req in waiting:  # matching locked nothing; the tree holds only the two prompts
             req.prefix_indices = None
         engine.check_memory()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "random"])
+def test_random_policy_serves_the_queue_out_of_arrival_order(tiny_llama, tmp_path, policy):
+    """One request admitted at a time, so the trace's prefill batches give the order the queue was
+    served in: fcfs serves the twelve in arrival order, random in another (an arrival-ordered
+    outcome has probability under 1/11! even if the scheduler woke on the first request alone)."""
+    # Checked by making the policy a no-op (`schedule_policy.sort_waiting`: `rng.shuffle(waiting)`
+    # replaced by `pass`): the random case then fails with the arrival order.
+    trace = tmp_path / "trace.jsonl"
+    rids = [f"q{i:02d}" for i in range(12)]
+    with Engine(tiny_llama, dtype="float32", schedule_policy=policy, max_running_requests=1,
+                trace_file=str(trace)) as engine:
+        engine.generate(input_ids=[[10 + i, 40 + i, 70 + i] for i in range(12)], rid=rids,
+                        sampling_params={"max_new_tokens": 1})
+        engine.check_memory()
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    served = [rid for e in events if e["event"] == "batch" and e["mode"] == "EXTEND" for rid in e["rids"]]
+    assert sorted(served) == rids
+    assert (served == rids) == (policy == "fcfs"), served
