@@ -13,7 +13,7 @@ ROOT = pathlib.Path(baby_sgl.__file__).parent
 
 # Lowest first: a top-level module or a subpackage of baby_sgl may import only what comes before it.
 LAYERS = [
-    "errors", "validation", "cache_dirs", "trace", "threads", "model_config", "server_args", "toolchain", "cpu_ops",
+    "native_env", "errors", "validation", "cache_dirs", "trace", "threads", "model_config", "server_args", "toolchain", "cpu_ops",
     "constrained", "core", "layers", "model_loader", "distributed", "mem_cache", "sampling", "speculative", "attention",
     "models",
     "model_executor", "managers", "engine", "demo", "entrypoints", "launch_server", "cli", "bench", "__init__",
