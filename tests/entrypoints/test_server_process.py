@@ -83,7 +83,8 @@ def test_sigterm_lets_a_running_request_finish(tiny_llama_long):
     proc, base = start(tiny_llama_long, None, "--graceful-shutdown-timeout", "300")
     try:
         outcome: list = []
-        threading.Thread(target=_stream_forever, args=(base, outcome), daemon=True).start()
+        # 4000 tokens still run for seconds after the signal (16000 made this test take ~28 s).
+        threading.Thread(target=_stream_forever, args=(base, outcome, 4000), daemon=True).start()
         wait_until(lambda: _running(base) == 1, "the streamed request to run")
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=120)  # once the request is answered, not after the 300 s
