@@ -14,9 +14,9 @@ from baby_sgl.server_args import SERVER_ONLY, engine_kwargs
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
-    from baby_sgl import cli
+    from baby_sgl import cli, launch_server
     from baby_sgl.bench import offline
-    from baby_sgl.entrypoints import bench_serving, chat_cli, launch_server, tree_cli
+    from baby_sgl.entrypoints import bench_serving, chat_cli, tree_cli
 
     top = cli.build_parser()
     sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
