@@ -27,7 +27,7 @@ from baby_sgl.model_executor.model_runner import ModelRunner
 from baby_sgl.cpu_ops import cpu_ops
 from baby_sgl.toolchain import cpu_has_native_bf16
 from baby_sgl.model_loader.loader import is_gguf, load_model, resolve_model_path
-from baby_sgl.distributed import tp_plan
+from baby_sgl.distributed import tp_plan, tp_worker
 from baby_sgl.distributed.tp_group import GroupBroken, TensorParallel
 from baby_sgl.errors import EngineDeadError
 from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams
@@ -80,7 +80,7 @@ class Engine:
         self.tp: TensorParallel | None = None
         if args.tp_size > 1:
             tp_plan.plan(cfg, args.tp_size)  # refuses a split the model does not allow, before any process starts
-            self.tp = TensorParallel(args.tp_size, loaded.source, self.dtype, self.device, args.context_length)
+            self.tp = TensorParallel(tp_worker, args.tp_size, loaded.source, self.dtype, self.device, args.context_length)
         try:
             self._start(cfg, loaded)
         except BaseException:
