@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from baby_sgl import toolchain
+from baby_sgl.cpu import toolchain
 
-_LOAD = "from baby_sgl import cpu_ops; assert cpu_ops.cpu_ops() is not None; print('loaded')"
+_LOAD = "from baby_sgl.cpu import ops; assert ops.cpu_ops() is not None; print('loaded')"
 
 
 def _load(env: dict[str, str], timeout: float) -> None:

@@ -56,7 +56,7 @@ def test_one_cache_directory_holds_what_is_built_once(tiny_llama, tmp_path, monk
     # $BABY_SGL_CACHE (else ~/.cache/baby-sgl), never in a second directory.
     from gguf import GGMLQuantizationType
 
-    from baby_sgl import toolchain
+    from baby_sgl.cpu import toolchain
     from baby_sgl.model_loader.gguf_loader import load_gguf
     from gguf_writer import write_tiny_gguf
 
