@@ -19,7 +19,7 @@ needs_compiler = pytest.mark.skipif(toolchain.cxx_compiler() is None, reason="no
 
 
 def _load(env: dict[str, str], timeout: float) -> str:
-    proc = subprocess.run([sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-P", "-c", _LOAD], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-2000:]
     return proc.stdout
 
