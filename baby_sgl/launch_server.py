@@ -100,3 +100,7 @@ class _GracefulServer(uvicorn.Server):
             await self._stop()
         finally:
             self.should_exit = True
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
