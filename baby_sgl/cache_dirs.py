@@ -1,8 +1,9 @@
 """Where baby-sgl keeps what it builds once and reuses across runs: $BABY_SGL_CACHE, else
-$XDG_CACHE_HOME/baby-sgl, else ~/.cache/baby-sgl. Under it: kernels/ (the CPU kernels, per torch
-version and CPU), tokenizers/ and weights/ (GGUF files converted), inductor/ (torch.compile's
-cache), hf-from-gguf/ (the benchmarks' Hugging Face copy of a GGUF, for peers that need one) and
-checkpoints/ (the benchmarks' random-weight checkpoints of real models' shapes, bench/checkpoints.py)."""
+$XDG_CACHE_HOME/baby-sgl, else ~/.cache/baby-sgl. Under it: kernels/ (the CPU kernels, one
+directory per build, named by a hash of what it depends on: cpu/toolchain.py), tokenizers/ and
+weights/ (GGUF files converted), inductor/ (torch.compile's cache), hf-from-gguf/ (the
+benchmarks' Hugging Face copy of a GGUF, for peers that need one) and checkpoints/ (the
+benchmarks' random-weight checkpoints of real models' shapes, bench/checkpoints.py)."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 # Subcommands with parsers of their own: everything after the name is theirs.
 _DELEGATED = {
-    "serve": ("baby_sgl.entrypoints.launch_server", "start the HTTP server (SGLang and OpenAI APIs)"),
+    "serve": ("baby_sgl.launch_server", "start the HTTP server (SGLang and OpenAI APIs)"),
     "chat": ("baby_sgl.entrypoints.chat_cli", "interactive chat in the terminal"),
     "bench": ("baby_sgl.bench.cli", "benchmarks: bench offline | bench serving"),
     "tree": ("baby_sgl.entrypoints.tree_cli", "print a running server's radix tree"),

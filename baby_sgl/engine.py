@@ -22,12 +22,12 @@ from baby_sgl.managers.snapshots import Progress
 from baby_sgl.managers.tokenizer_manager import LogprobCursor, TokenizerManager
 from baby_sgl.core.memory_pool import KVPool
 from baby_sgl.model_config import ModelConfig
-from baby_sgl.model_executor import cpu_step
+from baby_sgl.cpu import decode_step
 from baby_sgl.model_executor.model_runner import ModelRunner
-from baby_sgl.cpu_ops import cpu_ops
-from baby_sgl.toolchain import cpu_has_native_bf16
+from baby_sgl.cpu.ops import cpu_ops
+from baby_sgl.cpu.toolchain import cpu_has_native_bf16
 from baby_sgl.model_loader.loader import is_gguf, load_model, resolve_model_path
-from baby_sgl.distributed import tp_plan
+from baby_sgl.distributed import tp_plan, tp_worker
 from baby_sgl.distributed.tp_group import GroupBroken, TensorParallel
 from baby_sgl.errors import EngineDeadError
 from baby_sgl.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput, SessionParams
@@ -80,7 +80,7 @@ class Engine:
         self.tp: TensorParallel | None = None
         if args.tp_size > 1:
             tp_plan.plan(cfg, args.tp_size)  # refuses a split the model does not allow, before any process starts
-            self.tp = TensorParallel(args.tp_size, loaded.source, self.dtype, self.device, args.context_length)
+            self.tp = TensorParallel(tp_worker, args.tp_size, loaded.source, self.dtype, self.device, args.context_length)
         try:
             self._start(cfg, loaded)
         except BaseException:
@@ -103,7 +103,7 @@ class Engine:
         runner = ModelRunner(cfg, loaded.weights, self.dtype, self.device,
                              compile_max_bs=args.torch_compile_max_bs if args.enable_torch_compile else None,
                              tp=self.tp.group if self.tp else None,
-                             int8_activations=cpu_step.int8_activations(args.cpu_int8_activations, self.dtype))
+                             int8_activations=decode_step.int8_activations(args.cpu_int8_activations, self.dtype))
         # The model holds its own copies now: free the checkpoint's tensors before the KV pool
         # is allocated, or both count towards the peak memory.
         loaded.weights = iter(())

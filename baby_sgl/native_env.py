@@ -11,7 +11,7 @@ import sys
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 
-# libgomp's threads (torch's, and the one-call decode step's: csrc/step_team.h) spin 300,000
+# libgomp's threads (torch's, and the one-call decode step's: cpu/csrc/step_team.h) spin 300,000
 # rounds, milliseconds, after each parallel region before they sleep. A spinning thread holds a
 # core that the scheduler's Python, or a neighbour process, needs: beside a one-core busy loop a
 # batch-1 decode step took 36 ms with the default and 12 ms with 1,000 rounds (~10 us, as long

@@ -9,7 +9,7 @@ thread that had loaded the model had also run parallel ops, and a 64-token prefi
 56. So the engine loads on a thread that ends before it serves, leaving the scheduler's thread
 the only one with workers, and work done beside a running engine (the bench's roof measurement)
 runs on a short-lived thread as well. The one-call decode step runs on the same team
-(csrc/step_team.h): a second set of threads spinning beside it made a batch-1 step 2.6x slower.
+(cpu/csrc/step_team.h): a second set of threads spinning beside it made a batch-1 step 2.6x slower.
 
 Those threads are at most as many as the cores the process may use: a
 second thread on a core only waits for the first, at every barrier of every op.

@@ -24,7 +24,7 @@ import torch
 from baby_sgl import Engine
 from baby_sgl.cache_dirs import cache_root
 from baby_sgl.layers import moe
-from baby_sgl.model_executor import cpu_step
+from baby_sgl.cpu import decode_step
 
 COMMON = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
               head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
@@ -84,7 +84,7 @@ def main() -> None:
     p.add_argument("--op-by-op", action="store_true", help="decode op by op, not in the one-call CPU step")
     args = p.parse_args()
     if args.op_by_op:
-        cpu_step.can_run = lambda model, dtype: False
+        decode_step.can_run = lambda model, dtype: False
     spent = [0.0]
     forward = moe.SparseMoE.forward
 

@@ -131,7 +131,7 @@ ARCHS = ["native", "x86-64-v3", "x86-64"] if platform.machine() == "x86_64" else
 def build_for(arch: str, monkeypatch):
     """The CPU kernels built for arch (cached per arch in ~/.cache/baby-sgl/kernels) and made the
     ones the engine uses, or a skip without a compiler."""
-    from baby_sgl import cpu_ops, toolchain
+    from baby_sgl.cpu import ops as cpu_ops, toolchain
 
     monkeypatch.setenv("BABY_SGL_CPU_ARCH", arch)
     monkeypatch.setattr(cpu_ops, "_loaded", {})

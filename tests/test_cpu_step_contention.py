@@ -1,5 +1,5 @@
 """The engine's threads fit the cores the process may use, and the one-call step's barriers do not
-stall when its threads share a core (csrc/step_team.h). Each case runs in a child process, whose
+stall when its threads share a core (cpu/csrc/step_team.h). Each case runs in a child process, whose
 affinity it narrows."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from baby_sgl import toolchain
+from baby_sgl.cpu import toolchain
 from baby_sgl.bench.offline import main
 
 pytestmark = [

@@ -11,7 +11,6 @@ import importlib
 import re
 import runpy
 import shlex
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -63,7 +62,6 @@ def parser_for(argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
         rest = rest[1:]
     else:
         module, rest = importlib.import_module(argv[2]), argv[3:]
-    module = sys.modules[module.main.__module__]  # an alias module (python -m baby_sgl.launch_server)
     if not hasattr(module, "build_parser"):  # a dispatcher to subcommands of its own (bench offline|serving)
         module = importlib.import_module(module._COMMANDS[rest[0]])
         rest = rest[1:]

@@ -2,7 +2,7 @@
 device (written for CUDA too, where it has not been run yet).
 
 Decode is batched, and each KV head's group of query heads is treated as a short query
-sequence, so GQA needs no copies of K/V. On CPU our kernel (cpu_kernel.py) reads each request's
+sequence, so GQA needs no copies of K/V. On CPU our kernel (cpu/decode_attention.py) reads each request's
 slots in place; elsewhere, or without a C++ compiler, the slots are gathered into a padded
 [B, L] table (padding masked) for scaled_dot_product_attention, and requests of very different
 lengths go in separate calls (see split_by_length). Either way a prefix several requests share
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from baby_sgl.attention.cpu_kernel import decode_kernel
-from baby_sgl.cpu_ops import cpu_ops
+from baby_sgl.cpu.decode_attention import decode_kernel
+from baby_sgl.cpu.ops import cpu_ops
 from baby_sgl.attention.shared_prefix import SharedPrefixes, find_shared_prefixes, merge
 from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode
 
@@ -172,7 +172,7 @@ class TorchNativeAttnBackend:
         # for every request's own slots if the model has few query heads per KV head.
         self.decode_kernel = decode_kernel() if device is not None and device.type == "cpu" else None
         self.kernel_rows = self.decode_kernel is not None and queries_per_kv_head <= _KERNEL_MAX_QUERIES
-        # Prefill attention reads the pool in place with the CPU step's kernel (csrc/attention.h).
+        # Prefill attention reads the pool in place with the CPU step's kernel (cpu/csrc/attention.h).
         self.extend_kernel = cpu_ops() if device is not None and device.type == "cpu" else None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:

@@ -1,2 +1,2 @@
 """Tensor parallelism over torch.distributed: how a model is split (tp_plan), the processes and
-their messages (tp_group); the follower ranks' loop is managers/tp_worker.py."""
+their messages (tp_group), and the follower ranks' loop (tp_worker)."""

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -98,9 +99,11 @@ def backend_for(device: torch.device) -> str:
 
 class TensorParallel:
     """Rank 0's handle on the group: starts the other ranks, joins the process group with them,
-    and stops them. One per process at a time (torch.distributed has one default group)."""
+    and stops them. One per process at a time (torch.distributed has one default group). The
+    other ranks run `worker` (tp_worker, given by the engine: it drives a model runner, which
+    uses this module)."""
 
-    def __init__(self, tp_size: int, model_path: str, dtype: torch.dtype, device: torch.device,
+    def __init__(self, worker: ModuleType, tp_size: int, model_path: str, dtype: torch.dtype, device: torch.device,
                  context_length: int | None = None) -> None:
         if dist.is_initialized():
             raise RuntimeError("this process already runs a tensor-parallel engine or another "
@@ -112,7 +115,7 @@ class TensorParallel:
         address = f"tcp://127.0.0.1:{free_port()}"
         try:
             for rank in range(1, tp_size):
-                argv = [sys.executable, "-m", "baby_sgl.managers.tp_worker", "--rank", str(rank), "--tp-size",
+                argv = [sys.executable, "-m", worker.__name__, "--rank", str(rank), "--tp-size",
                         str(tp_size), "--init-address", address, "--model-path", model_path,
                         "--dtype", str(dtype).removeprefix("torch."), "--device", str(device),
                         "--threads", str(len(cores[rank])), "--parent-pid", str(os.getpid())]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from baby_sgl.cpu_ops import cpu_ops
+from baby_sgl.cpu.ops import cpu_ops
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from baby_sgl.cpu_ops import cpu_ops
+from baby_sgl.cpu.ops import cpu_ops
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

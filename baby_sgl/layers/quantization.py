@@ -1,5 +1,5 @@
 """Weights kept as GGUF stores them (Q8_0, Q4_0, Q4_1 blocks of 32 values), multiplied without a
-full-precision copy by our CPU kernel (csrc/weights.h), which widens each block in registers and
+full-precision copy by our CPU kernel (cpu/csrc/weights.h), which widens each block in registers and
 accumulates in float32: the same math as a float32 product over the dequantized weights, up to
 the order of the sums.
 
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from baby_sgl.cpu_ops import cpu_ops
+from baby_sgl.cpu.ops import cpu_ops
 
 
 class WeightType(enum.IntEnum):
-    """Row formats the CPU kernel reads (the codes of csrc/weights.h)."""
+    """Row formats the CPU kernel reads (the codes of cpu/csrc/weights.h)."""
 
     F32 = 0
     BF16 = 1

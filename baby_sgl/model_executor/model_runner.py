@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from baby_sgl.attention.registry import create_attention_backend
-from baby_sgl.cpu_ops import cpu_ops
+from baby_sgl.cpu.ops import cpu_ops
 from baby_sgl.distributed import tp_plan
 from baby_sgl.distributed.tp_group import CheckMemory, Forward, GroupBroken, InitPool, TPGroup
 from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
@@ -20,11 +20,11 @@ from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBa
 from baby_sgl.layers.linear import Linear, can_prepack
 from baby_sgl.layers.moe import SparseMoE
 from baby_sgl.model_executor.compile import CompiledDense, device_needs_cxx
-from baby_sgl.model_executor import cpu_step
+from baby_sgl.cpu import decode_step
 from baby_sgl.models.llama import (EAGER, DenseFns, LlamaForCausalLM, attention_in, attention_out_mlp,
                                    attention_out_moe, attention_out_sandwich)
 from baby_sgl.models.registry import get_model_class
-from baby_sgl.toolchain import cxx_compiler
+from baby_sgl.cpu.toolchain import cxx_compiler
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class ModelRunner:
                  attention_backend: str = "torch_native", compile_max_bs: int | None = None,
                  tp: TPGroup | None = None, int8_activations: bool = False) -> None:
         self.tp = tp
-        self.int8_activations = int8_activations  # the decode step's (cpu_step.int8_activations)
+        self.int8_activations = int8_activations  # the decode step's (decode_step.int8_activations)
         self.dense = EAGER
         if tp is not None:
             shard = tp_plan.plan(cfg, tp.size)[tp.rank]
@@ -59,13 +59,13 @@ class ModelRunner:
         self._req_to_token_pool: ReqToTokenPool | None = None  # built by init_memory_pool
         self._kv_pool: KVPool | None = None
         self.compiled: CompiledDense | None = None
-        self.step: cpu_step.CpuDecodeStep | None = None
+        self.step: decode_step.CpuDecodeStep | None = None
         if compile_max_bs:
             self._enable_compile(compile_max_bs)
         # The one-call decode step reads plain or quantized weights; without it (or with compiled
         # graphs) the dense layers run op by op, where oneDNN's prepacked weights are faster.
         self.step_ops = cpu_ops() if (device.type == "cpu" and tp is None and self.compiled is None and
-                                      cpu_step.can_run(self.model, dtype)) else None
+                                      decode_step.can_run(self.model, dtype)) else None
         if self.compiled is None and self.step_ops is None:
             self._prepack_linear_weights()
 
@@ -108,7 +108,7 @@ class ModelRunner:
                                                  journal=self.tp is not None and self.is_leader)
         self._kv_pool = KVPool(max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         if self.step_ops is not None:
-            self.step = cpu_step.CpuDecodeStep(self.step_ops, self.model, self.kv_pool, self.req_to_token_pool,
+            self.step = decode_step.CpuDecodeStep(self.step_ops, self.model, self.kv_pool, self.req_to_token_pool,
                                                self.int8_activations)
         return self.req_to_token_pool
 

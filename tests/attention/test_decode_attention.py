@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from baby_sgl.attention.shared_prefix import MIN_SHARED_LEN, find_shared_prefixes
 from baby_sgl.attention import torch_native
-from baby_sgl.attention.cpu_kernel import decode_kernel
+from baby_sgl.cpu.decode_attention import decode_kernel
 from baby_sgl.attention.torch_native import TorchNativeAttnBackend, split_by_length
 from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
 from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode
@@ -148,10 +148,10 @@ def test_length_split_pads_little_and_calls_few_times():
 
 
 def test_without_a_compiler_the_kernel_is_not_built_and_the_portable_path_is_taken(monkeypatch, caplog):
-    from baby_sgl.attention import cpu_kernel
+    from baby_sgl.cpu import decode_attention
 
-    monkeypatch.setattr("baby_sgl.toolchain.cxx_compiler", lambda: None)
-    monkeypatch.setattr(cpu_kernel, "_loaded", {})
+    monkeypatch.setattr("baby_sgl.cpu.toolchain.cxx_compiler", lambda: None)
+    monkeypatch.setattr(decode_attention, "_loaded", {})
     backend = TorchNativeAttnBackend(torch.device("cpu"), HEADS // KV_HEADS)
     assert backend.decode_kernel is None and not backend.kernel_rows
     assert any("no C++ compiler" in r.message for r in caplog.records)

@@ -1,4 +1,4 @@
-"""Prefill attention by the CPU kernel (csrc/attention.h, one row per new token) over the paged
+"""Prefill attention by the CPU kernel (cpu/csrc/attention.h, one row per new token) over the paged
 pool equals float64 attention of each request's new tokens over its cached prefix and
 themselves (causal), for float32 and bfloat16 pools, on every build of the kernel."""
 

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.cpu_only("tensor parallelism between CPU processes over
 def _followers() -> list[int]:
     """Tensor-parallel rank processes started by this test process."""
     out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if "baby_sgl.managers.tp_worker" in line]
+    return [int(line.split()[0]) for line in out.splitlines() if "baby_sgl.distributed.tp_worker" in line]
 
 
 def _case(path: str) -> tuple[str, list[list[int]], list[list[int]]]:

@@ -3,7 +3,7 @@ survive) when a request with rid "die" arrives. Used by test_server_process.py."
 
 import sys
 
-from baby_sgl.entrypoints.launch_server import main
+from baby_sgl.launch_server import main
 from baby_sgl.managers.scheduler import Scheduler
 
 

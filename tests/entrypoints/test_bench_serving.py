@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from baby_sgl.entrypoints.bench_serving import main
+from baby_sgl.bench.serving import main
 
 
 def test_bench_serving_against_our_server(server, tmp_path, capsys):

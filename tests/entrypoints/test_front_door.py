@@ -84,7 +84,7 @@ def test_an_empty_api_key_is_refused_at_start():
 
 
 def test_allowed_hosts_are_read_as_a_list():
-    from baby_sgl.entrypoints.launch_server import build_parser
+    from baby_sgl.launch_server import build_parser
 
     args = build_parser().parse_args(["--allowed-hosts", "a.example, b.example", "--allowed-hosts", "c.example"])
     assert ServerArgs.from_cli_args(args).allowed_hosts == ("a.example", "b.example", "c.example")

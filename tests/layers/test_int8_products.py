@@ -1,4 +1,4 @@
-"""The CPU kernel's products with activations rounded to int8 blocks (csrc/int8_products.h, the
+"""The CPU kernel's products with activations rounded to int8 blocks (cpu/csrc/int8_products.h, the
 decode step's --cpu-int8-activations) against a plain reference: the weights dequantized times
 the activations quantized as llama.cpp's Q8 blocks and dequantized, in float64. Built for this
 CPU (AVX-512 VNNI where it has it) and, on x86, for AVX2 (x86-64-v3) and for no SIMD (x86-64)."""

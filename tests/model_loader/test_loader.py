@@ -56,7 +56,7 @@ def test_one_cache_directory_holds_what_is_built_once(tiny_llama, tmp_path, monk
     # $BABY_SGL_CACHE (else ~/.cache/baby-sgl), never in a second directory.
     from gguf import GGMLQuantizationType
 
-    from baby_sgl import toolchain
+    from baby_sgl.cpu import toolchain
     from baby_sgl.model_loader.gguf_loader import load_gguf
     from gguf_writer import write_tiny_gguf
 
@@ -66,7 +66,7 @@ def test_one_cache_directory_holds_what_is_built_once(tiny_llama, tmp_path, monk
     _, _, tokenizer_dir = load_gguf(path)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tokenizers", "weights"]
     assert tokenizer_dir.startswith(str(tmp_path / "cache" / "tokenizers"))
-    assert toolchain.kernel_cache_dir().parent == tmp_path / "cache" / "kernels"
+    assert toolchain.kernel_cache_dir() == tmp_path / "cache" / "kernels"
     monkeypatch.delenv("BABY_SGL_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert toolchain.kernel_cache_dir().parent == tmp_path / "xdg" / "baby-sgl" / "kernels"
+    assert toolchain.kernel_cache_dir() == tmp_path / "xdg" / "baby-sgl" / "kernels"

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from baby_sgl import Engine, toolchain
+from baby_sgl import Engine
+from baby_sgl.cpu import toolchain
 from helpers import ARCHS, CONFIGS, GREEDY, build_for, assert_first_step_logprobs, hf_greedy, random_prompts, shared_prefix_prompts
 
 MAX_NEW = 24

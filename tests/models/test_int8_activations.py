@@ -60,7 +60,7 @@ def test_int8_activations_stay_close_to_the_float_path(arch, monkeypatch):
 
 
 def test_auto_rounds_in_bfloat16_only():
-    from baby_sgl.model_executor.cpu_step import int8_activations
+    from baby_sgl.cpu.decode_step import int8_activations
 
     assert int8_activations("auto", torch.bfloat16) and not int8_activations("auto", torch.float32)
     assert int8_activations("on", torch.float32) and not int8_activations("off", torch.bfloat16)

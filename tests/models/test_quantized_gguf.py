@@ -80,10 +80,10 @@ def test_quantization_none_dequantizes_at_load(case):
 
 @kernel_only
 def test_without_a_compiler_the_file_is_dequantized(case, monkeypatch, caplog):
-    from baby_sgl import cpu_ops
+    from baby_sgl.cpu import ops as cpu_ops
 
     path, prompts, expected, _ = case
-    monkeypatch.setattr("baby_sgl.toolchain.cxx_compiler", lambda: None)
+    monkeypatch.setattr("baby_sgl.cpu.toolchain.cxx_compiler", lambda: None)
     monkeypatch.setattr(cpu_ops, "_loaded", {})
     with caplog.at_level(logging.WARNING):
         with Engine(path, dtype="float32") as engine:

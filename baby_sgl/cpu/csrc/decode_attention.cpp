@@ -15,7 +15,7 @@
 #include <limits>
 #include <vector>
 
-#include "../../csrc/vec.h"
+#include "vec.h"
 
 namespace {
 

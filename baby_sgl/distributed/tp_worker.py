@@ -1,4 +1,4 @@
-"""A tensor-parallel rank other than 0 (`python -m baby_sgl.managers.tp_worker`, started by
+"""A tensor-parallel rank other than 0 (`python -m baby_sgl.distributed.tp_worker`, started by
 TensorParallel): loads its shard of the model, then runs whatever rank 0 sends until told to
 stop. It exits if rank 0's process goes away, so no rank outlives the engine."""
 
@@ -50,7 +50,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m baby_sgl.managers.tp_worker",
+    p = argparse.ArgumentParser(prog="python -m baby_sgl.distributed.tp_worker",
                                 description="one follower rank of --tp-size (rank 0 starts it; not for direct use)")
     for flag, help_ in (("--rank", "this rank (1 .. tp-size - 1)"), ("--tp-size", "ranks in the group"),
                         ("--threads", "torch threads of this rank"), ("--parent-pid", "exit when this process does")):

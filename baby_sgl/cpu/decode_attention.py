@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from baby_sgl import toolchain
+from baby_sgl.cpu import toolchain
 
 _SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
 _loaded: dict[str, ModuleType | None] = {}

@@ -9,15 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from baby_sgl import toolchain
+from baby_sgl.cpu import toolchain
 
-_DIR = Path(__file__).parent / "csrc"
+NAME = "baby_sgl_cpu_ops"
+SOURCES = (Path(__file__).parent / "csrc" / "cpu_step.cpp", Path(__file__).parent / "csrc" / "ops.cpp")
 _loaded: dict[str, ModuleType | None] = {}
 
 
 def cpu_ops() -> ModuleType | None:
     if "ops" not in _loaded:
-        _loaded["ops"] = toolchain.build_extension(
-            "baby_sgl_cpu_ops", (_DIR / "cpu_step.cpp", _DIR / "ops.cpp"),
-            "quantized weights and the decode step")
+        _loaded["ops"] = toolchain.build_extension(NAME, SOURCES, "quantized weights and the decode step")
     return _loaded["ops"]
