@@ -8,14 +8,17 @@ import logging
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from baby_sgl.constrained.grammar import ConstraintError
 from baby_sgl.managers.detokenizer import detokenize_step
 from baby_sgl.managers.scheduler_state import SchedulerState
+from baby_sgl.core.finish_reason import (FinishAbort, FinishLength, FinishMatchedStr, FinishMatchedToken,
+                                         FinishReason)
 from baby_sgl.core.forward_batch import ForwardMode
+from baby_sgl.core.req import ReqOutput
 from baby_sgl.core.sampling_params import STOP_WINDOW
 
 if TYPE_CHECKING:
@@ -50,7 +53,7 @@ class OutputProcessing(SchedulerState):
             return step()
         except ConstraintError as e:  # the request's own constraint, not our error
             logger.warning("request %s: %s", req.rid, e)
-            self._finish(req, {"type": "abort", "message": str(e)})
+            self._finish(req, FinishAbort(str(e)))
         except Exception as e:
             logger.exception("request %s failed", req.rid)
             self._fail_req(req, f"internal error while handling this request: {e!r}")
@@ -89,7 +92,7 @@ class OutputProcessing(SchedulerState):
             self.tree_cache.cache_unfinished_req(req)
             return False
         if req.to_abort:
-            self._finish(req, {"type": "abort", "message": req.to_abort})
+            self._finish(req, FinishAbort(req.to_abort))
             return False
         ts = req.time_stats
         if ts.first_token is None:  # prefill complete: its first token; its prompt counted once
@@ -98,7 +101,7 @@ class OutputProcessing(SchedulerState):
             self.stats["cached_tokens"] += req.cached_tokens
             self.activity.record_ttft(ts.first_token - ts.created)
         if token is None:  # max_new_tokens == 0: prefill only, the prompt stays in the cache
-            self._finish(req, {"type": "length", "length": 0})
+            self._finish(req, FinishLength(0))
             return False
         self._append_token(req, token)
         if req.finished:
@@ -114,18 +117,17 @@ class OutputProcessing(SchedulerState):
                 req.grammar.accept_token(token)
             except ConstraintError:
                 # The sampler recorded its logprobs: the token is not output, nor are they.
-                for entries in (req.output_token_logprobs, req.output_top_logprobs, req.output_token_ids_logprobs):
-                    del entries[len(req.output_ids):]
+                req.logprobs.drop_output_past(len(req.output_ids))
                 raise
         req.output_ids.append(token)
         self.stats["generation_tokens"] += 1
         p = req.sampling_params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            req.finished_reason = {"type": "stop", "matched": token}
+            req.finished_reason = FinishMatchedToken(token)
         elif len(req.output_ids) >= p.max_new_tokens or req.seqlen >= self.context_len:
-            req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+            req.finished_reason = FinishLength(len(req.output_ids))
         elif req.grammar is not None and req.grammar.is_terminated():
-            req.finished_reason = {"type": "stop", "matched": token}
+            req.finished_reason = FinishMatchedToken(token)
         text_before = len(req.text)
         detokenize_step(self.tokenizer, req, final=req.finished)
         if not req.finished and len(req.text) > text_before:  # only new text can complete a stop
@@ -141,7 +143,7 @@ class OutputProcessing(SchedulerState):
             pos, matched = min(hits)
             if not req.sampling_params.no_stop_trim:
                 req.text = req.text[:pos]
-            req.finished_reason = {"type": "stop", "matched": matched}
+            req.finished_reason = FinishMatchedStr(matched)
 
     @staticmethod
     def _check_stop_regex(req: Req, start: int) -> None:
@@ -153,10 +155,10 @@ class OutputProcessing(SchedulerState):
         p = req.sampling_params
         for pattern, regex in zip(p.stop_regex, p.stop_regexes):
             if regex.search(window, start - context):
-                req.finished_reason = {"type": "stop", "matched": pattern}
+                req.finished_reason = FinishMatchedStr(pattern)
                 return
 
-    def _finish(self, req: Req, reason: dict[str, Any]) -> None:
+    def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
         self._release(req)
         self._emit(req)
@@ -169,7 +171,7 @@ class OutputProcessing(SchedulerState):
         self.sessions.turn_ended(req)
         if self.drafter is not None:  # its text joins what later requests may draft from
             self.drafter.add_cached_text(req.fill_ids)
-        req.draft_state = None  # its own index of its text: no later step drafts for it
+        req.spec.drafts = None  # its own index of its text: no later step drafts for it
 
     def _emit(self, req: Req) -> None:
         """Sends the new text and ids to whoever waits for this request (stream) or the whole
@@ -179,21 +181,16 @@ class OutputProcessing(SchedulerState):
             req.time_stats.finished = time.perf_counter()
         elif not req.stream:
             return
-        elif interval and req.sent_ids_len and len(req.output_ids) - req.sent_ids_len < interval:
+        elif interval and req.detok.sent_ids_len and len(req.output_ids) - req.detok.sent_ids_len < interval:
             return  # stream_interval: a piece every `interval` tokens (the first at once)
+        sent = req.detok
         text_end = len(req.text)
         if not req.finished and req.sampling_params.stop:
             # Hold back what could still become the start of a stop string.
-            text_end = max(req.sent_text_len, text_end - max(map(len, req.sampling_params.stop)) + 1)
-        out = {
-            "rid": req.rid,
-            "text": req.text[req.sent_text_len : text_end],
-            "output_ids": req.output_ids[req.sent_ids_len :],
-            "finished": req.finished,
-            "finish_reason": req.finished_reason,
-            "req": req,
-        }
-        req.sent_text_len, req.sent_ids_len = text_end, len(req.output_ids)
+            text_end = max(sent.sent_text_len, text_end - max(map(len, req.sampling_params.stop)) + 1)
+        out = ReqOutput(req, req.text[sent.sent_text_len : text_end], req.output_ids[sent.sent_ids_len :],
+                        req.finished, req.finished_reason)
+        sent.sent_text_len, sent.sent_ids_len = text_end, len(req.output_ids)
         if req.on_output is None:
             return
         try:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from baby_sgl.core.finish_reason import FinishReason
     from baby_sgl.core.memory_pool import ReqToTokenPool
     from baby_sgl.core.req import Req
     from baby_sgl.managers.activity import Activity
@@ -57,7 +58,7 @@ class SchedulerState:
     stats: dict[str, int]
 
     if TYPE_CHECKING:  # the parts call each other's, defined by the part that owns them
-        def _finish(self, req: Req, reason: dict[str, Any]) -> None: ...  # scheduler_output.py
+        def _finish(self, req: Req, reason: FinishReason) -> None: ...  # scheduler_output.py
 
         def _append_token(self, req: Req, token: int) -> None: ...  # scheduler_output.py
 

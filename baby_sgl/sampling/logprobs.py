@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from baby_sgl.core.req import Req
+from baby_sgl.core.req import LogprobState, Req
 
 _LOGITS_SLICE_ROWS = 256  # prompt rows turned into vocabulary logits at once (bounds memory)
 # A token the grammar (or min_new_tokens) forbids has probability 0: its logprob is reported as
@@ -48,17 +48,18 @@ def plan_input_logprobs(reqs: list[Req], prefix_lens: list[int], seq_lens: list[
     offset = 0
     for i, (req, a, b) in enumerate(zip(reqs, prefix_lens, seq_lens)):
         if i < num_extend and req.input_logprobs_pending():
-            start = req.logprob_start_len
+            lp = req.logprobs
+            start = lp.start_len
             assert start is not None, "a request with pending prompt logprobs has a start"
-            next_pos = start + len(req.input_token_logprobs) - 1 if req.input_token_logprobs else start
+            next_pos = start + len(lp.input_token_logprobs) - 1 if lp.input_token_logprobs else start
             first, last = max(next_pos, a), min(len(req.origin_input_ids) - 1, b)
             assert a <= next_pos or first >= last, "prompt logprob positions were served from the cache"
-            if not req.input_token_logprobs:
-                req.input_token_logprobs.append([None, req.origin_input_ids[start], None])
-                if req.top_logprobs_num:
-                    req.input_top_logprobs.append(None)
-                if req.token_ids_logprob is not None:
-                    req.input_token_ids_logprobs.append(None)
+            if not lp.input_token_logprobs:
+                lp.input_token_logprobs.append([None, req.origin_input_ids[start], None])
+                if lp.top_logprobs_num:
+                    lp.input_top_logprobs.append(None)
+                if lp.token_ids_logprob is not None:
+                    lp.input_token_ids_logprobs.append(None)
             if last > first:
                 rows.extend(range(offset + first - a, offset + last - a))
                 spans.append(InputLogprobSpan(req, first, last - first))
@@ -77,25 +78,25 @@ def record_input_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor]
             logprobs = _finite(torch.log_softmax(compute_logits(hidden[row + lo : row + lo + n]), dim=-1))
             targets = ids[span.first_pos + lo + 1 : span.first_pos + lo + 1 + n]
             picked = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
-            req.input_token_logprobs.extend([lp, t, None] for lp, t in zip(picked, targets))
-            _record_extras(logprobs, req, req.input_top_logprobs, req.input_token_ids_logprobs)
+            req.logprobs.input_token_logprobs.extend([lp, t, None] for lp, t in zip(picked, targets))
+            _record_extras(logprobs, req.logprobs, req.logprobs.input_top_logprobs, req.logprobs.input_token_ids_logprobs)
         row += span.count
 
 
 def record_output_logprobs(logprobs: torch.Tensor, reqs: list[Req], ids: list[int]) -> None:
     """logprobs: [len(reqs), vocab] log-probabilities the rows' tokens were chosen from."""
-    rows = [i for i, r in enumerate(reqs) if r.return_logprob]
+    rows = [i for i, r in enumerate(reqs) if r.logprobs.return_logprob]
     if not rows:
         return
     logprobs = _finite(logprobs)
     picked = logprobs[rows].gather(1, torch.tensor([ids[i] for i in rows], device=logprobs.device)[:, None]).squeeze(1).tolist()
     for j, i in enumerate(rows):
-        req = reqs[i]
-        req.output_token_logprobs.append([picked[j], ids[i], None])
-        _record_extras(logprobs[i : i + 1], req, req.output_top_logprobs, req.output_token_ids_logprobs)
+        lp = reqs[i].logprobs
+        lp.output_token_logprobs.append([picked[j], ids[i], None])
+        _record_extras(logprobs[i : i + 1], lp, lp.output_top_logprobs, lp.output_token_ids_logprobs)
 
 
-def _record_extras(logprobs: torch.Tensor, req: Req, top_out: list, ids_out: list) -> None:
+def _record_extras(logprobs: torch.Tensor, req: LogprobState, top_out: list, ids_out: list) -> None:
     """Top-k and the requested ids' log-probabilities of each row."""
     if req.top_logprobs_num:
         top = logprobs.topk(req.top_logprobs_num, dim=-1)

@@ -48,7 +48,7 @@ class Sampler:
             rows = torch.tensor(sampled, device=logits.device)
             next_ids[rows] = self._sample(logits[rows], [reqs[i] for i in sampled])
         ids = next_ids.tolist()
-        if any(r.return_logprob for r in reqs):
+        if any(r.logprobs.return_logprob for r in reqs):
             # As SGLang: the distribution the token came from, temperature included when sampled.
             record_output_logprobs(torch.log_softmax(logits, dim=-1), reqs, ids)
         return ids
