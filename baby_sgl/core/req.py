@@ -26,6 +26,15 @@ class TimeStats:
     finished: float | None = None
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One token's entries: its own, its top k and the requested ids' (None: not asked for)."""
+
+    token: LogprobEntry
+    top: list[LogprobEntry] | None
+    token_ids: list[LogprobEntry] | None
+
+
 @dataclass
 class LogprobState:
     """The logprobs a request asks for (SGLang's options) and those computed so far, in SGLang's
@@ -40,17 +49,37 @@ class LogprobState:
     input_top_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
     input_token_ids_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
     output_token_logprobs: list[LogprobEntry] = field(default_factory=list)
-    output_top_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
-    output_token_ids_logprobs: list[list[LogprobEntry]] = field(default_factory=list)
+    output_top_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)  # (never None)
+    output_token_ids_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
 
     def input_pending(self, prompt_len: int) -> bool:
         """Prompt logprobs were asked for and are not all computed yet."""
         return self.start_len is not None and len(self.input_token_logprobs) < prompt_len - self.start_len
 
-    def drop_output_past(self, n: int) -> None:
-        """Forgets the output entries past the first n (those of a token that is not output)."""
-        for entries in (self.output_token_logprobs, self.output_top_logprobs, self.output_token_ids_logprobs):
-            del entries[n:]
+    def add_output(self, entry: TokenLogprobs) -> None:
+        _append(entry, self.output_token_logprobs, self.output_top_logprobs, self.output_token_ids_logprobs)
+
+    def add_input(self, head: int | None, entries: list[TokenLogprobs]) -> None:
+        """head: the first prompt token scored, whose entry has no logprob (nothing predicts it):
+        its top k and requested ids' entries are null."""
+        lists = self.input_token_logprobs, self.input_top_logprobs, self.input_token_ids_logprobs
+        if head is not None:
+            self.input_token_logprobs.append([None, head, None])
+            if self.top_logprobs_num:
+                self.input_top_logprobs.append(None)
+            if self.token_ids_logprob is not None:
+                self.input_token_ids_logprobs.append(None)
+        for entry in entries:
+            _append(entry, *lists)
+
+
+def _append(entry: TokenLogprobs, tokens: list[LogprobEntry], tops: list[list[LogprobEntry] | None],
+            token_ids: list[list[LogprobEntry] | None]) -> None:
+    tokens.append(entry.token)
+    if entry.top is not None:
+        tops.append(entry.top)
+    if entry.token_ids is not None:
+        token_ids.append(entry.token_ids)
 
 
 @dataclass

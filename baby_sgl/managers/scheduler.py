@@ -35,7 +35,7 @@ from baby_sgl.mem_cache.chunk_cache import ChunkCache
 from baby_sgl.mem_cache.radix_cache import RadixCache
 from baby_sgl.core.forward_batch import ForwardMode, ModelWorkerBatch
 from baby_sgl.model_executor.model_runner import ModelRunner
-from baby_sgl.sampling.logprobs import record_input_logprobs
+from baby_sgl.sampling.logprobs import input_logprobs
 from baby_sgl.sampling.sampler import Sampler
 from baby_sgl.server_args import EngineArgs
 from baby_sgl.managers.activity import Activity
@@ -344,7 +344,6 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         self.stats["mixed_steps"] += batch.mode == ForwardMode.MIXED
         self.last_forward = time.monotonic()
         if batch.input_logprob_spans:
-            assert logprob_hidden is not None, "the pass computed no hidden states for prompt logprobs"
             self._record_input_logprobs(batch, logprob_hidden)
         if any(batch.drafts):
             self._process_verify(batch, logits)
@@ -353,14 +352,18 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         self.activity.record_step(self.stats)
         return True
 
-    def _record_input_logprobs(self, batch: ScheduleBatch, hidden: torch.Tensor) -> None:
+    def _record_input_logprobs(self, batch: ScheduleBatch, hidden: torch.Tensor | None) -> None:
         """Prompt logprobs of the pass; if scoring fails, the requests that asked for them fail."""
+        spans = batch.input_logprob_spans
         try:
-            record_input_logprobs(self.runner.compute_logits, hidden, batch.input_logprob_spans)
+            scored = input_logprobs(self.runner.compute_logits, hidden, spans)
         except Exception as e:
             logger.exception("prompt logprobs failed")
-            for span in batch.input_logprob_spans:
+            for span in spans:
                 span.req.to_abort = f"internal error while computing prompt logprobs: {e!r}"
+            return
+        for span, entries in zip(spans, scored):
+            span.req.logprobs.add_input(span.head, entries)
 
     # ---- aborts and failures -------------------------------------------------------------
     def _handle_aborts(self) -> None:

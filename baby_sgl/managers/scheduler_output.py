@@ -1,6 +1,7 @@
 """What the scheduler does with a pass's logits (a part of Scheduler, run in its thread): samples
-each request's next token, advances it (grammar, stop tokens, lengths, detokenizing, stop strings
-and regexes), finishes and releases it, and emits its new text and ids to whoever waits."""
+the next token of each request (the sampler sees only the batch's SamplingBatch), advances it with
+its token and logprobs (grammar, stop tokens, lengths, detokenizing, stop strings and regexes),
+finishes and releases it, and emits its new text and ids to whoever waits."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from baby_sgl.managers.scheduler_state import SchedulerState
 from baby_sgl.core.finish_reason import (FinishAbort, FinishLength, FinishMatchedStr, FinishMatchedToken,
                                          FinishReason)
 from baby_sgl.core.forward_batch import ForwardMode
-from baby_sgl.core.req import ReqOutput
+from baby_sgl.core.req import ReqOutput, TokenLogprobs
+from baby_sgl.sampling.sampling_batch import SamplingBatch
 from baby_sgl.core.sampling_params import STOP_WINDOW
 
 if TYPE_CHECKING:
@@ -26,6 +28,9 @@ if TYPE_CHECKING:
     from baby_sgl.managers.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
+
+# A request's share of the sampling: its token and, if it asked for them, the token's logprobs.
+Sampled = tuple[int, TokenLogprobs | None]
 
 
 class OutputProcessing(SchedulerState):
@@ -62,32 +67,37 @@ class OutputProcessing(SchedulerState):
     def _needs_token(self, req: Req) -> bool:
         return not req.is_chunked and not req.to_abort and req.sampling_params.max_new_tokens > 0
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int | Exception | None]:
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[Sampled | Exception | None]:
         """The next token of every request that gets one (None for the others). Sampling is
         batched; if the batch fails, each row is sampled alone so one bad row fails one request."""
         rows = [i for i, r in enumerate(reqs) if self._needs_token(r)]
-        out: list[int | Exception | None] = [None] * len(reqs)
+        out: list[Sampled | Exception | None] = [None] * len(reqs)
         if not rows:
             return out
         try:
             batch_logits = logits if len(rows) == len(reqs) else logits[rows]
-            for i, token in zip(rows, self.sampler(batch_logits, [reqs[i] for i in rows])):
-                out[i] = token
+            result = self.sampler.sample(batch_logits, SamplingBatch.from_reqs([reqs[i] for i in rows]))
+            for i, token, logprobs in zip(rows, result.tokens, result.logprobs):
+                out[i] = token, logprobs
             return out
         except Exception:
             logger.exception("batched sampling failed; sampling row by row")
         for i in rows:
             try:
-                out[i] = self.sampler(logits[i : i + 1], [reqs[i]])[0]
+                out[i] = self._sample_one(logits[i : i + 1], reqs[i])
             except Exception as e:
                 out[i] = e
         return out
 
-    def _advance(self, req: Req, extended: bool, token: int | Exception | None) -> bool:
+    def _sample_one(self, logits: torch.Tensor, req: Req) -> Sampled:
+        result = self.sampler.sample(logits, SamplingBatch.from_reqs([req]))
+        return result.tokens[0], result.logprobs[0]
+
+    def _advance(self, req: Req, extended: bool, sampled: Sampled | Exception | None) -> bool:
         """Applies one pass to one request (`extended`: the pass computed part of its prompt
         rather than one decode step); True if it keeps decoding."""
-        if isinstance(token, Exception):  # its sampling failed
-            raise token
+        if isinstance(sampled, Exception):  # its sampling failed
+            raise sampled
         if req.is_chunked:  # more of its prompt to come; it stays the chunked request
             self.tree_cache.cache_unfinished_req(req)
             return False
@@ -100,10 +110,10 @@ class OutputProcessing(SchedulerState):
             self.stats["prompt_tokens"] += len(req.origin_input_ids)
             self.stats["cached_tokens"] += req.cached_tokens
             self.activity.record_ttft(ts.first_token - ts.created)
-        if token is None:  # max_new_tokens == 0: prefill only, the prompt stays in the cache
+        if sampled is None:  # max_new_tokens == 0: prefill only, the prompt stays in the cache
             self._finish(req, FinishLength(0))
             return False
-        self._append_token(req, token)
+        self._append_token(req, *sampled)
         if req.finished:
             self._release(req)
         elif extended:
@@ -111,15 +121,12 @@ class OutputProcessing(SchedulerState):
         self._emit(req)
         return not req.finished
 
-    def _append_token(self, req: Req, token: int) -> None:
+    def _append_token(self, req: Req, token: int, logprobs: TokenLogprobs | None) -> None:
         if req.grammar is not None:  # raises ConstraintError if the token breaks the constraint
-            try:
-                req.grammar.accept_token(token)
-            except ConstraintError:
-                # The sampler recorded its logprobs: the token is not output, nor are they.
-                req.logprobs.drop_output_past(len(req.output_ids))
-                raise
+            req.grammar.accept_token(token)
         req.output_ids.append(token)
+        if logprobs is not None:
+            req.logprobs.add_output(logprobs)
         self.stats["generation_tokens"] += 1
         p = req.sampling_params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):

@@ -103,8 +103,8 @@ class Speculation(SchedulerState):
         targets = rows[:, : self.sampler.vocab_size].argmax(dim=-1).tolist() if _plain_greedy(req) else None
         appended = 0
         for j in range(len(drafts) + 1):
-            token = targets[j] if targets is not None else self.sampler(rows[j : j + 1], [req])[0]
-            self._append_token(req, token)
+            token, logprobs = (targets[j], None) if targets is not None else self._sample_one(rows[j : j + 1], req)
+            self._append_token(req, token, logprobs)
             appended += 1
             if req.finished or j == len(drafts) or token != drafts[j]:
                 break
