@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 from baby_sgl.managers.memory_checker import check_memory
 from baby_sgl.managers.scheduler_view import SchedulerSnapshot, scheduler_view
-from baby_sgl.core.req import Req
+from baby_sgl.core.finish_reason import FinishAbort
+from baby_sgl.core.req import Req, ReqOutput
 from baby_sgl.managers.scheduler import Scheduler
 from baby_sgl.managers.snapshots import Progress
 from baby_sgl.managers.tokenizer_manager import LogprobCursor, TokenizerManager
@@ -223,12 +224,12 @@ class Engine:
         self._enqueue(reqs, session_params)
         return reqs
 
-    def _piece_sender(self, on_output: Callable[[dict], None], partial_logprobs: bool) -> Callable[[dict], None]:
+    def _piece_sender(self, on_output: Callable[[dict], None], partial_logprobs: bool) -> Callable[[ReqOutput], None]:
         """One request's scheduler outputs, each as the piece `submit` promises."""
         since = LogprobCursor() if partial_logprobs else None
 
-        def send(out: dict) -> None:
-            on_output(self.tokenizer_manager.chunk(out, partial_logprobs or out["finished"], since))
+        def send(out: ReqOutput) -> None:
+            on_output(self.tokenizer_manager.chunk(out, partial_logprobs or out.finished, since))
 
         return send
 
@@ -261,7 +262,7 @@ class Engine:
         reqs, single = self.tokenizer_manager.make_reqs(prompt, input_ids, sampling_params, rid, **options)
         if single and len(reqs) == 1 and isinstance(reqs[0], ValueError):
             raise reqs[0]
-        outputs: queue.Queue = queue.Queue()
+        outputs: queue.Queue[ReqOutput] = queue.Queue()
         live = [r for r in reqs if isinstance(r, Req)]
         for req in live:
             req.stream, req.on_output = stream, outputs.put
@@ -274,7 +275,7 @@ class Engine:
         results = [self.tokenizer_manager.error_result(r) if isinstance(r, ValueError) else self.tokenizer_manager.result(r) for r in reqs]
         return results[0] if single and len(results) == 1 else results
 
-    def _stream(self, reqs: list, live: list[Req], outputs: queue.Queue) -> Iterator[dict]:
+    def _stream(self, reqs: list, live: list[Req], outputs: queue.Queue[ReqOutput]) -> Iterator[dict]:
         index = {id(r): i for i, r in enumerate(reqs)}
         for i, r in enumerate(reqs):
             if isinstance(r, ValueError):
@@ -288,10 +289,11 @@ class Engine:
                     if not self.scheduler.is_alive() and outputs.empty():
                         raise EngineDeadError("the engine stopped before these requests finished") from None
                     continue
-                if out["finished"] and self.failure() is not None:
-                    raise EngineDeadError(out["finish_reason"].get("message", "the engine has stopped"))
-                pending -= out["finished"]
-                yield {**self.tokenizer_manager.chunk(out), "index": index[id(out["req"])]}
+                if out.finished and self.failure() is not None:
+                    reason = out.finish_reason
+                    raise EngineDeadError(reason.message if isinstance(reason, FinishAbort) else "the engine has stopped")
+                pending -= out.finished
+                yield {**self.tokenizer_manager.chunk(out), "index": index[id(out.req)]}
         finally:
             for req in live:  # a consumer that stops early must not leave requests running
                 if not req.finished:

@@ -283,22 +283,23 @@ def closed_objects(schema: Any) -> Any:
     return out
 
 
-def apply_grammar_masks(logits: torch.Tensor, reqs: list) -> torch.Tensor:
-    """Sets the logits of every token a constrained request's grammar forbids to -inf (in
-    place; rows without a constraint are left alone)."""
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
-    if not rows:
+def apply_grammar_masks(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> torch.Tensor:
+    """Sets the logits of every token a row's grammar forbids to -inf (in place; rows without a
+    constraint are left alone)."""
+    live = [(i, m) for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+    if not live:
         return logits
     vocab = logits.shape[1]
-    bitmask = torch.full((len(rows), (vocab + 31) // 32), -1, dtype=torch.int32, device="cpu")  # the matchers fill it
-    for j, i in enumerate(rows):
-        reqs[i].grammar.fill_mask(bitmask, j)
+    bitmask = torch.full((len(live), (vocab + 31) // 32), -1, dtype=torch.int32, device="cpu")  # the matchers fill it
+    for j, (_, matcher) in enumerate(live):
+        matcher.fill_mask(bitmask, j)
     # Bit b of word w allows token 32 w + b. Unpacked to 0/1, then to a bias of 0 or -inf
     # (-1 * max * 2 overflows to exactly -inf, 0 stays 0) that is added: on CPU this is several
     # times faster than masked_fill with -inf (1 ms against 7 ms for 32 x 49k logits).
     words = bitmask.numpy().astype("<i4", copy=False).view(np.uint8)
     allowed = torch.from_numpy(np.unpackbits(words, axis=1, bitorder="little")[:, :vocab])
     bias = allowed.to(logits.dtype).sub_(1).mul_(torch.finfo(logits.dtype).max).mul_(2.0)
-    if len(rows) == len(reqs):
+    if len(live) == len(matchers):
         return logits.add_(bias.to(logits.device))
+    rows = [i for i, _ in live]
     return logits.index_add_(0, torch.tensor(rows, device=logits.device), bias.to(logits.device))

@@ -1,4 +1,6 @@
-"""One generation request as the scheduler sees it."""
+"""One generation request as the scheduler sees it, with its state grouped by concern: what it
+asks for (sampling parameters, logprob options, grammar), where its KV is, how far its output
+has been detokenized and sent, its timing and speculative-decoding counts."""
 
 from __future__ import annotations
 
@@ -7,7 +9,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from baby_sgl.constrained.grammar import GrammarMatcher
+from baby_sgl.core.finish_reason import FinishReason
 from baby_sgl.core.sampling_params import SamplingParams
+
+# SGLang's logprob entry: [logprob (None for a prompt's first token), token_id, its text or None].
+LogprobEntry = list[float | int | str | None]
 
 
 @dataclass
@@ -17,40 +26,115 @@ class TimeStats:
     finished: float | None = None
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One token's entries: its own, its top k and the requested ids' (None: not asked for)."""
+
+    token: LogprobEntry
+    top: list[LogprobEntry] | None
+    token_ids: list[LogprobEntry] | None
+
+
+@dataclass
+class LogprobState:
+    """The logprobs a request asks for (SGLang's options) and those computed so far, in SGLang's
+    format (see sampling/logprobs.py); prompt ones from position start_len on."""
+
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
+    start_len: int | None = None  # prompt logprobs from this position (None: none)
+    input_token_logprobs: list[LogprobEntry] = field(default_factory=list)
+    input_top_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
+    output_token_logprobs: list[LogprobEntry] = field(default_factory=list)
+    output_top_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)  # (never None)
+    output_token_ids_logprobs: list[list[LogprobEntry] | None] = field(default_factory=list)
+
+    def input_pending(self, prompt_len: int) -> bool:
+        """Prompt logprobs were asked for and are not all computed yet."""
+        return self.start_len is not None and len(self.input_token_logprobs) < prompt_len - self.start_len
+
+    def add_output(self, entry: TokenLogprobs) -> None:
+        _append(entry, self.output_token_logprobs, self.output_top_logprobs, self.output_token_ids_logprobs)
+
+    def add_input(self, head: int | None, entries: list[TokenLogprobs]) -> None:
+        """head: the first prompt token scored, whose entry has no logprob (nothing predicts it):
+        its top k and requested ids' entries are null."""
+        lists = self.input_token_logprobs, self.input_top_logprobs, self.input_token_ids_logprobs
+        if head is not None:
+            self.input_token_logprobs.append([None, head, None])
+            if self.top_logprobs_num:
+                self.input_top_logprobs.append(None)
+            if self.token_ids_logprob is not None:
+                self.input_token_ids_logprobs.append(None)
+        for entry in entries:
+            _append(entry, *lists)
+
+
+def _append(entry: TokenLogprobs, tokens: list[LogprobEntry], tops: list[list[LogprobEntry] | None],
+            token_ids: list[list[LogprobEntry] | None]) -> None:
+    tokens.append(entry.token)
+    if entry.top is not None:
+        tops.append(entry.top)
+    if entry.token_ids is not None:
+        token_ids.append(entry.token_ids)
+
+
+@dataclass
+class SpecState:
+    """Speculative decoding: the drafting state (speculative/ngram.py's RequestDrafts, a layer
+    above this one), the verify passes in which the request had drafts, and the drafts accepted."""
+
+    drafts: Any = None
+    verify_ct: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass
+class DetokenizeState:
+    """How far the output ids were detokenized (detokenizer.py), and how much was sent."""
+
+    surr_offset: int = 0
+    read_offset: int = 0
+    sent_text_len: int = 0
+    sent_ids_len: int = 0
+
+
+@dataclass
+class ReqOutput:
+    """What the scheduler emits for one request: the text and ids new since its last output (the
+    whole output if it does not stream), and whether (and why) it finished."""
+
+    req: Req
+    text: str
+    output_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+
+
 class Req:
     def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
-                 on_output: Callable[[dict[str, Any]], None] | None = None, stream: bool = False) -> None:
+                 on_output: Callable[[ReqOutput], None] | None = None, stream: bool = False) -> None:
         self.rid = rid
         self.origin_input_ids = input_ids
         self.output_ids: list[int] = []
         self.sampling_params = sampling_params
+        self.grammar: GrammarMatcher | None = None  # the constraint, advanced token by token
+        self.logprobs = LogprobState()
         self.on_output = on_output
         self.stream = stream
         self.time_stats = TimeStats()
-        self.finished_reason: dict[str, Any] | None = None
+        self.finished_reason: FinishReason | None = None
         self.to_abort: str | None = None  # set by an abort; honoured at the next step
         self.cached_tokens = 0  # prompt tokens served from the prefix cache (max over prefills)
         self.num_retractions = 0  # times retracted to free KV (its prompt and output prefilled again)
-        # Speculative decoding: its drafting state (speculative/ngram.py), the verify passes in
-        # which it had drafts, and the drafts accepted.
-        self.draft_state: Any = None
-        self.spec_verify_ct = 0
-        self.spec_accepted_tokens = 0
-        self.session: Any = None  # the Session this request is a turn of (session_controller.py)
-        # Log-probabilities, SGLang's format: [logprob, token_id, None] per token (see
-        # sampling/logprobs.py); prompt ones from position logprob_start_len on.
-        self.return_logprob = False
-        self.top_logprobs_num = 0
-        self.token_ids_logprob: list[int] | None = None
-        self.return_text_in_logprobs = False
-        self.logprob_start_len: int | None = None  # prompt logprobs from this position (None: none)
-        self.input_token_logprobs: list[list] = []
-        self.input_top_logprobs: list[list[list] | None] = []
-        self.input_token_ids_logprobs: list[list[list] | None] = []
-        self.output_token_logprobs: list[list] = []
-        self.output_top_logprobs: list[list[list]] = []
-        self.output_token_ids_logprobs: list[list[list]] = []
-        self.grammar: Any = None  # the constraint's matcher (constrained/), advanced token by token
+        self.spec = SpecState()
+        # The Session this request is a turn of (managers/session_controller.py, a layer above).
+        self.session: Any = None
+        self.text = ""  # the output's text so far
+        self.detok = DetokenizeState()
         # KV state: row `req_pool_idx` of the ReqToTokenPool holds alloc_len slots, of which the
         # first kv_len hold computed K/V (the rest were allocated for a pass not yet done); the
         # first cache_protected_len are owned by the tree (locked through last_node).
@@ -61,16 +145,10 @@ class Req:
         self.last_node: Any = None  # the prefix cache's handle (opaque here; see base_prefix_cache.py)
         # Set by the scheduler for the next extend pass; the match is kept while the cache's
         # version and the sequence's length stay what they were (prefix_match_key).
-        self.prefix_indices: Any = None
+        self.prefix_indices: torch.Tensor | None = None
         self.prefix_match_key: tuple[int, int] | None = None
         self.extend_input_len = 0
         self.is_chunked = False
-        # Incremental detokenization (see detokenizer.py).
-        self.text = ""
-        self.surr_offset = 0
-        self.read_offset = 0
-        self.sent_text_len = 0
-        self.sent_ids_len = 0
 
     @property
     def fill_ids(self) -> list[int]:
@@ -86,10 +164,13 @@ class Req:
         assert self.req_pool_idx is not None, f"{self!r} holds no request slot"
         return self.req_pool_idx
 
+    def prefix(self) -> torch.Tensor:
+        """The KV slots of the cached prefix matched for its next extend pass (an error if none was)."""
+        assert self.prefix_indices is not None, f"{self!r} has no prefix match"
+        return self.prefix_indices
+
     def input_logprobs_pending(self) -> bool:
-        """Prompt logprobs were asked for and are not all computed yet."""
-        start = self.logprob_start_len
-        return start is not None and len(self.input_token_logprobs) < len(self.origin_input_ids) - start
+        return self.logprobs.input_pending(len(self.origin_input_ids))
 
     @property
     def finished(self) -> bool:
@@ -100,6 +181,23 @@ class Req:
         self.last_node = None
         self.prefix_indices, self.extend_input_len, self.is_chunked = None, 0, False
         self.prefix_match_key = None
+
+    def check(self) -> None:
+        """Asserts what holds of a request between passes: the tree's part of its row is computed,
+        and the computed part allocated, within the sequence; a request without a row holds no KV;
+        one output logprob per output token; no more sent than produced."""
+        assert 0 <= self.cache_protected_len <= self.kv_len <= self.alloc_len, self._kv_state()
+        assert self.req_pool_idx is not None or self.alloc_len == 0, self._kv_state()
+        assert self.kv_len <= self.seqlen, self._kv_state()
+        lp = self.logprobs
+        assert not lp.return_logprob or len(lp.output_token_logprobs) == len(self.output_ids), \
+            f"{self!r}: {len(lp.output_token_logprobs)} output logprobs"
+        d = self.detok
+        assert d.sent_ids_len <= len(self.output_ids) and d.sent_text_len <= len(self.text), f"{self!r}: sent {d}"
+
+    def _kv_state(self) -> str:
+        return (f"{self!r}: row {self.req_pool_idx}, protected {self.cache_protected_len}, computed {self.kv_len}, "
+                f"allocated {self.alloc_len}")
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"

@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from baby_sgl.core.finish_reason import FinishAbort, FinishReason
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.errors import EngineDeadError, ServerBusyError
@@ -153,7 +154,8 @@ class AsyncEngine:
                 if chunk is None:  # the client left
                     return
                 if chunk["finished"] and not self.engine.is_alive():
-                    raise EngineDeadError(chunk["meta_info"]["finish_reason"].get("message", "the engine stopped"))
+                    reason = FinishReason.from_json(chunk["meta_info"]["finish_reason"])
+                    raise EngineDeadError(reason.message if isinstance(reason, FinishAbort) else "the engine stopped")
                 i = index[chunk["meta_info"]["id"]]
                 pending -= chunk["finished"]
                 if stream:

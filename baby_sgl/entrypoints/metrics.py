@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from baby_sgl.core.finish_reason import FinishAbort, FinishReason
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5)
 
@@ -50,7 +52,7 @@ class Metrics:
         self.prompt_tokens.inc(meta["prompt_tokens"])
         self.generation_tokens.inc(meta["completion_tokens"])
         self.requests.inc()
-        if (meta["finish_reason"] or {}).get("type") == "abort":
+        if isinstance(FinishReason.from_json(meta["finish_reason"]), FinishAbort):
             self.aborted.inc()
         self.e2e.observe(meta["e2e_latency"])
         if meta.get("ttft") is not None:

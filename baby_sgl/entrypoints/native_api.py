@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from baby_sgl.core.finish_reason import FinishAbort, FinishReason
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.async_bridge import AsyncEngine, join_pieces
 from baby_sgl.entrypoints.metrics import Metrics
@@ -66,9 +67,9 @@ def add_native_routes(app: FastAPI, incremental_streaming_output: bool = False) 
             out = await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:
             return error_response("the engine did not produce a token in time", 503)
-        reason = out["meta_info"]["finish_reason"] or {}
-        if reason.get("type") == "abort":
-            return error_response(f"the engine failed: {reason.get('message')}", 503)
+        reason = FinishReason.from_json(out["meta_info"]["finish_reason"])
+        if isinstance(reason, FinishAbort):
+            return error_response(f"the engine failed: {reason.message}", 503)
         return Response(status_code=200)
 
     @app.get("/model_info")

@@ -12,6 +12,7 @@ from typing import Any, cast
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from baby_sgl.core.finish_reason import FinishAbort, FinishLength, FinishReason
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from baby_sgl.core.sampling_params import GRAMMAR_KINDS
@@ -21,8 +22,10 @@ from baby_sgl.entrypoints.responses import Chunks, first_item, sse, sse_stream
 
 
 def _finish_reason(meta: dict) -> str | None:
-    reason = meta.get("finish_reason")
-    return None if reason is None else {"stop": "stop", "length": "length"}.get(reason["type"], "abort")
+    reason = FinishReason.from_json(meta.get("finish_reason"))
+    if reason is None:
+        return None
+    return "length" if isinstance(reason, FinishLength) else "abort" if isinstance(reason, FinishAbort) else "stop"
 
 
 def _usage(metas: list[dict], n: int) -> dict:

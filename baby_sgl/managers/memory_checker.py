@@ -51,13 +51,16 @@ def pool_counts(sched: Scheduler) -> dict[str, int]:
 
 
 def check_memory(sched: Scheduler) -> dict[str, int]:
-    """Raises MemoryLeakError unless each structure is sound and free + evictable + protected +
+    """Raises MemoryLeakError unless each structure is sound (and AssertionError unless each
+    request holding KV is: Req.check) and free + evictable + protected +
     request-owned + session-held == total with no slot owned twice; when idle, the only request
     slots in use and the only locked tree nodes must be those of streaming sessions between
     turns. Returns the counts."""
     alloc, cache, pool, sessions = sched.allocator, sched.tree_cache, sched.req_to_token_pool, sched.sessions
     for structure in (alloc, pool, cache, sessions):
         structure.check()
+    for req in sched.active_reqs() + sessions.held_reqs():
+        req.check()
     counts, by_reqs, by_sessions = _ownership(sched)
     every = torch.cat([alloc.free_slots(), cache.all_slots().cpu()] + by_reqs + by_sessions)
     if len(every) != alloc.size or len(torch.unique(every)) != alloc.size:

@@ -50,7 +50,7 @@ class ScheduleBatch:
             if req.req_pool_idx is None:
                 req.req_pool_idx = self.req_to_token_pool.alloc()
                 assert req.req_pool_idx is not None, "admission let in more requests than slots"
-                prefix = req.prefix_indices
+                prefix = req.prefix()
                 self.req_to_token_pool.write(req.req_pool_idx, 0, prefix.to(self.req_to_token_pool.req_to_token.device))
                 req.kv_len = req.alloc_len = req.cache_protected_len = len(prefix)
         self.prefix_lens = [r.kv_len for r in self.reqs]

@@ -32,7 +32,7 @@ def match_prefix(req: Req, tree_cache: BasePrefixCache[Any], sessions: SessionCo
     if req.prefix_match_key == key:
         return
     limit = req.seqlen - 1
-    start = req.logprob_start_len
+    start = req.logprobs.start_len
     if start is not None and req.input_logprobs_pending():  # prompt logprobs need those positions computed here
         limit = min(limit, start)
     match = tree_cache.match_prefix(req.fill_ids[:limit])
@@ -64,7 +64,7 @@ def sort_waiting(waiting: list[Req], policy: str, rng: random.Random, root: Any 
     if policy in CACHE_AWARE_POLICIES and not sorts_by_prefix(policy, len(waiting)):
         return
     if policy == "lpm":
-        waiting.sort(key=lambda r: -len(r.prefix_indices))
+        waiting.sort(key=lambda r: -len(r.prefix()))
     elif policy == "dfs-weight":
         waiting[:] = _dfs_weight_order(waiting, root)
     elif policy == "lof":
@@ -107,7 +107,7 @@ IN_BATCH_PREFIX_THRESHOLD = 32
 
 
 def shares_uncached_prefix(req: Req, batch: list[Req]) -> bool:
-    k = len(req.prefix_indices) + IN_BATCH_PREFIX_THRESHOLD
+    k = len(req.prefix()) + IN_BATCH_PREFIX_THRESHOLD
     if req.seqlen <= k:
         return False
     head = req.fill_ids[:k]
@@ -153,7 +153,7 @@ class PrefillAdder:
         return True
 
     def add_one_req(self, req: Req) -> AddResult:
-        extend = req.seqlen - len(req.prefix_indices)
+        extend = req.seqlen - len(req.prefix())
         if self.can_run and extend > self.rem_input_tokens:
             return AddResult.NO_ROOM
         # Lock first: the matched prefix must survive this step's evictions, so it no longer
@@ -165,7 +165,7 @@ class PrefillAdder:
         if extend + reserve + self.page_size > self.rem_total_tokens:
             self.tree_cache.dec_lock_ref(req.last_node)
             return AddResult.NO_ROOM
-        req.cached_tokens = max(req.cached_tokens, len(req.prefix_indices))
+        req.cached_tokens = max(req.cached_tokens, len(req.prefix()))
         self.sessions.hand_over(req)  # a streaming turn resumes in its session's row
         self._add(req, min(extend, self._chunk_room()))
         return AddResult.NO_ROOM if req.is_chunked or self.rem_chunk_tokens <= 0 else AddResult.CONTINUE
@@ -175,7 +175,7 @@ class PrefillAdder:
         return max(self.rem_chunk_tokens // self.page_size * self.page_size, self.page_size)
 
     def _add(self, req: Req, extend: int) -> None:
-        start = req.kv_len if req.req_pool_idx is not None else len(req.prefix_indices)
+        start = req.kv_len if req.req_pool_idx is not None else len(req.prefix())
         req.extend_input_len = extend
         req.is_chunked = start + extend < req.seqlen
         if req.is_chunked:

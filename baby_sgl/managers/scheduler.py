@@ -20,6 +20,7 @@ from baby_sgl.errors import EngineDeadError
 from baby_sgl.managers.io_struct import SessionParams
 from baby_sgl.managers.memory_checker import check_memory
 from baby_sgl.managers.messages import AbortReq, Call, Message, NewReq, Stop, Wake
+from baby_sgl.core.finish_reason import FinishAbort
 from baby_sgl.core.req import Req
 from baby_sgl.managers.schedule_batch import ScheduleBatch
 from baby_sgl.managers.scheduler_batches import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, BatchFormation
@@ -34,7 +35,7 @@ from baby_sgl.mem_cache.chunk_cache import ChunkCache
 from baby_sgl.mem_cache.radix_cache import RadixCache
 from baby_sgl.core.forward_batch import ForwardMode, ModelWorkerBatch
 from baby_sgl.model_executor.model_runner import ModelRunner
-from baby_sgl.sampling.logprobs import record_input_logprobs
+from baby_sgl.sampling.logprobs import input_logprobs
 from baby_sgl.sampling.sampler import Sampler
 from baby_sgl.server_args import EngineArgs
 from baby_sgl.managers.activity import Activity
@@ -250,7 +251,7 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
                 msg.done.put((False, EngineDeadError(f"the engine has stopped: {e!r}")))
         for req in reqs:
             if not req.finished:
-                req.finished_reason = {"type": "abort", "message": f"the engine has stopped: {e!r}"}
+                req.finished_reason = FinishAbort(f"the engine has stopped: {e!r}")
                 self._emit(req)
         for callback in self.on_death:
             try:
@@ -343,7 +344,6 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         self.stats["mixed_steps"] += batch.mode == ForwardMode.MIXED
         self.last_forward = time.monotonic()
         if batch.input_logprob_spans:
-            assert logprob_hidden is not None, "the pass computed no hidden states for prompt logprobs"
             self._record_input_logprobs(batch, logprob_hidden)
         if any(batch.drafts):
             self._process_verify(batch, logits)
@@ -352,33 +352,38 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         self.activity.record_step(self.stats)
         return True
 
-    def _record_input_logprobs(self, batch: ScheduleBatch, hidden: torch.Tensor) -> None:
+    def _record_input_logprobs(self, batch: ScheduleBatch, hidden: torch.Tensor | None) -> None:
         """Prompt logprobs of the pass; if scoring fails, the requests that asked for them fail."""
+        spans = batch.input_logprob_spans
         try:
-            record_input_logprobs(self.runner.compute_logits, hidden, batch.input_logprob_spans)
+            scored = input_logprobs(self.runner.compute_logits, hidden, spans)
         except Exception as e:
             logger.exception("prompt logprobs failed")
-            for span in batch.input_logprob_spans:
+            for span in spans:
                 span.req.to_abort = f"internal error while computing prompt logprobs: {e!r}"
+            return
+        for span, entries in zip(spans, scored):
+            span.req.logprobs.add_input(span.head, entries)
 
     # ---- aborts and failures -------------------------------------------------------------
     def _handle_aborts(self) -> None:
-        for req in [r for r in self.waiting if r.to_abort]:
+        for req, message in [(r, r.to_abort) for r in self.waiting if r.to_abort]:
             self.waiting.remove(req)
-            self._finish(req, {"type": "abort", "message": req.to_abort})
-        if self.chunked_req is not None and self.chunked_req.to_abort:
-            req, self.chunked_req = self.chunked_req, None
-            self._finish(req, {"type": "abort", "message": req.to_abort})
-        for req in [r for r in self.running if r.to_abort]:
+            self._finish(req, FinishAbort(message))
+        chunked = self.chunked_req
+        if chunked is not None and chunked.to_abort:
+            self.chunked_req = None
+            self._finish(chunked, FinishAbort(chunked.to_abort))
+        for req, message in [(r, r.to_abort) for r in self.running if r.to_abort]:
             self.running.remove(req)
-            self._finish(req, {"type": "abort", "message": req.to_abort})
+            self._finish(req, FinishAbort(message))
 
     def _fail_req(self, req: Req, message: str) -> None:
         """Ends one request with an error; whatever it held is released."""
         self.stats["num_failed_reqs"] += 1
         if self.chunked_req is req:
             self.chunked_req = None
-        self._finish(req, {"type": "abort", "message": message})  # releasing is idempotent
+        self._finish(req, FinishAbort(message))  # releasing is idempotent
 
     def _fail_batch(self, reqs: list[Req], message: str) -> None:
         failed = list(reqs)

@@ -12,6 +12,7 @@ from baby_sgl.managers.schedule_batch import ScheduleBatch
 from baby_sgl.managers.scheduler_state import SchedulerState
 from baby_sgl.managers.schedule_policy import (MAX_CONSIDERED_PER_STEP, AddResult, PrefillAdder, match_prefix,
                                                shares_uncached_prefix, sort_waiting, sorts_by_prefix)
+from baby_sgl.core.finish_reason import FinishAbort
 from baby_sgl.core.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ class BatchFormation(SchedulerState):
             self.waiting[:0] = retracted  # resume before newer arrivals
             self.running = batch.reqs
             if not batch.can_decode():  # one request alone outgrew the pool
-                self._finish(batch.reqs[0], {"type": "abort", "message": "KV cache pool is too small for this request"})
+                self._finish(batch.reqs[0], FinishAbort("KV cache pool is too small for this request"))
                 self.running = []
                 return None
         else:

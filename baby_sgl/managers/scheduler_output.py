@@ -1,6 +1,7 @@
 """What the scheduler does with a pass's logits (a part of Scheduler, run in its thread): samples
-each request's next token, advances it (grammar, stop tokens, lengths, detokenizing, stop strings
-and regexes), finishes and releases it, and emits its new text and ids to whoever waits."""
+the next token of each request (the sampler sees only the batch's SamplingBatch), advances it with
+its token and logprobs (grammar, stop tokens, lengths, detokenizing, stop strings and regexes),
+finishes and releases it, and emits its new text and ids to whoever waits."""
 
 from __future__ import annotations
 
@@ -8,14 +9,18 @@ import logging
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from baby_sgl.constrained.grammar import ConstraintError
 from baby_sgl.managers.detokenizer import detokenize_step
 from baby_sgl.managers.scheduler_state import SchedulerState
+from baby_sgl.core.finish_reason import (FinishAbort, FinishLength, FinishMatchedStr, FinishMatchedToken,
+                                         FinishReason)
 from baby_sgl.core.forward_batch import ForwardMode
+from baby_sgl.core.req import ReqOutput, TokenLogprobs
+from baby_sgl.sampling.sampling_batch import SamplingBatch
 from baby_sgl.core.sampling_params import STOP_WINDOW
 
 if TYPE_CHECKING:
@@ -23,6 +28,9 @@ if TYPE_CHECKING:
     from baby_sgl.managers.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
+
+# A request's share of the sampling: its token and, if it asked for them, the token's logprobs.
+Sampled = tuple[int, TokenLogprobs | None]
 
 
 class OutputProcessing(SchedulerState):
@@ -50,7 +58,7 @@ class OutputProcessing(SchedulerState):
             return step()
         except ConstraintError as e:  # the request's own constraint, not our error
             logger.warning("request %s: %s", req.rid, e)
-            self._finish(req, {"type": "abort", "message": str(e)})
+            self._finish(req, FinishAbort(str(e)))
         except Exception as e:
             logger.exception("request %s failed", req.rid)
             self._fail_req(req, f"internal error while handling this request: {e!r}")
@@ -59,37 +67,42 @@ class OutputProcessing(SchedulerState):
     def _needs_token(self, req: Req) -> bool:
         return not req.is_chunked and not req.to_abort and req.sampling_params.max_new_tokens > 0
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[int | Exception | None]:
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[Sampled | Exception | None]:
         """The next token of every request that gets one (None for the others). Sampling is
         batched; if the batch fails, each row is sampled alone so one bad row fails one request."""
         rows = [i for i, r in enumerate(reqs) if self._needs_token(r)]
-        out: list[int | Exception | None] = [None] * len(reqs)
+        out: list[Sampled | Exception | None] = [None] * len(reqs)
         if not rows:
             return out
         try:
             batch_logits = logits if len(rows) == len(reqs) else logits[rows]
-            for i, token in zip(rows, self.sampler(batch_logits, [reqs[i] for i in rows])):
-                out[i] = token
+            result = self.sampler.sample(batch_logits, SamplingBatch.from_reqs([reqs[i] for i in rows]))
+            for i, token, logprobs in zip(rows, result.tokens, result.logprobs):
+                out[i] = token, logprobs
             return out
         except Exception:
             logger.exception("batched sampling failed; sampling row by row")
         for i in rows:
             try:
-                out[i] = self.sampler(logits[i : i + 1], [reqs[i]])[0]
+                out[i] = self._sample_one(logits[i : i + 1], reqs[i])
             except Exception as e:
                 out[i] = e
         return out
 
-    def _advance(self, req: Req, extended: bool, token: int | Exception | None) -> bool:
+    def _sample_one(self, logits: torch.Tensor, req: Req) -> Sampled:
+        result = self.sampler.sample(logits, SamplingBatch.from_reqs([req]))
+        return result.tokens[0], result.logprobs[0]
+
+    def _advance(self, req: Req, extended: bool, sampled: Sampled | Exception | None) -> bool:
         """Applies one pass to one request (`extended`: the pass computed part of its prompt
         rather than one decode step); True if it keeps decoding."""
-        if isinstance(token, Exception):  # its sampling failed
-            raise token
+        if isinstance(sampled, Exception):  # its sampling failed
+            raise sampled
         if req.is_chunked:  # more of its prompt to come; it stays the chunked request
             self.tree_cache.cache_unfinished_req(req)
             return False
         if req.to_abort:
-            self._finish(req, {"type": "abort", "message": req.to_abort})
+            self._finish(req, FinishAbort(req.to_abort))
             return False
         ts = req.time_stats
         if ts.first_token is None:  # prefill complete: its first token; its prompt counted once
@@ -97,10 +110,10 @@ class OutputProcessing(SchedulerState):
             self.stats["prompt_tokens"] += len(req.origin_input_ids)
             self.stats["cached_tokens"] += req.cached_tokens
             self.activity.record_ttft(ts.first_token - ts.created)
-        if token is None:  # max_new_tokens == 0: prefill only, the prompt stays in the cache
-            self._finish(req, {"type": "length", "length": 0})
+        if sampled is None:  # max_new_tokens == 0: prefill only, the prompt stays in the cache
+            self._finish(req, FinishLength(0))
             return False
-        self._append_token(req, token)
+        self._append_token(req, *sampled)
         if req.finished:
             self._release(req)
         elif extended:
@@ -108,24 +121,20 @@ class OutputProcessing(SchedulerState):
         self._emit(req)
         return not req.finished
 
-    def _append_token(self, req: Req, token: int) -> None:
+    def _append_token(self, req: Req, token: int, logprobs: TokenLogprobs | None) -> None:
         if req.grammar is not None:  # raises ConstraintError if the token breaks the constraint
-            try:
-                req.grammar.accept_token(token)
-            except ConstraintError:
-                # The sampler recorded its logprobs: the token is not output, nor are they.
-                for entries in (req.output_token_logprobs, req.output_top_logprobs, req.output_token_ids_logprobs):
-                    del entries[len(req.output_ids):]
-                raise
+            req.grammar.accept_token(token)
         req.output_ids.append(token)
+        if logprobs is not None:
+            req.logprobs.add_output(logprobs)
         self.stats["generation_tokens"] += 1
         p = req.sampling_params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            req.finished_reason = {"type": "stop", "matched": token}
+            req.finished_reason = FinishMatchedToken(token)
         elif len(req.output_ids) >= p.max_new_tokens or req.seqlen >= self.context_len:
-            req.finished_reason = {"type": "length", "length": len(req.output_ids)}
+            req.finished_reason = FinishLength(len(req.output_ids))
         elif req.grammar is not None and req.grammar.is_terminated():
-            req.finished_reason = {"type": "stop", "matched": token}
+            req.finished_reason = FinishMatchedToken(token)
         text_before = len(req.text)
         detokenize_step(self.tokenizer, req, final=req.finished)
         if not req.finished and len(req.text) > text_before:  # only new text can complete a stop
@@ -141,7 +150,7 @@ class OutputProcessing(SchedulerState):
             pos, matched = min(hits)
             if not req.sampling_params.no_stop_trim:
                 req.text = req.text[:pos]
-            req.finished_reason = {"type": "stop", "matched": matched}
+            req.finished_reason = FinishMatchedStr(matched)
 
     @staticmethod
     def _check_stop_regex(req: Req, start: int) -> None:
@@ -153,10 +162,10 @@ class OutputProcessing(SchedulerState):
         p = req.sampling_params
         for pattern, regex in zip(p.stop_regex, p.stop_regexes):
             if regex.search(window, start - context):
-                req.finished_reason = {"type": "stop", "matched": pattern}
+                req.finished_reason = FinishMatchedStr(pattern)
                 return
 
-    def _finish(self, req: Req, reason: dict[str, Any]) -> None:
+    def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
         self._release(req)
         self._emit(req)
@@ -169,7 +178,7 @@ class OutputProcessing(SchedulerState):
         self.sessions.turn_ended(req)
         if self.drafter is not None:  # its text joins what later requests may draft from
             self.drafter.add_cached_text(req.fill_ids)
-        req.draft_state = None  # its own index of its text: no later step drafts for it
+        req.spec.drafts = None  # its own index of its text: no later step drafts for it
 
     def _emit(self, req: Req) -> None:
         """Sends the new text and ids to whoever waits for this request (stream) or the whole
@@ -179,21 +188,16 @@ class OutputProcessing(SchedulerState):
             req.time_stats.finished = time.perf_counter()
         elif not req.stream:
             return
-        elif interval and req.sent_ids_len and len(req.output_ids) - req.sent_ids_len < interval:
+        elif interval and req.detok.sent_ids_len and len(req.output_ids) - req.detok.sent_ids_len < interval:
             return  # stream_interval: a piece every `interval` tokens (the first at once)
+        sent = req.detok
         text_end = len(req.text)
         if not req.finished and req.sampling_params.stop:
             # Hold back what could still become the start of a stop string.
-            text_end = max(req.sent_text_len, text_end - max(map(len, req.sampling_params.stop)) + 1)
-        out = {
-            "rid": req.rid,
-            "text": req.text[req.sent_text_len : text_end],
-            "output_ids": req.output_ids[req.sent_ids_len :],
-            "finished": req.finished,
-            "finish_reason": req.finished_reason,
-            "req": req,
-        }
-        req.sent_text_len, req.sent_ids_len = text_end, len(req.output_ids)
+            text_end = max(sent.sent_text_len, text_end - max(map(len, req.sampling_params.stop)) + 1)
+        out = ReqOutput(req, req.text[sent.sent_text_len : text_end], req.output_ids[sent.sent_ids_len :],
+                        req.finished, req.finished_reason)
+        sent.sent_text_len, sent.sent_ids_len = text_end, len(req.output_ids)
         if req.on_output is None:
             return
         try:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from baby_sgl.core.finish_reason import FinishAbort
 from baby_sgl.managers.scheduler_state import SchedulerState
 from baby_sgl.speculative.ngram import NgramDrafter, RequestDrafts
 
@@ -66,10 +67,10 @@ class Speculation(SchedulerState):
                        self.context_len - req.seqlen, MAX_VERIFY_ROWS - rows)
             if room <= 0 or req.to_abort:
                 continue
-            if req.draft_state is None:
-                req.draft_state = RequestDrafts(drafter.min_n, drafter.max_n)
+            if req.spec.drafts is None:
+                req.spec.drafts = RequestDrafts(drafter.min_n, drafter.max_n)
             self.stats["spec_draft_chances"] += 1
-            batch.drafts[i] = drafter.draft(req.draft_state, req.origin_input_ids, req.output_ids, room)
+            batch.drafts[i] = drafter.draft(req.spec.drafts, req.origin_input_ids, req.output_ids, room)
             rows += len(batch.drafts[i])
         if not batch.can_decode():  # the drafts' slots are not there: decode one token each
             batch.drafts = [[] for _ in batch.reqs]
@@ -88,7 +89,7 @@ class Speculation(SchedulerState):
     def _verify(self, req: Req, rows: torch.Tensor, drafts: list[int]) -> bool:
         """One request's share of a verify pass; True if it keeps decoding."""
         if req.to_abort:
-            self._finish(req, {"type": "abort", "message": req.to_abort})
+            self._finish(req, FinishAbort(req.to_abort))
             return False
         self._accept(req, rows, drafts)
         if req.finished:
@@ -102,21 +103,21 @@ class Speculation(SchedulerState):
         targets = rows[:, : self.sampler.vocab_size].argmax(dim=-1).tolist() if _plain_greedy(req) else None
         appended = 0
         for j in range(len(drafts) + 1):
-            token = targets[j] if targets is not None else self.sampler(rows[j : j + 1], [req])[0]
-            self._append_token(req, token)
+            token, logprobs = (targets[j], None) if targets is not None else self._sample_one(rows[j : j + 1], req)
+            self._append_token(req, token, logprobs)
             appended += 1
             if req.finished or j == len(drafts) or token != drafts[j]:
                 break
         req.kv_len += appended  # the last token and the accepted drafts were computed
         if drafts:
             accepted = sum(1 for t, d in zip(req.output_ids[-appended:], drafts) if t == d)
-            req.spec_verify_ct += 1
-            req.spec_accepted_tokens += accepted
+            req.spec.verify_ct += 1
+            req.spec.accepted_tokens += accepted
             self.stats["spec_verify_steps"] += 1
             self.stats["spec_draft_tokens"] += len(drafts)
             self.stats["spec_accepted_tokens"] += accepted
-            assert req.draft_state is not None, "a request with drafts has a drafting state"
-            req.draft_state.record(len(drafts), accepted)
+            assert req.spec.drafts is not None, "a request with drafts has a drafting state"
+            req.spec.drafts.record(len(drafts), accepted)
         self._drop_rejected_slots(req)
 
     def _drop_rejected_slots(self, req: Req) -> None:
@@ -133,5 +134,5 @@ def _plain_greedy(req: Req) -> bool:
     """Greedy with nothing that depends on the tokens before (no grammar, penalties, bias, pending
     min_new_tokens or logprobs): every row's token is its argmax, all taken at once."""
     p = req.sampling_params
-    return (p.is_greedy and req.grammar is None and not req.return_logprob and not p.has_penalties
+    return (p.is_greedy and req.grammar is None and not req.logprobs.return_logprob and not p.has_penalties
             and not p.logit_bias and len(req.output_ids) >= p.min_new_tokens)

@@ -9,10 +9,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
+    from baby_sgl.core.finish_reason import FinishReason
     from baby_sgl.core.memory_pool import ReqToTokenPool
-    from baby_sgl.core.req import Req
+    from baby_sgl.core.req import Req, TokenLogprobs
     from baby_sgl.managers.activity import Activity
     from baby_sgl.managers.schedule_batch import ScheduleBatch
     from baby_sgl.managers.session_controller import SessionController
@@ -57,9 +59,11 @@ class SchedulerState:
     stats: dict[str, int]
 
     if TYPE_CHECKING:  # the parts call each other's, defined by the part that owns them
-        def _finish(self, req: Req, reason: dict[str, Any]) -> None: ...  # scheduler_output.py
+        def _finish(self, req: Req, reason: FinishReason) -> None: ...  # scheduler_output.py
 
-        def _append_token(self, req: Req, token: int) -> None: ...  # scheduler_output.py
+        def _append_token(self, req: Req, token: int, logprobs: TokenLogprobs | None) -> None: ...  # scheduler_output.py
+
+        def _sample_one(self, logits: torch.Tensor, req: Req) -> tuple[int, TokenLogprobs | None]: ...  # scheduler_output.py
 
         def _release(self, req: Req) -> None: ...  # scheduler_output.py
 

@@ -28,6 +28,7 @@ import torch
 from baby_sgl.errors import ServerBusyError
 from baby_sgl.errors import MemoryLeakError
 from baby_sgl.managers.io_struct import OpenSessionReqInput, SessionParams
+from baby_sgl.core.finish_reason import FinishAbort
 from baby_sgl.core.req import Req
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 
@@ -256,7 +257,7 @@ class SessionController:
         if session is not None and session.held is req:
             return True
         if (session is None or not session.streaming or session.closing or req.req_pool_idx is None
-                or (req.finished_reason or {}).get("type") == "abort"):
+                or isinstance(req.finished_reason, FinishAbort)):
             return False
         self.tree_cache.cache_unfinished_req(req)
         session.held = req

@@ -15,7 +15,8 @@ from jinja2.exceptions import TemplateError
 
 from baby_sgl.constrained.grammar import GrammarCache
 from baby_sgl.managers.io_struct import MAX_TOKEN_IDS_LOGPROB, ReqOptions
-from baby_sgl.core.req import Req
+from baby_sgl.core.finish_reason import FinishAbort
+from baby_sgl.core.req import LogprobState, Req, ReqOutput
 from baby_sgl.sampling.logprobs import with_texts
 from baby_sgl.core.sampling_params import SamplingParams, ServerGrammar, check_copies_budget
 from baby_sgl.validation import validate, validate_text
@@ -107,9 +108,8 @@ class TokenizerManager:
         grammar = self.grammars.get(params.grammar) if params.grammar else None  # compiles here, off the scheduler
         reqs = [Req(r, ids, params) for r in self.copy_rids(opts.rid or uuid.uuid4().hex, params.n)]
         for req in reqs:
-            req.return_logprob, req.top_logprobs_num = return_logprob, opts.top_logprobs_num
-            req.token_ids_logprob = opts.token_ids_logprob or None
-            req.return_text_in_logprobs, req.logprob_start_len = opts.return_text_in_logprobs, start
+            req.logprobs = LogprobState(return_logprob, opts.top_logprobs_num, opts.token_ids_logprob or None,
+                                        opts.return_text_in_logprobs, start)
             req.grammar = grammar.matcher() if grammar is not None else None
         return reqs
 
@@ -147,17 +147,17 @@ class TokenizerManager:
             "prompt_tokens": len(req.origin_input_ids),
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens,
-            "finish_reason": req.finished_reason,
+            "finish_reason": req.finished_reason and req.finished_reason.to_json(),
             "num_retractions": req.num_retractions,
             # Speculative decoding (as SGLang): verify passes in which the request had drafts, and
             # the drafts they accepted.
-            "spec_verify_ct": req.spec_verify_ct,
-            "spec_accepted_tokens": req.spec_accepted_tokens,
+            "spec_verify_ct": req.spec.verify_ct,
+            "spec_accepted_tokens": req.spec.accepted_tokens,
             "weight_version": WEIGHT_VERSION,
             "e2e_latency": (ts.finished or ts.created) - ts.created,
             "ttft": (ts.first_token - ts.created) if ts.first_token else None,
         }
-        if req.return_logprob and with_logprobs:
+        if req.logprobs.return_logprob and with_logprobs:
             meta.update(self.logprobs(req, since))
         return meta
 
@@ -165,16 +165,16 @@ class TokenizerManager:
         """SGLang's logprob fields of meta_info; prompt ones once they are all computed. With
         `since`, only what it has not counted yet (output entries past it, prompt ones once), and
         it is advanced: a stream's pieces then carry each entry once."""
-        cursor = since or LogprobCursor()
+        cursor, lp = since or LogprobCursor(), req.logprobs
         prompt = not req.input_logprobs_pending() and not cursor.prompt
         sides = ("output", "input") if prompt else ("output",)
-        kinds = ["token_logprobs"] + ["top_logprobs"] * bool(req.top_logprobs_num) + \
-            ["token_ids_logprobs"] * (req.token_ids_logprob is not None)
-        fields = {f"{side}_{kind}": getattr(req, f"{side}_{kind}")[cursor.output if side == "output" else 0:]
+        kinds = ["token_logprobs"] + ["top_logprobs"] * bool(lp.top_logprobs_num) + \
+            ["token_ids_logprobs"] * (lp.token_ids_logprob is not None)
+        fields = {f"{side}_{kind}": getattr(lp, f"{side}_{kind}")[cursor.output if side == "output" else 0:]
                   for kind in kinds for side in sides}
-        if req.return_text_in_logprobs:
+        if lp.return_text_in_logprobs:
             fields = {k: with_texts(v, self.token_text) for k, v in fields.items()}
-        total = len(req.output_token_logprobs)
+        total = len(lp.output_token_logprobs)
         cursor.output, cursor.prompt = total, cursor.prompt or prompt
         # as SGLang: how many output logprobs there are so far, whatever a piece carries
         return fields | {"output_token_logprobs_length": total}
@@ -197,7 +197,7 @@ class TokenizerManager:
     @staticmethod
     def error_result(err: ValueError) -> dict[str, Any]:
         return {"text": "", "output_ids": [], "error": str(err),
-                "meta_info": {"finish_reason": {"type": "abort", "message": str(err)}}}
+                "meta_info": {"finish_reason": FinishAbort(str(err)).to_json()}}
 
     @staticmethod
     def check_session_logprobs(session_params: Any, options: dict[str, Any]) -> None:
@@ -205,14 +205,13 @@ class TokenizerManager:
         if session_params is not None and start is not None and start >= 0 and options.get("return_logprob"):
             raise ValueError("prompt logprobs (logprob_start_len >= 0) are not available for session turns")
 
-    def chunk(self, out: dict[str, Any], with_logprobs: bool = True,
+    def chunk(self, out: ReqOutput, with_logprobs: bool = True,
               since: LogprobCursor | None = None) -> dict[str, Any]:
         """A scheduler output as the API shows it: the new text and ids, meta_info so far (its
         logprobs only those past `since`, when given)."""
-        req = out["req"]
-        return {"text": out["text"], "output_ids": out["output_ids"],
-                "meta_info": self.meta_info(req, with_logprobs, since), "finished": out["finished"],
-                "prompt_token_ids": req.origin_input_ids}
+        return {"text": out.text, "output_ids": out.output_ids,
+                "meta_info": self.meta_info(out.req, with_logprobs, since), "finished": out.finished,
+                "prompt_token_ids": out.req.origin_input_ids}
 
     def apply_chat_template(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
                             tools: list[dict[str, Any]] | None = None) -> list[int]:

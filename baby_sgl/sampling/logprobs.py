@@ -10,6 +10,8 @@ hidden state at position s + j - 1. So positions s .. L - 2 of a prompt of L tok
 computed in this request's own extend passes: the prefix cache serves at most s tokens of it
 (`max_prefix_len`). Under chunked prefill the entries gather chunk by chunk; after a retraction
 they are complete already and are not computed again.
+
+These functions compute the entries; the scheduler writes them into the requests (LogprobState).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from baby_sgl.core.req import Req
+from baby_sgl.core.req import LogprobEntry, Req, TokenLogprobs
+from baby_sgl.sampling.sampling_batch import LogprobQuery
 
 _LOGITS_SLICE_ROWS = 256  # prompt rows turned into vocabulary logits at once (bounds memory)
 # A token the grammar (or min_new_tokens) forbids has probability 0: its logprob is reported as
@@ -34,8 +37,10 @@ def _finite(logprobs: torch.Tensor) -> torch.Tensor:
 @dataclass
 class InputLogprobSpan:
     req: Req
+    query: LogprobQuery
     first_pos: int  # absolute position of the first hidden row (predicts token first_pos + 1)
-    count: int
+    targets: list[int]  # the prompt tokens its rows predict, one per row
+    head: int | None  # the first prompt token scored (no entry of its own yet): recorded before the others
 
 
 def plan_input_logprobs(reqs: list[Req], prefix_lens: list[int], seq_lens: list[int],
@@ -48,63 +53,66 @@ def plan_input_logprobs(reqs: list[Req], prefix_lens: list[int], seq_lens: list[
     offset = 0
     for i, (req, a, b) in enumerate(zip(reqs, prefix_lens, seq_lens)):
         if i < num_extend and req.input_logprobs_pending():
-            start = req.logprob_start_len
+            lp, ids = req.logprobs, req.origin_input_ids
+            start = lp.start_len
             assert start is not None, "a request with pending prompt logprobs has a start"
-            next_pos = start + len(req.input_token_logprobs) - 1 if req.input_token_logprobs else start
-            first, last = max(next_pos, a), min(len(req.origin_input_ids) - 1, b)
+            next_pos = start + len(lp.input_token_logprobs) - 1 if lp.input_token_logprobs else start
+            first, last = max(next_pos, a), min(len(ids) - 1, b)
             assert a <= next_pos or first >= last, "prompt logprob positions were served from the cache"
-            if not req.input_token_logprobs:
-                req.input_token_logprobs.append([None, req.origin_input_ids[start], None])
-                if req.top_logprobs_num:
-                    req.input_top_logprobs.append(None)
-                if req.token_ids_logprob is not None:
-                    req.input_token_ids_logprobs.append(None)
+            head = None if lp.input_token_logprobs else ids[start]
+            query = LogprobQuery(lp.top_logprobs_num, lp.token_ids_logprob)
             if last > first:
                 rows.extend(range(offset + first - a, offset + last - a))
-                spans.append(InputLogprobSpan(req, first, last - first))
+                spans.append(InputLogprobSpan(req, query, first, ids[first + 1 : last + 1], head))
+            elif head is not None:
+                spans.append(InputLogprobSpan(req, query, first, [], head))
         offset += b - a
     return rows, spans
 
 
-def record_input_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                          spans: list[InputLogprobSpan]) -> None:
-    """Scores each span's next prompt tokens from its hidden rows, a slice at a time."""
+def input_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor | None,
+                   spans: list[InputLogprobSpan]) -> list[list[TokenLogprobs]]:
+    """Each span's entries for its target prompt tokens, from its hidden rows a slice at a time
+    (hidden: None when no span has a target, the pass then computed none)."""
+    out: list[list[TokenLogprobs]] = []
     row = 0
     for span in spans:
-        req, ids = span.req, span.req.origin_input_ids
-        for lo in range(0, span.count, _LOGITS_SLICE_ROWS):
-            n = min(_LOGITS_SLICE_ROWS, span.count - lo)
-            logprobs = _finite(torch.log_softmax(compute_logits(hidden[row + lo : row + lo + n]), dim=-1))
-            targets = ids[span.first_pos + lo + 1 : span.first_pos + lo + 1 + n]
-            picked = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
-            req.input_token_logprobs.extend([lp, t, None] for lp, t in zip(picked, targets))
-            _record_extras(logprobs, req, req.input_top_logprobs, req.input_token_ids_logprobs)
-        row += span.count
+        entries: list[TokenLogprobs] = []
+        for lo in range(0, len(span.targets), _LOGITS_SLICE_ROWS):
+            assert hidden is not None, "the pass computed no hidden states for prompt logprobs"
+            targets = span.targets[lo : lo + _LOGITS_SLICE_ROWS]
+            logprobs = _finite(torch.log_softmax(compute_logits(hidden[row + lo : row + lo + len(targets)]), dim=-1))
+            entries += _entries(logprobs, targets, span.query)
+        out.append(entries)
+        row += len(span.targets)
+    return out
 
 
-def record_output_logprobs(logprobs: torch.Tensor, reqs: list[Req], ids: list[int]) -> None:
-    """logprobs: [len(reqs), vocab] log-probabilities the rows' tokens were chosen from."""
-    rows = [i for i, r in enumerate(reqs) if r.return_logprob]
-    if not rows:
-        return
+def output_logprobs(logprobs: torch.Tensor, ids: list[int],
+                    queries: list[LogprobQuery | None]) -> list[TokenLogprobs | None]:
+    """logprobs: [rows, vocab] log-probabilities the rows' tokens were chosen from."""
+    rows = [i for i, q in enumerate(queries) if q is not None]
+    out: list[TokenLogprobs | None] = [None] * len(ids)
     logprobs = _finite(logprobs)
-    picked = logprobs[rows].gather(1, torch.tensor([ids[i] for i in rows], device=logprobs.device)[:, None]).squeeze(1).tolist()
-    for j, i in enumerate(rows):
-        req = reqs[i]
-        req.output_token_logprobs.append([picked[j], ids[i], None])
-        _record_extras(logprobs[i : i + 1], req, req.output_top_logprobs, req.output_token_ids_logprobs)
+    for i in rows:
+        query = queries[i]
+        assert query is not None
+        out[i] = _entries(logprobs[i : i + 1], [ids[i]], query)[0]
+    return out
 
 
-def _record_extras(logprobs: torch.Tensor, req: Req, top_out: list, ids_out: list) -> None:
-    """Top-k and the requested ids' log-probabilities of each row."""
-    if req.top_logprobs_num:
-        top = logprobs.topk(req.top_logprobs_num, dim=-1)
-        for vals, idx in zip(top.values.tolist(), top.indices.tolist()):
-            top_out.append([[v, t, None] for v, t in zip(vals, idx)])
-    if req.token_ids_logprob is not None:
-        wanted = req.token_ids_logprob
-        for vals in logprobs[:, wanted].tolist():
-            ids_out.append([[v, t, None] for v, t in zip(vals, wanted)])
+def _entries(logprobs: torch.Tensor, targets: list[int], query: LogprobQuery) -> list[TokenLogprobs]:
+    """The entries of each row's target token, top-k and requested ids."""
+    picked = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
+    tops: list[list[LogprobEntry] | None] = [None] * len(targets)
+    wanted: list[list[LogprobEntry] | None] = [None] * len(targets)
+    if query.top_k:
+        top = logprobs.topk(query.top_k, dim=-1)
+        tops = [[[v, t, None] for v, t in zip(vals, idx)] for vals, idx in zip(top.values.tolist(), top.indices.tolist())]
+    if query.token_ids is not None:
+        ids = query.token_ids
+        wanted = [[[v, t, None] for v, t in zip(vals, ids)] for vals in logprobs[:, ids].tolist()]
+    return [TokenLogprobs([lp, t, None], top, w) for lp, t, top, w in zip(picked, targets, tops, wanted)]
 
 
 def with_texts(entries: list, token_text: Callable[[int], str]) -> list:

@@ -16,13 +16,23 @@ from a generator seeded by (seed, step), so its tokens do not depend on what els
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from baby_sgl.constrained.grammar import apply_grammar_masks
-from baby_sgl.core.req import Req
-from baby_sgl.sampling.logprobs import record_output_logprobs
+from baby_sgl.core.req import TokenLogprobs
+from baby_sgl.core.sampling_params import SamplingParams
+from baby_sgl.sampling.logprobs import output_logprobs
+from baby_sgl.sampling.sampling_batch import SamplingBatch
 
 _TOPK_FAST_PATH = 1024
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]  # per row; None where the row asked for none
 
 
 class Sampler:
@@ -31,50 +41,53 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator(device="cpu").manual_seed(random_seed)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Req]) -> list[int]:
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+        """Each row's next token, from its logits and its share of the batch."""
         logits = logits[:, : self.vocab_size]
-        if any(r.sampling_params.has_penalties for r in reqs):
-            logits = self._apply_penalties(logits.clone(), reqs)
-        if any(len(r.output_ids) < r.sampling_params.min_new_tokens for r in reqs):
-            logits = self._block_stop_tokens(logits.clone(), reqs)
-        if any(r.sampling_params.logit_bias for r in reqs):
-            logits = self._apply_logit_bias(logits.clone(), reqs)
-        logits = self._scale(logits, reqs)
-        if any(r.grammar is not None for r in reqs):
-            logits = apply_grammar_masks(logits, reqs)
+        params = batch.params
+        if any(p is not None for p in batch.penalties):
+            logits = self._apply_penalties(logits.clone(), batch)
+        if any(n < p.min_new_tokens for p, n in zip(params, batch.num_output)):
+            logits = self._block_stop_tokens(logits.clone(), batch)
+        if any(p.logit_bias for p in params):
+            logits = self._apply_logit_bias(logits.clone(), batch)
+        logits = self._scale(logits, batch)
+        if any(g is not None for g in batch.grammars):
+            logits = apply_grammar_masks(logits, batch.grammars)
         next_ids = logits.argmax(dim=-1)
-        sampled = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)
-            next_ids[rows] = self._sample(logits[rows], [reqs[i] for i in sampled])
+            next_ids[rows] = self._sample(logits[rows], [params[i] for i in sampled],
+                                          [batch.num_output[i] for i in sampled])
         ids = next_ids.tolist()
-        if any(r.return_logprob for r in reqs):
-            # As SGLang: the distribution the token came from, temperature included when sampled.
-            record_output_logprobs(torch.log_softmax(logits, dim=-1), reqs, ids)
-        return ids
+        if not any(q is not None for q in batch.logprobs):
+            return SampleResult(ids, [None] * len(ids))
+        # As SGLang: the distribution the token came from, temperature included when sampled.
+        return SampleResult(ids, output_logprobs(torch.log_softmax(logits, dim=-1), ids, batch.logprobs))
 
     @staticmethod
-    def _scale(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    def _scale(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """A new tensor of the logits divided by each sampled row's temperature (greedy rows by 1),
         finite or -inf throughout. A temperature past the dtype's range counts as its largest value
         (1e308 was infinite in float32, and -inf / inf is NaN, which defeated the grammar mask); a
         logit that penalties or a tiny temperature pushed to +inf becomes the largest finite one, a
         NaN -inf (never drawn)."""
         finfo = torch.finfo(logits.dtype)
-        temps = [1.0 if r.sampling_params.is_greedy else min(r.sampling_params.temperature, finfo.max) for r in reqs]
+        temps = [1.0 if p.is_greedy else min(p.temperature, finfo.max) for p in batch.params]
         scaled = logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
         return scaled.nan_to_num_(nan=float("-inf"), posinf=finfo.max, neginf=float("-inf"))
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        """logits: already scaled by temperature and masked (see __call__)."""
-        params = [r.sampling_params for r in reqs]
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> torch.Tensor:
+        """logits: already scaled by temperature and masked (see sample); steps: each row's output
+        tokens so far."""
         probs = torch.softmax(logits, dim=-1)
         top_ks = [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params]
         kmax = max(top_ks)
         if kmax == self.vocab_size and all(p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
             # Nothing is cut: draw from the whole vocabulary, no sort needed (a sort of a 49k
             # vocabulary took ~3 ms a step on CPU).
-            return self._draw(probs, reqs)
+            return self._draw(probs, params, steps)
         probs_sort, idx = probs.topk(min(kmax, _TOPK_FAST_PATH), dim=-1)
         if kmax > _TOPK_FAST_PATH:
             # top_p alone: the top 1024 suffice when they reach every row's top_p (the smallest set
@@ -90,16 +103,15 @@ class Sampler:
         min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=dev)[:, None]
         drop |= probs_sort < probs_sort[:, :1] * min_p
         probs_sort = probs_sort.masked_fill(drop, 0.0)
-        return idx.gather(1, self._draw(probs_sort, reqs)[:, None]).squeeze(1)
+        return idx.gather(1, self._draw(probs_sort, params, steps)[:, None]).squeeze(1)
 
-    def _draw(self, probs: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    def _draw(self, probs: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> torch.Tensor:
         """One column per row of probs (not normalised; zeros are never drawn), at random."""
         # Drawn on the CPU (the generators live there), one number per request, then moved.
-        u = torch.rand(len(reqs), 1, generator=self.generator, dtype=probs.dtype, device="cpu")
-        for i, r in enumerate(reqs):
-            seed = r.sampling_params.seed
-            if seed is not None:
-                g = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + len(r.output_ids)) % (2**63))
+        u = torch.rand(len(params), 1, generator=self.generator, dtype=probs.dtype, device="cpu")
+        for i, (p, step) in enumerate(zip(params, steps)):
+            if p.seed is not None:
+                g = torch.Generator(device="cpu").manual_seed((p.seed * 1_000_003 + step) % (2**63))
                 u[i] = torch.rand(1, generator=g, dtype=probs.dtype, device="cpu")
         u = u.to(probs.device)
         cdf = probs.cumsum(dim=-1)
@@ -108,33 +120,31 @@ class Sampler:
         last = probs.shape[1] - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(dim=-1)
         return torch.where(picked >= probs.shape[1], last, picked)
 
-    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        for i, r in enumerate(reqs):
-            p = r.sampling_params
-            if not p.has_penalties:
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        for i, (p, ctx) in enumerate(zip(batch.params, batch.penalties)):
+            if ctx is None:
                 continue
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(r.origin_input_ids) | set(r.output_ids)), dtype=torch.long,
-                                    device=logits.device)
+                seen = torch.tensor(ctx.seen, dtype=torch.long, device=logits.device)
                 row = logits[i, seen]
                 logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            if r.output_ids and (p.frequency_penalty or p.presence_penalty):
-                counts = torch.bincount(torch.tensor(r.output_ids, device=logits.device), minlength=logits.shape[1])[: logits.shape[1]]
+            if ctx.output and (p.frequency_penalty or p.presence_penalty):
+                counts = torch.bincount(torch.tensor(ctx.output, device=logits.device), minlength=logits.shape[1])[: logits.shape[1]]
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         return logits
 
-    def _block_stop_tokens(self, logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        for i, r in enumerate(reqs):
-            p = r.sampling_params
-            if len(r.output_ids) < p.min_new_tokens:
+    def _block_stop_tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        for i, (p, n) in enumerate(zip(batch.params, batch.num_output)):
+            if n < p.min_new_tokens:
                 stops = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
                 logits[i, [t for t in stops if t < logits.shape[1]]] = float("-inf")
         return logits
 
     @staticmethod
-    def _apply_logit_bias(logits: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
-        for i, r in enumerate(reqs):
-            bias = r.sampling_params.logit_bias
+    def _apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        for i, p in enumerate(batch.params):
+            bias = p.logit_bias
             if bias:
                 ids = torch.tensor([int(k) for k in bias], device=logits.device)
                 logits[i].index_add_(0, ids, torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device))

@@ -12,10 +12,14 @@ from helpers import GREEDY, random_prompts
 
 PROMPTS = random_prompts(6, 512, 5, 40, seed=7)
 POISON = [9, 8, 7, 6, 5, 4, 3]
+# The poisoned prompt's seed marks its rows for the sampler (greedy decoding draws nothing with it).
+POISON_SEED = 987654
 
 
 def _run(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 12) -> list[dict]:
-    return engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": max_new_tokens})
+    params = [{**GREEDY, "max_new_tokens": max_new_tokens} | ({"seed": POISON_SEED} if p == POISON else {})
+              for p in prompts]
+    return engine.generate(input_ids=prompts, sampling_params=params)
 
 
 class _PoisonedSampler:
@@ -25,10 +29,10 @@ class _PoisonedSampler:
     def __init__(self, sampler, after: int) -> None:
         self.sampler, self.after = sampler, after
 
-    def __call__(self, logits, reqs):
-        if any(r.origin_input_ids == POISON and len(r.output_ids) >= self.after for r in reqs):
+    def sample(self, logits, batch):
+        if any(p.seed == POISON_SEED and n >= self.after for p, n in zip(batch.params, batch.num_output)):
             raise RuntimeError("injected sampling fault")
-        return self.sampler(logits, reqs)
+        return self.sampler.sample(logits, batch)
 
 
 @pytest.mark.parametrize("config", [{}, {"page_size": 16}, {"disable_radix_cache": True, "page_size": 4}])

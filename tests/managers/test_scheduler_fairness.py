@@ -163,13 +163,13 @@ def ngram(tiny_llama):
 
 
 def test_a_finished_request_drops_its_drafting_state(ngram):
-    # Before: Speculation._plan_drafts set req.draft_state and nothing cleared it.
+    # Before: Speculation._plan_drafts set the drafting state (now req.spec.drafts) and nothing cleared it.
     done = threading.Event()
     reqs = ngram.submit("repeat repeat repeat repeat", {"max_new_tokens": 32, **GREEDY},
                         on_output=lambda out: out["finished"] and done.set())
     assert done.wait(60)
     assert ngram.get_server_info()["spec_draft_chances"] > 0  # drafts were planned for it
-    assert reqs[0].draft_state is None
+    assert reqs[0].spec.drafts is None
     ngram.check_memory()
 
 

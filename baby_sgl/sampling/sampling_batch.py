@@ -1,0 +1,60 @@
+"""What sampling needs of each row of a pass, gathered from the requests before their logits are
+sampled: the sampler reads this and the logits, never a request, and returns what it chose
+(the scheduler writes it back)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baby_sgl.constrained.grammar import GrammarMatcher
+from baby_sgl.core.req import LogprobState, Req
+from baby_sgl.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class LogprobQuery:
+    """The logprobs a row reports besides its token's: its top k (0: none), and those of these ids."""
+
+    top_k: int
+    token_ids: list[int] | None
+
+    @staticmethod
+    def of(state: LogprobState) -> LogprobQuery | None:
+        return LogprobQuery(state.top_logprobs_num, state.token_ids_logprob) if state.return_logprob else None
+
+
+@dataclass(frozen=True)
+class PenaltyContext:
+    """The tokens a row's penalties look at: the sequence's distinct ids (repetition_penalty; empty
+    without one) and its output (frequency and presence penalties)."""
+
+    seen: list[int]
+    output: list[int]
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    params: list[SamplingParams]
+    num_output: list[int]  # output tokens so far: min_new_tokens, and the step of a seeded draw
+    penalties: list[PenaltyContext | None]  # None: the row has no penalty
+    grammars: list[GrammarMatcher | None]
+    logprobs: list[LogprobQuery | None]  # None: the row reports no logprobs
+
+    @staticmethod
+    def from_reqs(reqs: list[Req]) -> SamplingBatch:
+        return SamplingBatch(
+            params=[r.sampling_params for r in reqs],
+            num_output=[len(r.output_ids) for r in reqs],
+            penalties=[_penalty_context(r) if r.sampling_params.has_penalties else None for r in reqs],
+            grammars=[r.grammar for r in reqs],
+            logprobs=[LogprobQuery.of(r.logprobs) for r in reqs],
+        )
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+def _penalty_context(req: Req) -> PenaltyContext:
+    repeats = req.sampling_params.repetition_penalty != 1.0
+    return PenaltyContext(sorted(set(req.origin_input_ids) | set(req.output_ids)) if repeats else [],
+                          list(req.output_ids))
