@@ -20,28 +20,18 @@ class FinishReason:
             return None
         kind = data["type"]
         if kind == "stop":
-            matched = data["matched"]
-            return FinishMatchedToken(matched) if isinstance(matched, int) else FinishMatchedStr(matched)
+            return FinishMatched(data["matched"])
         if kind == "length":
             return FinishLength(data["length"])
         return FinishAbort(data.get("message", ""))
 
 
 @dataclass(frozen=True)
-class FinishMatchedToken(FinishReason):
-    """A stop token, the end-of-sequence token, or the token that completed the grammar."""
+class FinishMatched(FinishReason):
+    """A stop token, the end-of-sequence token or the token that completed the grammar (an id);
+    a stop string, or the pattern of a stop_regex that matched (a string)."""
 
-    matched: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"type": "stop", "matched": self.matched}
-
-
-@dataclass(frozen=True)
-class FinishMatchedStr(FinishReason):
-    """A stop string, or the pattern of a stop_regex that matched."""
-
-    matched: str
+    matched: int | str
 
     def to_json(self) -> dict[str, Any]:
         return {"type": "stop", "matched": self.matched}

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field
 
-from baby_sgl.core.finish_reason import FinishLength, FinishMatchedStr, FinishReason
+from baby_sgl.core.finish_reason import FinishLength, FinishMatched, FinishReason
 from baby_sgl.engine import Engine
 from baby_sgl.entrypoints.chat import ChatEvent, ChatReader, ChatRequest, NamedTool, Reasoning, ToolChoice, prepare
 from baby_sgl.entrypoints.protocol import MAX_MESSAGES, MAX_TOOLS, JsonObject
@@ -285,7 +285,7 @@ def _ending(meta: dict[str, Any], stops: set[str], called: bool) -> dict[str, An
     reason = FinishReason.from_json(meta.get("finish_reason"))
     if isinstance(reason, FinishLength):
         stop_reason, sequence = "max_tokens", None
-    elif isinstance(reason, FinishMatchedStr) and reason.matched in stops:
+    elif isinstance(reason, FinishMatched) and reason.matched in stops:
         stop_reason, sequence = "stop_sequence", reason.matched
     else:
         stop_reason, sequence = ("tool_use" if called else "end_turn"), None

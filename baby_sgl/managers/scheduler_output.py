@@ -16,7 +16,7 @@ import torch
 from baby_sgl.constrained.grammar import ConstraintError
 from baby_sgl.managers.detokenizer import detokenize_step
 from baby_sgl.managers.scheduler_state import SchedulerState
-from baby_sgl.core.finish_reason import (FinishAbort, FinishLength, FinishMatchedStr, FinishMatchedToken,
+from baby_sgl.core.finish_reason import (FinishAbort, FinishLength, FinishMatched,
                                          FinishReason)
 from baby_sgl.core.forward_batch import ForwardMode
 from baby_sgl.core.req import ReqOutput, TokenLogprobs
@@ -130,11 +130,11 @@ class OutputProcessing(SchedulerState):
         self.stats["generation_tokens"] += 1
         p = req.sampling_params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            req.finished_reason = FinishMatchedToken(token)
+            req.finished_reason = FinishMatched(token)
         elif len(req.output_ids) >= p.max_new_tokens or req.seqlen >= self.context_len:
             req.finished_reason = FinishLength(len(req.output_ids))
         elif req.grammar is not None and req.grammar.is_terminated():
-            req.finished_reason = FinishMatchedToken(token)
+            req.finished_reason = FinishMatched(token)
         text_before = len(req.text)
         detokenize_step(self.tokenizer, req, final=req.finished)
         if not req.finished and len(req.text) > text_before:  # only new text can complete a stop
@@ -150,7 +150,7 @@ class OutputProcessing(SchedulerState):
             pos, matched = min(hits)
             if not req.sampling_params.no_stop_trim:
                 req.text = req.text[:pos]
-            req.finished_reason = FinishMatchedStr(matched)
+            req.finished_reason = FinishMatched(matched)
 
     @staticmethod
     def _check_stop_regex(req: Req, start: int) -> None:
@@ -162,7 +162,7 @@ class OutputProcessing(SchedulerState):
         p = req.sampling_params
         for pattern, regex in zip(p.stop_regex, p.stop_regexes):
             if regex.search(window, start - context):
-                req.finished_reason = FinishMatchedStr(pattern)
+                req.finished_reason = FinishMatched(pattern)
                 return
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
