@@ -84,7 +84,7 @@ class DecodeStep {
         renormalize_(cfg["norm_topk_prob"].cast<bool>()),
         bf16_products_(kHasBF16Products && cfg["bf16_products"].cast<bool>()),
         int8_activations_(cfg["int8_activations"].cast<bool>()),
-        pool_(cfg["num_threads"].cast<int>()),
+        team_(cfg["num_threads"].cast<int>()),
         cos_(cos.contiguous()),
         sin_(sin.contiguous()),
         local_cos_(local_cos.contiguous()),
@@ -171,7 +171,7 @@ class DecodeStep {
   }
 
   // The threads of its pool: the count asked for, at most the cores the process may use.
-  int num_threads() const { return pool_.size(); }
+  int num_threads() const { return team_.size(); }
 
   // input_ids, positions, out_cache_loc, req_pool_indices, seq_lens: int64 [M]; req_to_token: the
   // request-to-slot table, int64 [requests, W], whose row req_pool_indices[m] holds row m's KV
@@ -350,7 +350,7 @@ class DecodeStep {
   template <typename T>
   void forward(const Batch& b, Scratch& s, int nthreads) {
     const int64_t H = hidden_, M = b.rows;
-    pool_.run(nthreads, [&](int tid, int nt) {
+    team_.run(nthreads, [&](int tid, int nt) {
       const FlushDenormals flush;
       RowCopies xb;  // this thread's copy of a product's activations
       // Thread 0 charges the time since its last mark (its op and the wait for the others) to
@@ -370,21 +370,21 @@ class DecodeStep {
         if (embed_scale_ != 1.f) for (int64_t i = 0; i < H; ++i) x[i] *= embed_scale_;
         rms_norm(x, layers_[0].norm_in, s.h.data() + m * H);
       }
-      pool_.barrier();
+      team_.barrier();
       mark(kOther);
       for (size_t li = 0; li < layers_.size(); ++li) {
         const Layer& l = layers_[li];
         linear(l.qkv, s.h.data(), M, s.qkv.data(), tid, nt, xb);
-        pool_.barrier();
+        team_.barrier();
         mark(kMatmul);
         rope_and_store<T>(b, s, li, tid, nt);
-        pool_.barrier();
+        team_.barrier();
         mark(kOther);
         attend<T>(b, s, li, tid, nt);
-        pool_.barrier();
+        team_.barrier();
         mark(kAttention);
         linear(l.o, s.att.data(), M, s.tmp.data(), tid, nt, xb);
-        pool_.barrier();
+        team_.barrier();
         mark(kMatmul);
         for (int64_t m = r0; m < r1; ++m) {
           float* x = s.x.data() + m * H;
@@ -393,21 +393,21 @@ class DecodeStep {
           for (int64_t i = 0; i < H; ++i) x[i] += o[i];
           rms_norm(x, l.pre_ff_norm != nullptr ? l.pre_ff_norm : l.norm_post, s.h.data() + m * H);
         }
-        pool_.barrier();
+        team_.barrier();
         mark(kOther);
         if (l.experts) {
           experts(*l.experts, s, M, tid, nt, xb, mark);
         } else {
           linear(l.gate_up, s.h.data(), M, s.gate_up.data(), tid, nt, xb);
-          pool_.barrier();
+          team_.barrier();
           mark(kMatmul);
           int64_t i0, i1;
           split_range(inter_, tid, nt, i0, i1);
           for (int64_t m = 0; m < M; ++m) activate(s.gate_up.data() + m * 2 * inter_, inter_, s.act.data() + m * inter_, i0, i1);
-          pool_.barrier();
+          team_.barrier();
           mark(kOther);
           linear(l.down, s.act.data(), M, s.tmp.data(), tid, nt, xb);
-          pool_.barrier();
+          team_.barrier();
           mark(kMatmul);
         }
         const float* next_norm = li + 1 < layers_.size() ? layers_[li + 1].norm_in : final_norm_;
@@ -426,7 +426,7 @@ class DecodeStep {
           for (int64_t i = 0; i < H; ++i) x[i] += out[i];
           rms_norm(x, next_norm, s.h.data() + m * H);
         }
-        pool_.barrier();
+        team_.barrier();
         mark(kOther);
       }
       linear(lm_head_, s.h.data(), M, b.logits, tid, nt, xb);
@@ -450,10 +450,10 @@ class DecodeStep {
   void experts(const Experts& x, Scratch& s, int64_t M, int tid, int nt, RowCopies& xb, Mark& mark) {
     const int64_t H = hidden_, S = expert_size_;
     linear(x.router, s.h.data(), M, s.router.data(), tid, nt, xb);
-    pool_.barrier();
+    team_.barrier();
     mark(kExperts);
     if (tid == 0) route(s.router.data(), M, routing_);
-    pool_.barrier();
+    team_.barrier();
     const Routing& r = routing_;
     // This thread's copy of the tokens, grouped by expert (kept between layers and steps: the
     // pool's threads live as long as the step).
@@ -464,18 +464,18 @@ class DecodeStep {
       const int64_t p0 = r.start[e], n = r.start[e + 1] - p0;
       if (n > 0) linear(x.gate_up[e], gathered.data() + p0 * H, n, s.expert_gate_up.data() + p0 * 2 * S, tid, nt, xb);
     }
-    pool_.barrier();
+    team_.barrier();
     mark(kExperts);
     int64_t i0, i1;
     split_range(S, tid, nt, i0, i1);
     for (size_t p = 0; p < r.row.size(); ++p) activate(s.expert_gate_up.data() + p * 2 * S, S, s.expert_act.data() + p * S, i0, i1);
-    pool_.barrier();
+    team_.barrier();
     mark(kExperts);
     for (int64_t e = 0; e < num_experts_; ++e) {
       const int64_t p0 = r.start[e], n = r.start[e + 1] - p0;
       if (n > 0) linear(x.down[e], s.expert_act.data() + p0 * S, n, s.expert_out.data() + p0 * H, tid, nt, xb);
     }
-    pool_.barrier();
+    team_.barrier();
     mark(kExperts);
   }
 
@@ -549,7 +549,7 @@ class DecodeStep {
   double profile_[kKinds] = {};
   bool bf16_products_;  // bfloat16 dtype on a CPU with AVX512_BF16: batches use vdpbf16ps
   bool int8_activations_;  // a few rows times quantized weights go in int8 (int8_products.h)
-  StepTeam pool_;
+  StepTeam team_;
   std::unique_ptr<Scratch> scratch_;  // run() is called by one thread at a time (the scheduler's)
   at::Tensor cos_, sin_, local_cos_, local_sin_;
   std::vector<at::Tensor> k_buffers_, v_buffers_, keep_;

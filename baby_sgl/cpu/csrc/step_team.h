@@ -20,7 +20,6 @@
 #include <cstdint>
 #include <functional>
 #include <thread>
-#include <vector>
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -66,18 +65,8 @@ class Wait {
     wake();
   }
 
-  void add(uint32_t delta) {
-    word_.fetch_add(delta, std::memory_order_seq_cst);
-    wake();
-  }
-
-  void subtract(uint32_t delta) {
-    word_.fetch_sub(delta, std::memory_order_seq_cst);
-    wake();
-  }
-
   // Returns once the word differs from `seen`: spins for `spin`, yields the core until `yield`
-  // has passed (to a thread of the pool or another process waiting for it), then sleeps.
+  // has passed (to a thread of the team or another process waiting for it), then sleeps.
   void wait_while(uint32_t seen, Clock::duration spin, Clock::duration yield) {
     const auto start = Clock::now();
     for (uint32_t i = 1;; ++i) {
@@ -140,10 +129,7 @@ class StepTeam {
 #if defined(_OPENMP)
     if (n > 1) {
 #pragma omp parallel num_threads(n)
-      {
-        fn(omp_get_thread_num(), omp_get_num_threads());
-        barrier();  // libgomp's own barrier at the region's end spins for milliseconds
-      }
+      fn(omp_get_thread_num(), omp_get_num_threads());
       return;
     }
 #endif
