@@ -12,8 +12,6 @@
 // by one thread in a fixed order: the result does not depend on the thread count or on the
 // other requests of the batch.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <chrono>

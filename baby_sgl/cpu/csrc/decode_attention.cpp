@@ -7,8 +7,12 @@
 // other rows of the batch. Returns the output and the log-sum-exp of each query's scores, so
 // that partial results over disjoint key sets can be merged (shared_prefix.merge).
 
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
 #include <cstring>

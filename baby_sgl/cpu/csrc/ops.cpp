@@ -2,8 +2,6 @@
 // step does not run): the linear layer over stored (possibly quantized) weights, row lookups of
 // them, RMSNorm and SiLU-and-mul in one pass each, and prefill attention over the paged pool.
 
-#include <ATen/Parallel.h>
-
 #include <type_traits>
 #include <vector>
 

@@ -1,7 +1,7 @@
 // The Python path's CPU ops (ops.cpp), registered into the extension module by cpu_step.cpp.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 namespace bsgl {
 

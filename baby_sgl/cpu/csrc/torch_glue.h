@@ -1,7 +1,13 @@
 // What the kernels need from torch: its bfloat16 type, and weights given as tensors.
 #pragma once
 
-#include <torch/extension.h>
+// torch's narrow headers, not <torch/extension.h>: that one parses the whole C++ frontend
+// (nn, optim, ...) and took two thirds of each file's build time.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "weights.h"
 
