@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from baby_sgl.cpu.ops import cpu_ops
 
@@ -40,24 +41,34 @@ DENSE_TYPES = {torch.float32: WeightType.F32, torch.bfloat16: WeightType.BF16}
 TORCH_GEMM_MIN_ROWS = {torch.float32: 64, torch.bfloat16: 256}
 
 
+# Fewer rows than this take int8 activations on any CPU (cpu/csrc/int8_products.h); more only
+# where the kernel has its many-row int8 product (int8_gemm.h: AVX-512 VNNI), which beat both
+# our bfloat16 products and torch's GEMM over dequantized weights from 4 rows to 1000 (2-core
+# Zen 4, Q4_0 2048 -> 8192 and 8192 -> 2048).
+INT8_TILE_MAX_ROWS = 4
+
+
 @dataclass
 class QuantizedWeight:
-    """An [n, k] weight as rows of GGUF blocks: `data` is uint8 [n, k / 32 * block bytes]."""
+    """An [n, k] weight as rows of GGUF blocks: `data` is uint8 [n, k / 32 * block bytes].
+    int8_activations: products round the activations to int8 blocks first (--cpu-int8-activations;
+    the decode step does the same)."""
 
     data: torch.Tensor
     qtype: WeightType
     shape: tuple[int, int]
+    int8_activations: bool = False
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Fused projections (q/k/v, gate/up): the parts' rows one after another."""
         assert len({(p.qtype, p.shape[1]) for p in parts}) == 1, "fused parts must share a format"
         return QuantizedWeight(torch.cat([p.data for p in parts]), parts[0].qtype,
-                               (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+                               (sum(p.shape[0] for p in parts), parts[0].shape[1]), parts[0].int8_activations)
 
     def select_rows(self, rows: torch.Tensor | slice) -> QuantizedWeight:
         data = self.data[rows]
-        return QuantizedWeight(data, self.qtype, (data.shape[0], self.shape[1]))
+        return QuantizedWeight(data, self.qtype, (data.shape[0], self.shape[1]), self.int8_activations)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         ops = cpu_ops() if self.data.device.type == "cpu" else None
@@ -67,6 +78,10 @@ class QuantizedWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         ops = cpu_ops()
+        if ops is not None and self.int8_activations and (x.shape[0] < INT8_TILE_MAX_ROWS or ops.has_int8_gemm):
+            out = ops.linear_int8(x.float().contiguous(), self.data, int(self.qtype), *self.shape,
+                                  None if bias is None else bias.float().contiguous())
+            return out.to(x.dtype)
         if ops is None or x.shape[0] >= TORCH_GEMM_MIN_ROWS.get(x.dtype, 0):
             return F.linear(x, self.dequantize(x.dtype), bias)
         return ops.linear(x, self.data, int(self.qtype), *self.shape, None if bias is None else bias.float().contiguous())
@@ -74,6 +89,15 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+
+def round_activations_to_int8(model: nn.Module) -> None:
+    """Every stored-block matrix of `model` multiplies int8-rounded activations (op by op as in
+    the decode step: prefill and decode then round alike)."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, QuantizedWeight):
+            weight.int8_activations = True
 
 
 def dequantize_blocks(data: torch.Tensor, qtype: WeightType, k: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from baby_sgl.distributed.tp_group import CheckMemory, Forward, GroupBroken, Ini
 from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
+from baby_sgl.layers import quantization
 from baby_sgl.layers.linear import Linear, can_prepack
 from baby_sgl.layers.moe import SparseMoE
 from baby_sgl.model_executor.compile import CompiledDense, device_needs_cxx
@@ -54,6 +55,8 @@ class ModelRunner:
         model.tie_weights()
         model.load_weights(weights)
         self.model = model.to(dtype).eval()
+        if int8_activations:
+            quantization.round_activations_to_int8(self.model)
         self.attn_backend = create_attention_backend(attention_backend, device, cfg.num_heads // cfg.num_kv_heads,
                                                      cfg.sliding_window, len(cfg.sliding_layers) == cfg.num_layers)
         self._req_to_token_pool: ReqToTokenPool | None = None  # built by init_memory_pool

@@ -1,5 +1,5 @@
-"""--cpu-int8-activations: the decode step's products of quantized weights with its activations
-rounded to int8 blocks, on the default model (SmolLM2-135M-Instruct, Q4_1 with a Q8_0 embedding),
+"""--cpu-int8-activations: products of quantized weights with their activations rounded to int8
+blocks (decode steps and prefills), on the default model (SmolLM2-135M-Instruct, Q4_1 with a Q8_0 embedding),
 against the float path in float32 so the rounding is the only difference; on the SIMD builds of the
 kernel (AVX-512 VNNI where the CPU has it, AVX2; the build without SIMD computes the same products,
 tests/layers/test_int8_products.py, at a whole model's cost of half a minute here). Float32 keeps the float path unless the
@@ -28,23 +28,26 @@ LOGPROB_BOUND = 0.4
 TIE_MARGIN = 0.25
 
 
-def _decode(mode: str) -> list[dict]:
+def _decode(mode: str, batched: bool) -> list[dict]:
     with Engine(dtype="float32", cpu_int8_activations=mode) as engine:
         step = engine.scheduler.runner.step
         assert step is not None and step.int8_activations == (mode == "on")
         prompts = [engine.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
-        # One request at a time: int8 activations take products of fewer than 4 rows.
-        outs = [engine.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW},
-                                return_logprob=True, top_logprobs_num=2) for p in prompts]
+        params = {**GREEDY, "max_new_tokens": MAX_NEW}
+        if batched:  # decode steps of 8 rows, and the prefills, take the many-row products
+            outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+        else:  # decode steps take products of fewer than 4 rows
+            outs = [engine.generate(input_ids=p, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+                    for p in prompts]
         engine.check_memory()
     return [o["meta_info"] for o in outs]
 
 
 @pytest.mark.cpu_only("quantized weights served by the CPU kernel")
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "x86-64"])
-def test_int8_activations_stay_close_to_the_float_path(arch, monkeypatch):
+@pytest.mark.parametrize("arch,batched", [(a, False) for a in ARCHS if a != "x86-64"] + [("native", True)])
+def test_int8_activations_stay_close_to_the_float_path(arch, batched, monkeypatch):
     build_for(arch, monkeypatch)
-    exact, rounded = _decode("off"), _decode("on")
+    exact, rounded = _decode("off", batched), _decode("on", batched)
     moved = []
     for ref, out in zip(exact, rounded):
         ref_ids = [t for _, t, _ in ref["output_token_logprobs"]]

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "int8_gemm.h"
 #include "int8_products.h"
 #include "ops.h"
 #include "step_team.h"
@@ -44,6 +45,7 @@ struct Experts {
 struct RowCopies {
   std::vector<uint16_t> bf16;
   Q8Rows int8;
+  AlignedBuffer<int32_t> int8_offsets;  // int8_gemm.h's per-block offsets of int8
 };
 
 struct Layer {
@@ -275,10 +277,18 @@ class DecodeStep {
   void linear(const Weight& w, const float* x, int64_t rows, float* out, int tid, int nt, RowCopies& copies) const {
     int64_t n0, n1;
     split_range(w.n, tid, nt, n0, n1);
-    if (int8_activations_ && rows < kInt8MaxRows && is_block_quantized(w.type)) {
+    if (int8_activations_ && is_block_quantized(w.type)) {
+      if (rows < kInt8MaxRows) {
+        quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
+        product_q8(w, copies.int8, out, w.n, n0, n1);
+        return;
+      }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
-      product_q8(w, copies.int8, out, w.n, n0, n1);
+      block_offsets(copies.int8, w.type, copies.int8_offsets);
+      product_int8_gemm(w, copies.int8, copies.int8_offsets.data(), out, w.n, n0, n1);
       return;
+#endif
     }
 #if defined(__AVX512BF16__)
     if (bf16_products_ && rows >= kBF16MinRows && w.k % 32 == 0) {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "int8_gemm.h"
 #include "int8_products.h"
 #include "ops.h"
 #include "torch_glue.h"
@@ -48,7 +49,16 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
   Q8Rows a;
   quantize_rows_q8(xc.data_ptr<float>(), k, x.size(0), k, a);
   at::Tensor out = at::empty({x.size(0), n}, x.options());
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { product_q8(w, a, out.data_ptr<float>(), n, begin, end); });
+  float* op = out.data_ptr<float>();
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (x.size(0) >= kInt8MaxRows) {
+    AlignedBuffer<int32_t> offsets;
+    block_offsets(a, w.type, offsets);
+    at::parallel_for(0, n, kGroup, [&](int64_t begin, int64_t end) { product_int8_gemm(w, a, offsets.data(), op, n, begin, end); });
+    return out;
+  }
+#endif
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { product_q8(w, a, op, n, begin, end); });
   return out;
 }
 
@@ -220,6 +230,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
 void register_ops(pybind11::module& m) {
   m.def("linear", &linear, "x times a stored (possibly quantized) weight, float32 accumulation (CPU)");
   m.def("linear_int8", &linear_int8, "x rounded to int8 blocks times a quantized weight (CPU)");
+  m.attr("has_int8_gemm") = kHasInt8Gemm;  // many rows in int8 as fast as few (int8_gemm.h)
   m.def("dequantize", &dequantize, "rows of a stored weight as float32 or bfloat16 (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, rounding as transformers does (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of [gate | up] rows (CPU)");

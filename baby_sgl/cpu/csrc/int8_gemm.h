@@ -1,0 +1,197 @@
+// Products of many activation rows (a prefill, a large decode batch) with block-quantized
+// weights in int8, on CPUs with AVX-512 VNNI. int8_products.h multiplies one weight row at a
+// time, 32 values per instruction and a horizontal sum per output; here sixteen weight rows
+// travel side by side, one per 32-bit lane, so one vpdpbusd does 64 multiply-adds for sixteen
+// outputs and nothing is summed across lanes.
+//
+// The weights are not stored that way. A panel of them (about 256 KB, which the core's L2 holds)
+// is rearranged once per product into groups of sixteen rows: for each 32-value block, eight
+// 64-byte vectors, vector q holding values 4q..4q+3 of each of the sixteen rows as unsigned
+// bytes (a nibble as it is, a Q8_0 value plus 128), and the sixteen rows' scales as float32.
+// Every activation row of the product then meets the panel. The activations are the Q8 blocks
+// of int8_products.h; each weight block meets an activation block in one exact integer sum,
+// whose offset (the nibbles' 8, Q8_0's 128) is taken out in integers, then scaled and added to a
+// float32 sum per output in block order. The rearranging is what keeps memory as stored: the
+// panel is the only other copy, and it is a few hundred kilobytes.
+//
+// Each output is one row's sum over the blocks in block order whatever the number of rows:
+// a request's result does not depend on the batch it is in (but differs in rounding from
+// int8_products.h's per-row sums).
+#pragma once
+
+#include "int8_products.h"
+
+namespace bsgl {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kHasInt8Gemm = true;
+constexpr int kGroup = 16;    // weight rows per group: one per 32-bit lane
+constexpr int kGemmMR = 4, kGemmNR = 2;  // a tile: 4 activation rows by 2 groups (8 integer, 8 float sums)
+
+// What a weight type's unsigned bytes are offset by: value = d * (u - offset) (+ m for Q4_1).
+inline int32_t byte_offset(int type) { return type == kQ8_0 ? 128 : type == kQ4_0 ? 8 : 0; }
+
+// Where each block's integer sum starts for weights of `type`: -offset * sum(q), from Q8Rows'
+// int8 values, so that the sum comes out exact (d * sum(q) is rounded).
+inline void block_offsets(const Q8Rows& a, int type, AlignedBuffer<int32_t>& out) {
+  const int64_t blocks = a.k / 32;
+  out.reserve(a.rows * blocks);
+  for (int64_t m = 0; m < a.rows; ++m)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t* q = a.block(m, b);
+      int32_t s = 0;
+      for (int i = 0; i < 32; ++i) s += q[i];
+      out[m * blocks + b] = -byte_offset(type) * s;
+    }
+}
+
+struct Int8Panel {
+  int64_t groups = 0, blocks = 0;
+  AlignedBuffer<uint8_t> q;  // [group][block][8][64]
+  AlignedBuffer<float> d, m; // [group][block][16]; m for Q4_1 only
+  const uint8_t* qs(int64_t g, int64_t b) const { return q.data() + (g * blocks + b) * 512; }
+  const float* scales(int64_t g, int64_t b) const { return d.data() + (g * blocks + b) * kGroup; }
+  const float* mins(int64_t g, int64_t b) const { return m.data() + (g * blocks + b) * kGroup; }
+};
+
+// Dword i (bytes 4i..4i+3) of each of the sixteen 16-byte rows held four to a vector in z.
+inline __m512i dwords_of_rows(const __m512i z[4], int i) {
+  alignas(64) int32_t lo[16], hi[16];
+  for (int l = 0; l < 16; ++l) {
+    lo[l] = (l % 8 < 4 ? 0 : 16) + 4 * (l % 4) + i;  // rows 0..3 from z0, 4..7 from z1
+    hi[l] = lo[l];                                   // rows 8..11 from z2, 12..15 from z3
+  }
+  const __m512i idx = _mm512_load_si512(lo);
+  const __m512i a = _mm512_permutex2var_epi32(z[0], idx, z[1]);
+  const __m512i b = _mm512_permutex2var_epi32(z[2], _mm512_load_si512(hi), z[3]);
+  return _mm512_mask_blend_epi32(0xff00, a, b);
+}
+
+// Rearranges w's rows j .. j + 15 (rows from j + valid on repeat row j) into panel group g.
+template <int T>
+inline void pack_group(const Weight& w, int64_t j, int valid, Int8Panel& p, int64_t g) {
+  const uint8_t* rows[kGroup];
+  for (int c = 0; c < kGroup; ++c) rows[c] = w.row(c < valid ? j + c : j);
+  constexpr int64_t bb = row_bytes(T, 32);
+  constexpr int nib = T == kQ4_1 ? 4 : 2;  // where a block's values start
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    uint8_t* dst = p.q.data() + (g * p.blocks + b) * 512;
+    float* d = p.d.data() + (g * p.blocks + b) * kGroup;
+    for (int c = 0; c < kGroup; ++c) {
+      const uint8_t* blk = rows[c] + bb * b;
+      if constexpr (T == kQ4_1) half2_to_float(blk, d[c], p.m.data()[(g * p.blocks + b) * kGroup + c]);
+      else d[c] = half_to_float(read_u16(blk));
+    }
+    if constexpr (T == kQ8_0) {
+      // 32 bytes a row: vector q is dword q of every row, gathered.
+      alignas(64) int32_t offs[16];
+      for (int c = 0; c < kGroup; ++c) offs[c] = static_cast<int32_t>(rows[c] - rows[0]);
+      const __m512i vidx = _mm512_load_si512(offs);
+      const uint8_t* base = rows[0] + bb * b + nib;
+      for (int q = 0; q < 8; ++q) {
+        const __m512i v = _mm512_i32gather_epi32(vidx, base + 4 * q, 1);
+        _mm512_store_si512(dst + 64 * q, _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))));
+      }
+    } else {
+      // 16 bytes of nibbles a row: byte i holds value i (low half) and value 16 + i (high half),
+      // so dword i's low halves are values 4i.. and its high halves values 16 + 4i...
+      __m512i z[4];
+      for (int r = 0; r < 4; ++r) {
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * r] + bb * b + nib)));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * r + 1] + bb * b + nib)), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * r + 2] + bb * b + nib)), 2);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * r + 3] + bb * b + nib)), 3);
+        z[r] = v;
+      }
+      const __m512i low = _mm512_set1_epi8(0x0f);
+      for (int i = 0; i < 4; ++i) {
+        const __m512i v = dwords_of_rows(z, i);
+        _mm512_store_si512(dst + 64 * i, _mm512_and_si512(v, low));
+        _mm512_store_si512(dst + 64 * (4 + i), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+      }
+    }
+  }
+}
+
+// out[m * ldo + 16 r + c] for activation rows m0 .. m0 + MR - 1, NR groups from g on, and the
+// outputs c < valid[r]: each activation dword broadcast once serves NR groups.
+template <int T, int MR, int NR>
+inline void gemm_tile(const Int8Panel& p, int64_t g, const Q8Rows& a, const int32_t* offsets, int64_t m0,
+                      const int* valid, const float* bias, float* out, int64_t ldo) {
+  const int64_t blocks = p.blocks;
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i dot[MR][NR];
+    for (int m = 0; m < MR; ++m) {
+      const __m512i init = _mm512_set1_epi32(offsets[(m0 + m) * blocks + b]);
+      for (int r = 0; r < NR; ++r) dot[m][r] = init;
+    }
+    for (int q = 0; q < 8; ++q) {
+      __m512i wq[NR];
+      for (int r = 0; r < NR; ++r) wq[r] = _mm512_load_si512(p.qs(g + r, b) + 64 * q);
+      for (int m = 0; m < MR; ++m) {
+        int32_t x4;
+        std::memcpy(&x4, a.block(m0 + m, b) + 4 * q, 4);
+        const __m512i xv = _mm512_set1_epi32(x4);
+        for (int r = 0; r < NR; ++r) dot[m][r] = _mm512_dpbusd_epi32(dot[m][r], wq[r], xv);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512 d = _mm512_loadu_ps(p.scales(g + r, b));
+      for (int m = 0; m < MR; ++m) {
+        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][r]), _mm512_mul_ps(d, _mm512_set1_ps(a.scale(m0 + m, b))), acc[m][r]);
+        if constexpr (T == kQ4_1)
+          acc[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(p.mins(g + r, b)), _mm512_set1_ps(a.scaled_sum(m0 + m, b)), acc[m][r]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const __mmask16 keep = static_cast<__mmask16>((1u << valid[r]) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + kGroup * r) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(out + m * ldo + kGroup * r, keep, _mm512_add_ps(acc[m][r], bv));
+  }
+}
+
+// a (quantize_rows_q8) times w's rows n0..n1-1 into out [rows, n] (row stride ldo); w
+// block-quantized, k a multiple of 32. Panels of about 256 KB of rearranged rows.
+inline void product_int8_gemm(const Weight& w, const Q8Rows& a, const int32_t* offsets, float* out, int64_t ldo,
+                              int64_t n0, int64_t n1) {
+  with_format(w.type, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    if constexpr (T == kQ8_0 || T == kQ4_0 || T == kQ4_1) {
+      thread_local Int8Panel p;
+      p.blocks = w.k / 32;
+      const int64_t group_bytes = p.blocks * (512 + 2 * 4 * kGroup);
+      const int64_t per_panel = std::max<int64_t>(1, 256 * 1024 / group_bytes);
+      p.q.reserve(per_panel * p.blocks * 512);
+      p.d.reserve(per_panel * p.blocks * kGroup);
+      if (T == kQ4_1) p.m.reserve(per_panel * p.blocks * kGroup);
+      for (int64_t j0 = n0; j0 < n1; j0 += per_panel * kGroup) {
+        const int64_t j1 = std::min(n1, j0 + per_panel * kGroup);
+        p.groups = (j1 - j0 + kGroup - 1) / kGroup;
+        for (int64_t g = 0; g < p.groups; ++g)
+          pack_group<T>(w, j0 + g * kGroup, static_cast<int>(std::min<int64_t>(kGroup, j1 - j0 - g * kGroup)), p, g);
+        by_row_tiles<kGemmMR>(a.rows, [&](auto mr, int64_t m) {
+          constexpr int MR = decltype(mr)::value;
+          int valid[kGemmNR];
+          for (int64_t g = 0; g < p.groups; g += kGemmNR) {
+            const int nr = static_cast<int>(std::min<int64_t>(kGemmNR, p.groups - g));
+            for (int r = 0; r < nr; ++r)
+              valid[r] = static_cast<int>(std::min<int64_t>(kGroup, j1 - j0 - (g + r) * kGroup));
+            const int64_t j = j0 + g * kGroup;
+            const float* bias = w.bias ? w.bias + j : nullptr;
+            if (nr == kGemmNR) gemm_tile<T, MR, kGemmNR>(p, g, a, offsets, m, valid, bias, out + m * ldo + j, ldo);
+            else gemm_tile<T, MR, 1>(p, g, a, offsets, m, valid, bias, out + m * ldo + j, ldo);
+          }
+        });
+      }
+    }
+  });
+}
+#else
+constexpr bool kHasInt8Gemm = false;
+#endif
+
+}  // namespace bsgl
