@@ -278,17 +278,19 @@ class DecodeStep {
     int64_t n0, n1;
     split_range(w.n, tid, nt, n0, n1);
     if (int8_activations_ && is_block_quantized(w.type)) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (rows >= kInt8GemmMinRows) {
+        quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
+        block_offsets(copies.int8, w.type, copies.int8_offsets);
+        product_int8_gemm(w, copies.int8, copies.int8_offsets.data(), out, w.n, n0, n1);
+        return;
+      }
+#endif
       if (rows < kInt8MaxRows) {
         quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
         product_q8(w, copies.int8, out, w.n, n0, n1);
         return;
       }
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
-      block_offsets(copies.int8, w.type, copies.int8_offsets);
-      product_int8_gemm(w, copies.int8, copies.int8_offsets.data(), out, w.n, n0, n1);
-      return;
-#endif
     }
 #if defined(__AVX512BF16__)
     if (bf16_products_ && rows >= kBF16MinRows && w.k % 32 == 0) {

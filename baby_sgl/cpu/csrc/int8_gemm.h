@@ -27,6 +27,9 @@ namespace bsgl {
 constexpr bool kHasInt8Gemm = true;
 constexpr int kGroup = 16;    // weight rows per group: one per 32-bit lane
 constexpr int kGemmMR = 4, kGemmNR = 2;  // a tile: 4 activation rows by 2 groups (8 integer, 8 float sums)
+// From this many rows: one row ran at 0.8x int8_products.h's tile (the rearranging is not shared),
+// two and three rows at 2.2-2.4x its tiles (2-core Zen 4, Q4_0 2048 -> 2048, 2048 -> 16384, 8192 -> 2048).
+constexpr int64_t kInt8GemmMinRows = 2;
 
 // What a weight type's unsigned bytes are offset by: value = d * (u - offset) (+ m for Q4_1).
 inline int32_t byte_offset(int type) { return type == kQ8_0 ? 128 : type == kQ4_0 ? 8 : 0; }

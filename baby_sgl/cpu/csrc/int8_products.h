@@ -178,9 +178,9 @@ inline void tile_q8(const Weight& w, int64_t j, const Q8Rows& a, int64_t m0, flo
 // 4 rows in one tile of 4 were 0.7-0.8x, in two tiles of 2 about level.
 constexpr int kQ8MR = 2;
 
-// Products of fewer rows than this take these tiles when the mode is on; from 4 rows they gained
-// nothing on float32 tiles, and more rows go to int8_gemm.h where the CPU has AVX-512 VNNI, or
-// else to the float32 or bfloat16 products.
+// Products of fewer rows than this take these tiles when the mode is on (from 4 rows they gained
+// nothing on float32 tiles: more go to the float32 or bfloat16 products). Where the CPU has
+// AVX-512 VNNI, only single rows do: int8_gemm.h takes two and more.
 constexpr int64_t kInt8MaxRows = 4;
 
 inline bool is_block_quantized(int type) { return type == kQ8_0 || type == kQ4_0 || type == kQ4_1; }

@@ -51,7 +51,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   float* op = out.data_ptr<float>();
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (x.size(0) >= kInt8MaxRows) {
+  if (x.size(0) >= kInt8GemmMinRows) {
     AlignedBuffer<int32_t> offsets;
     block_offsets(a, w.type, offsets);
     at::parallel_for(0, n, kGroup, [&](int64_t begin, int64_t end) { product_int8_gemm(w, a, offsets.data(), op, n, begin, end); });
