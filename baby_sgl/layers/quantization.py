@@ -79,9 +79,8 @@ class QuantizedWeight:
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         ops = cpu_ops()
         if ops is not None and self.int8_activations and (x.shape[0] < INT8_TILE_MAX_ROWS or ops.has_int8_gemm):
-            out = ops.linear_int8(x.float().contiguous(), self.data, int(self.qtype), *self.shape,
-                                  None if bias is None else bias.float().contiguous())
-            return out.to(x.dtype)
+            return ops.linear_int8(x if x.dtype == torch.bfloat16 else x.float(), self.data, int(self.qtype),
+                                   *self.shape, None if bias is None else bias.float().contiguous())
         if ops is None or x.shape[0] >= TORCH_GEMM_MIN_ROWS.get(x.dtype, 0):
             return F.linear(x, self.dequantize(x.dtype), bias)
         return ops.linear(x, self.data, int(self.qtype), *self.shape, None if bias is None else bias.float().contiguous())

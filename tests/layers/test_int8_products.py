@@ -70,6 +70,16 @@ def test_a_rows_int8_result_does_not_depend_on_its_batch(ops, kind):
         assert torch.equal(ops.linear_int8(x[i : i + size], data, int(TYPES[kind]), N, 96, None), batched[i : i + size])
 
 
+@pytest.mark.parametrize("rows", [1, 6])
+def test_bfloat16_activations_are_rounded_from_their_own_values(ops, rows):
+    """A bfloat16 x (the engine's dtype) gives what its values widened to float32 give, in bfloat16."""
+    data, _ = _weight(G.Q4_0, 96)
+    x = _activations(rows, 96).bfloat16()
+    out = ops.linear_int8(x, data, int(WeightType.Q4_0), N, 96, None)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, ops.linear_int8(x.float(), data, int(WeightType.Q4_0), N, 96, None).bfloat16())
+
+
 def test_int8_products_refuse_dense_weights(ops):
     with pytest.raises(RuntimeError, match="block-quantized"):
         ops.linear_int8(torch.randn(1, 32), torch.randn(N, 32), int(WeightType.F32), N, 32, None)

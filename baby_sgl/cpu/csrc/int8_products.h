@@ -50,27 +50,35 @@ inline int32_t round_block(const float* v, float inv, int8_t* q) {
   return sum;
 }
 
-// x [rows, k] (row stride ldx, k a multiple of 32) -> out: per block d = max|x| / 127.
-inline void quantize_rows_q8(const float* x, int64_t ldx, int64_t rows, int64_t k, Q8Rows& out) {
-  const int64_t blocks = k / 32;
+// Sizes out for rows x k values.
+inline void reserve_q8(int64_t rows, int64_t k, Q8Rows& out) {
   out.rows = rows;
   out.k = k;
   out.q.reserve(rows * k);
-  out.d.reserve(rows * blocks);
-  out.s.reserve(rows * blocks);
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* v = x + m * ldx + 32 * b;
-      fv amax = splat(0.f);
-      for (int i = 0; i < kBlockVecs; ++i) {
-        const fv a = loadv(v + kLanes * i);
-        amax = vmax(amax, vmax(a, -a));
-      }
-      const float d = hmax(amax) / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
-      const int32_t sum = round_block(v, inv, out.q.data() + m * k + 32 * b);
-      out.d[m * blocks + b] = d;
-      out.s[m * blocks + b] = d * static_cast<float>(sum);
+  out.d.reserve(rows * (k / 32));
+  out.s.reserve(rows * (k / 32));
+}
+
+// Row m of out from v [k] (k a multiple of 32): per block d = max|v| / 127.
+inline void quantize_row_q8(const float* v, int64_t m, Q8Rows& out) {
+  const int64_t k = out.k, blocks = k / 32;
+  for (int64_t b = 0; b < blocks; ++b) {
+    fv amax = splat(0.f);
+    for (int i = 0; i < kBlockVecs; ++i) {
+      const fv a = loadv(v + 32 * b + kLanes * i);
+      amax = vmax(amax, vmax(a, -a));
     }
+    const float d = hmax(amax) / 127.f, inv = d != 0.f ? 1.f / d : 0.f;
+    const int32_t sum = round_block(v + 32 * b, inv, out.q.data() + m * k + 32 * b);
+    out.d[m * blocks + b] = d;
+    out.s[m * blocks + b] = d * static_cast<float>(sum);
+  }
+}
+
+// x [rows, k] (row stride ldx, k a multiple of 32) -> out.
+inline void quantize_rows_q8(const float* x, int64_t ldx, int64_t rows, int64_t k, Q8Rows& out) {
+  reserve_q8(rows, k, out);
+  for (int64_t m = 0; m < rows; ++m) quantize_row_q8(x + m * ldx, m, out);
 }
 
 #if defined(__AVX2__)

@@ -38,28 +38,43 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& data, int64_t type, int
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// x [M, K] float32 times a block-quantized weight with x rounded to int8 blocks first
-// (int8_products.h): what the decode step computes with --cpu-int8-activations.
+// x [M, K] (float32 or bfloat16) times a block-quantized weight with x rounded to int8 blocks
+// first (int8_products.h, int8_gemm.h): what the decode step computes with
+// --cpu-int8-activations. [M, N] in x's dtype.
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type, int64_t n, int64_t k,
                        const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat, "x must be float32 [M, ", k, "]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be float32 or bfloat16 [M, ", k, "]");
   TORCH_CHECK(is_block_quantized(static_cast<int>(type)), "int8 activations meet block-quantized weights only");
   const Weight w = make_weight(data, type, n, k, bias);
   const at::Tensor xc = x.contiguous();
+  const int64_t rows = x.size(0);
   Q8Rows a;
-  quantize_rows_q8(xc.data_ptr<float>(), k, x.size(0), k, a);
-  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  reserve_q8(rows, k, a);
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(xc.scalar_type() == at::kBFloat16 ? k : 0);
+    for (int64_t m = begin; m < end; ++m) {
+      if (xc.scalar_type() == at::kFloat) {
+        quantize_row_q8(xc.data_ptr<float>() + m * k, m, a);
+        continue;
+      }
+      const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) + m * k;
+      for (int64_t i = 0; i < k; ++i) row[i] = bf16_to_float(xb[i]);
+      quantize_row_q8(row.data(), m, a);
+    }
+  });
+  at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (x.size(0) >= kInt8GemmMinRows) {
+  if (rows >= kInt8GemmMinRows) {
     AlignedBuffer<int32_t> offsets;
     block_offsets(a, w.type, offsets);
     at::parallel_for(0, n, kGroup, [&](int64_t begin, int64_t end) { product_int8_gemm(w, a, offsets.data(), op, n, begin, end); });
-    return out;
+    return out.to(x.scalar_type());
   }
 #endif
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { product_q8(w, a, op, n, begin, end); });
-  return out;
+  return out.to(x.scalar_type());
 }
 
 // Rows `ids` of the weight (or all rows) as float32 or bfloat16: embedding lookups, and whole
