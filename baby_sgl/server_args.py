@@ -37,9 +37,9 @@ class EngineArgs:
         None, "a GGUF's quantized matrices: gguf (the default on a CPU with the kernel) multiplies them "
               "as stored; none dequantizes them to the dtype at load")
     cpu_int8_activations: str = _setting(
-        "auto", "the CPU decode step multiplies quantized GGUF weights with its activations rounded to int8 "
-                "blocks (integer dot products, as llama.cpp; faster, results move by the rounding): on, off, "
-                "or auto (on unless the dtype is float32, whose results stay transformers')")
+        "auto", "on CPU, products of quantized GGUF weights (decode steps and prefills) round their "
+                "activations to int8 blocks (integer dot products, as llama.cpp; faster, results move by the "
+                "rounding): on, off, or auto (on unless the dtype is float32, whose results stay transformers')")
     device: str = _setting("auto", "cpu, cuda, or auto (cuda when available)")
     page_size: int = _setting(1, "KV slots per page (a power of two); the radix cache shares whole pages")
     disable_radix_cache: bool = _setting(False, "no prefix sharing between requests (each prompt is prefilled whole)")
