@@ -118,9 +118,19 @@ inline void pack_group(const Weight& w, int64_t j, int valid, Int8Panel& p, int6
 
 // out[m * ldo + 16 r + c] for activation rows m0 .. m0 + MR - 1, NR groups from g on, and the
 // outputs c < valid[r]: each activation dword broadcast once serves NR groups.
-template <int T, int MR, int NR>
+// Sixteen results into out: float32, or bfloat16 bits rounded to nearest even (as torch rounds).
+inline void store_results(float* out, __mmask16 keep, __m512 v) { _mm512_mask_storeu_ps(out, keep, v); }
+inline void store_results(uint16_t* out, __mmask16 keep, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));  // NaN
+  _mm256_mask_storeu_epi16(out, keep, _mm512_cvtepi32_epi16(r));
+}
+
+template <int T, int MR, int NR, typename Out>
 inline void gemm_tile(const Int8Panel& p, int64_t g, const Q8Rows& a, const int32_t* offsets, int64_t m0,
-                      const int* valid, const float* bias, float* out, int64_t ldo) {
+                      const int* valid, const float* bias, Out* out, int64_t ldo) {
   const int64_t blocks = p.blocks;
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
@@ -153,13 +163,14 @@ inline void gemm_tile(const Int8Panel& p, int64_t g, const Q8Rows& a, const int3
   for (int r = 0; r < NR; ++r) {
     const __mmask16 keep = static_cast<__mmask16>((1u << valid[r]) - 1);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + kGroup * r) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(out + m * ldo + kGroup * r, keep, _mm512_add_ps(acc[m][r], bv));
+    for (int m = 0; m < MR; ++m) store_results(out + m * ldo + kGroup * r, keep, _mm512_add_ps(acc[m][r], bv));
   }
 }
 
 // a (quantize_rows_q8) times w's rows n0..n1-1 into out [rows, n] (row stride ldo); w
 // block-quantized, k a multiple of 32. Panels of about 256 KB of rearranged rows.
-inline void product_int8_gemm(const Weight& w, const Q8Rows& a, const int32_t* offsets, float* out, int64_t ldo,
+template <typename Out>  // float, or uint16_t for bfloat16 results
+inline void product_int8_gemm(const Weight& w, const Q8Rows& a, const int32_t* offsets, Out* out, int64_t ldo,
                               int64_t n0, int64_t n1) {
   with_format(w.type, [&](auto t) {
     constexpr int T = decltype(t)::value;
