@@ -36,15 +36,11 @@ if TYPE_CHECKING:
     from baby_sgl.managers.scheduler.memory import KVMemory
     from baby_sgl.managers.scheduler.output import OutputProcessor
 
-# The batch rule, fixed and measured (scripts/profile_step.py --batch N, default model, Q4_1, a
-# 2-core AVX-512 Xeon; a scheduler round, logits and sampling included): float32 17.6 ms for 1 row,
-# 21.2 for 4, 29.6 for 5, 34.0 for 8; bfloat16 17.2 for 1, 21.5 for 2, 31.3 for 4, 36.9 for 8,
-# 45.9 for 16. A pass of a few rows costs much less than that many passes (the weights are read
-# and unpacked once per tile of rows), so a verify pass carries at most MAX_VERIFY_ROWS rows, and
-# with more than MAX_SPEC_REQUESTS requests running nobody drafts (their own rows fill the pass).
-# Each request's share is --speculative-num-draft-tokens rows at most (default 4: one tile of the
-# AVX-512 kernel, which took the copy workload from 1.25x to 1.52x over plain decoding at batch 1
-# in float32 against 8, and in bfloat16 from 1.25x to 1.31x).
+# The batch rule, fixed (the measurements behind it are in docs/speculative_decoding.md): a pass of
+# a few rows costs much less than that many passes (the weights are read and unpacked once per tile
+# of rows), so a verify pass carries at most MAX_VERIFY_ROWS rows, and with more than
+# MAX_SPEC_REQUESTS requests running nobody drafts (their own rows fill the pass). Each request's
+# share is --speculative-num-draft-tokens rows at most (default 4: one tile of the AVX-512 kernel).
 MAX_VERIFY_ROWS, MAX_SPEC_REQUESTS = 16, 8
 
 
