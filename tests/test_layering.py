@@ -45,7 +45,9 @@ def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
             raise AssertionError(f"{path}:{node.lineno}: a relative import; name the module from baby_sgl")
         names = [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else \
             [a.name for a in node.names] if isinstance(node, ast.Import) else []
-        if isinstance(node, ast.List):  # a process started as [python, "-m", "baby_sgl.x", ...] runs x
+        # A process started as [python, "-m", "baby_sgl.x", ...] runs x. Before, unseen:
+        # entrypoints/data_parallel.py:worker_argv started "-m baby_sgl.launch_server", a layer up.
+        if isinstance(node, ast.List):
             items = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
             names = [m for flag, m in zip(items, items[1:]) if flag == "-m" and isinstance(m, str)]
         found += [(node.lineno, n) for n in names if n.startswith("baby_sgl.")]

@@ -85,7 +85,7 @@ class Scheduler:
         self._dead: BaseException | None = None  # what stopped the loop, if it stopped on its own
         self._death_callbacks: list[Callable[[BaseException], None]] = []
         self.last_forward = time.monotonic()  # when the last forward pass ended
-        self.snapshots = Snapshots(Progress(0, 0, self.last_forward), self.load_info())
+        self.snapshots = Snapshots(Progress(0, 0, self.last_forward), self._load_info())
         self._thread = threading.Thread(target=self._loop, name="baby-sgl-scheduler", daemon=True)
         self._thread.start()
 
@@ -171,7 +171,8 @@ class Scheduler:
             return self.progress.waiting + self._inbox_reqs
 
     def load(self) -> dict[str, Any]:
-        """load_info as fresh as this question (see snapshots.py), waiting in this thread."""
+        """The counters and gauges of `_load_info`, as fresh as this question (see snapshots.py),
+        waiting in this thread."""
         return self.snapshots.wait(self.snapshots.load_probe())
 
     async def load_async(self) -> dict[str, Any]:
@@ -268,7 +269,7 @@ class Scheduler:
     def _publish(self) -> None:
         """What other threads read without a call: progress and load every turn, the dashboard's
         snapshot when one is wanted and due."""
-        self.snapshots.publish(self._progress(), self.load_info(),
+        self.snapshots.publish(self._progress(), self._load_info(),
                                settled=lambda: not self.queues.has_work() and self.inbox.empty(),
                                take_view=lambda: take_snapshot(self.memory, self.queues, self.sessions.held_reqs(),
                                                                self.activity))
@@ -298,7 +299,7 @@ class Scheduler:
             except Exception:
                 logger.exception("on_death callback failed")
 
-    def load_info(self) -> dict[str, Any]:
+    def _load_info(self) -> dict[str, Any]:
         """Counters and gauges for /server_info and /metrics (in the scheduler thread; others
         read the copy published every turn: `load`)."""
         return {**self.stats, "num_running_reqs": self.queues.num_active(),
@@ -392,10 +393,8 @@ class Scheduler:
 
     # ---- aborts and failures -------------------------------------------------------------
     def _handle_aborts(self) -> None:
-        q = self.queues
-        chunked = [q.chunked] if q.chunked is not None else []
-        for req, message in [(r, r.to_abort) for r in q.waiting + chunked + q.running if r.to_abort]:
-            q.discard(req)
+        for req, message in [(r, r.to_abort) for r in self.queues.all() if r.to_abort]:
+            self.queues.discard(req)
             self.output.finish(req, FinishAbort(message))
 
     def _fail_all(self, message: str) -> None:
