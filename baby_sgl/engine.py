@@ -14,11 +14,10 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from baby_sgl.managers.memory_checker import check_memory
-from baby_sgl.managers.scheduler_view import SchedulerSnapshot, scheduler_view
+from baby_sgl.managers.scheduler.view import SchedulerSnapshot, scheduler_view
 from baby_sgl.core.finish_reason import FinishAbort
 from baby_sgl.core.req import Req, ReqOutput
-from baby_sgl.managers.scheduler import Scheduler
+from baby_sgl.managers.scheduler.scheduler import Scheduler
 from baby_sgl.managers.snapshots import Progress
 from baby_sgl.managers.tokenizer_manager import LogprobCursor, TokenizerManager
 from baby_sgl.core.memory_pool import KVPool
@@ -115,6 +114,7 @@ class Engine:
         self.grammars = GrammarCache(args.grammar_backend, self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.tokenizer_manager = TokenizerManager(self.tokenizer, cfg.vocab_size, self.sampling_defaults, self.grammars,
                                                   self.context_len, self.max_total_tokens, self.max_input_len)
+        self.runner = runner  # the engine's own: what it serves with (its step, compiled graphs, model)
         self.scheduler = Scheduler(args, runner, self.tokenizer, self.eos_token_ids, self.max_total_tokens,
                                    self.context_len, self.max_input_len)
 
@@ -241,7 +241,7 @@ class Engine:
         params = validate(SessionParams, session_params, "session_params")
         if len(reqs) != 1:
             raise ValueError("a session turn is one request: give one prompt and n = 1")
-        self.scheduler.call(lambda: self.scheduler.add_session_req(reqs[0], params))
+        self.scheduler.submit_session_turn(reqs[0], params)
 
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
@@ -326,12 +326,12 @@ class Engine:
         An idle session closes by itself after `timeout` seconds, if given."""
         params = validate(OpenSessionReqInput, {"capacity_of_str_len": capacity_of_str_len, "session_id": session_id,
                                                 "streaming": streaming, "timeout": timeout})
-        return self.scheduler.call(lambda: self.scheduler.sessions.open(params))
+        return self.scheduler.open_session(params)
 
     def close_session(self, session_id: str) -> None:
         """Releases what the session holds, at once or when its running turn ends."""
         params = validate(CloseSessionReqInput, {"session_id": session_id})
-        self.scheduler.call(lambda: self.scheduler.sessions.close(params.session_id))
+        self.scheduler.close_session(params.session_id)
 
     # ---- control -------------------------------------------------------------------------
     def progress(self) -> Progress:
@@ -348,19 +348,13 @@ class Engine:
 
     def check_memory(self) -> dict[str, int]:
         """Asserts invariant 4 inside the scheduler thread; returns the slot counts."""
-        return self.scheduler.call(lambda: check_memory(self.scheduler))
+        return self.scheduler.check_memory()
 
     def flush_cache(self) -> bool:
-        def flush() -> bool:
-            if self.scheduler.has_work():
-                return False
-            self.scheduler.tree_cache.evict(self.max_total_tokens)
-            self.grammars.clear()  # as SGLang: flushing forgets compiled grammars too
-            if self.scheduler.drafter is not None:  # and the cache's text that drafts come from
-                self.scheduler.drafter.clear()
-            return True
-
-        return self.scheduler.call(flush)
+        if not self.scheduler.flush():
+            return False
+        self.grammars.clear()  # as SGLang: flushing forgets compiled grammars too
+        return True
 
     def get_server_info(self) -> dict[str, Any]:
         """The engine's settings and the scheduler's counters, as fresh as this call (read from
@@ -408,18 +402,17 @@ class Engine:
     def failure(self) -> BaseException | None:
         """What stopped the scheduler if it failed beyond recovery; None while it serves or after
         a shutdown."""
-        return self.scheduler.dead
+        return self.scheduler.failure()
 
     def on_death(self, callback: Callable[[BaseException], None]) -> None:
         """Calls callback(error), from the scheduler thread, if the engine fails beyond recovery."""
-        self.scheduler.on_death.append(callback)
+        self.scheduler.on_death(callback)
 
     def shutdown(self) -> None:
         gc.unfreeze()
-        self.scheduler.shutdown()
+        ended = self.scheduler.shutdown()
         if self.tp is not None:
-            sched = self.scheduler
-            self.tp.stop(in_step=not sched.thread.is_alive() and not isinstance(sched.dead, GroupBroken))
+            self.tp.stop(in_step=ended and not isinstance(self.scheduler.failure(), GroupBroken))
 
     def __enter__(self) -> Engine:
         return self

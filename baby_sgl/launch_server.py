@@ -39,9 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.dp_size > 1:
+        # This module by its import name: under `python -m` it runs as __main__.
+        from baby_sgl import launch_server as server_process
         from baby_sgl.entrypoints.data_parallel import launch_data_parallel
 
-        return launch_data_parallel(args)
+        return launch_data_parallel(args, server_process)
     return launch_server(args)
 
 

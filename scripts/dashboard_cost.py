@@ -30,7 +30,7 @@ BENCH = ["--dataset", "random", "--num-prompts", "32", "--random-input-min", "32
 
 def read_cost() -> None:
     from baby_sgl import Engine
-    from baby_sgl.managers.scheduler_view import take_snapshot
+    from baby_sgl.managers.scheduler.view import take_snapshot
 
     with Engine(max_total_tokens=16384) as engine:
         prompts = [f"Group {g}: a system prompt its questions share. " * 4 + f"Question {i}?"
@@ -43,9 +43,10 @@ def read_cost() -> None:
         load.start()
         time.sleep(2)
         inner, running = [], 0
+        sched = engine.scheduler
         while not done.is_set():
-            a, snap, b = engine.scheduler.call(
-                lambda: (time.perf_counter(), take_snapshot(engine.scheduler), time.perf_counter()))
+            a, snap, b = sched.call(lambda: (time.perf_counter(), take_snapshot(
+                sched.memory, sched.queues, sched.sessions.held_reqs(), sched.activity), time.perf_counter()))
             inner.append((b - a) * 1e3)
             running = max(running, snap.running["count"])
             time.sleep(0.2)

@@ -99,7 +99,7 @@ def main() -> None:
     for name in MODELS:
         path = build(name)
         with Engine(path, dtype=args.dtype, disable_radix_cache=True) as engine:
-            mode = "op by op" if engine.scheduler.runner.step is None else "one-call step"
+            mode = "op by op" if engine.runner.step is None else "one-call step"
             params = checkpoint_params(path)
             for batch in (1, 8):
                 g = torch.Generator().manual_seed(batch)
@@ -107,7 +107,7 @@ def main() -> None:
                 timed(engine, prompts, 2)  # warm-up
                 prefill = timed(engine, prompts, 1)
                 spent[0] = 0.0
-                step = engine.scheduler.runner.step
+                step = engine.runner.step
                 if step is not None:
                     step.step.profile(True)
                 whole = timed(engine, prompts, args.output_len)

@@ -64,14 +64,15 @@ def main() -> None:
         prompts = [prefix + [rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(args.batch)]
         if prefix:  # the prefix is in the radix cache before the batch arrives, as after a first request
             engine.generate(input_ids=prefix, sampling_params={"max_new_tokens": 1})
-        sched, runner = engine.scheduler, engine.scheduler.runner
+        sched, runner = engine.scheduler, engine.runner
+        output = sched.output
         if args.no_step:
             runner.step = None
-        step_fn, forward, sample = sched.step, runner.forward, sched._sample
+        step_fn, forward, sample = sched.step, runner.forward, output.sample
         seen, times, report, measuring, split = defaultdict(int), defaultdict(float), [], [False], {}
 
         def measured_step() -> bool:
-            mode = "decode" if sched.running and not sched.waiting else "extend"
+            mode = "decode" if sched.queues.running and not sched.queues.waiting else "extend"
             seen[mode] += 1
             measuring[0] = args.mode == "decode" and mode == "decode" and \
                 args.warmup < seen[mode] <= args.warmup + args.steps
@@ -98,11 +99,11 @@ def main() -> None:
             return timed(times, "forward", forward, lambda: measuring[0])(batch)
 
         sched.step, runner.forward = measured_step, profiled_forward
-        sched._sample = timed(times, "sampling", sample, lambda: measuring[0])
+        output.sample = timed(times, "sampling", sample, lambda: measuring[0])
         n_out = args.warmup + args.steps + 2
         engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": n_out, "ignore_eos": True,
                                                               "temperature": args.temperature})
-        sched.step, runner.forward, sched._sample = step_fn, forward, sample
+        sched.step, runner.forward, output.sample = step_fn, forward, sample
         engine.check_memory()
 
     if args.mode == "decode":

@@ -77,7 +77,7 @@ CONFIGS = {
     "mixed-chunk-retract": {"enable_mixed_chunk": True, "chunked_prefill_size": 16, "max_total_tokens": 320,
                             "schedule_conservativeness": 0.0, "debug_memory_check": True},
     # Speculative decoding (n-gram drafts verified in one pass); at most 6 running requests, so
-    # that every decode pass may draft (scheduler_spec.MAX_SPEC_REQUESTS).
+    # that every decode pass may draft (managers/scheduler/speculation.py: MAX_SPEC_REQUESTS).
     "spec-ngram": {"speculative_algorithm": "NGRAM", "max_running_requests": 6, "debug_memory_check": True},
     "spec-ngram-page4-chunked-retract": {"speculative_algorithm": "NGRAM", "max_running_requests": 6, "page_size": 4,
                                          "chunked_prefill_size": 16, "max_total_tokens": 320,

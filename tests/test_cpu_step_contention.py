@@ -31,7 +31,7 @@ os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 with Engine(sys.argv[1], dtype="float32") as engine:
     out = engine.generate(input_ids=[1, 5, 9], sampling_params={"max_new_tokens": 8, "temperature": 0,
                                                                  "ignore_eos": True})
-    print(json.dumps({"torch_threads": torch.get_num_threads(), "pool_threads": engine.scheduler.runner.step.step.num_threads,
+    print(json.dumps({"torch_threads": torch.get_num_threads(), "pool_threads": engine.runner.step.step.num_threads,
                       "output_ids": out["output_ids"]}))
 """
 
@@ -60,7 +60,7 @@ from baby_sgl import Engine
 torch.set_num_threads(2)
 params = {"max_new_tokens": int(sys.argv[2]), "temperature": 0, "ignore_eos": True}
 with Engine(sys.argv[1], dtype="float32") as engine:
-    pool = engine.scheduler.runner.step.step.num_threads
+    pool = engine.runner.step.step.num_threads
     engine.generate(input_ids=[1, 5, 9], sampling_params=params)
     core = min(os.sched_getaffinity(0))
     for tid in os.listdir("/proc/self/task"):

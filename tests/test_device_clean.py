@@ -20,8 +20,8 @@ def meta_default_engine(tiny_llama, request):
     with Engine(tiny_llama, dtype="float32", chunked_prefill_size=16, max_total_tokens=256, page_size=4,
                 enable_mixed_chunk=op_by_op) as engine:
         if op_by_op:  # decode through the model's modules and the attention backend (shared prefixes grouped)
-            engine.scheduler.call(lambda: setattr(engine.scheduler.runner, "step", None))
-        assert (engine.scheduler.runner.step is None) == op_by_op
+            engine.scheduler.call(lambda: setattr(engine.runner, "step", None))
+        assert (engine.runner.step is None) == op_by_op
         engine.scheduler.call(lambda: torch.set_default_device("meta"))
         assert engine.scheduler.call(lambda: torch.empty(1).device.type) == "meta"
         yield engine
@@ -72,7 +72,7 @@ def test_every_familys_paths_run_with_meta_as_the_default_device(family, request
     with Engine(request.getfixturevalue(family), dtype="float32", chunked_prefill_size=16, page_size=4,
                 max_total_tokens=1024) as engine:
         # Decode op by op too (the one-call CPU step would take every decode batch).
-        engine.scheduler.call(lambda: setattr(engine.scheduler.runner, "step", None))
+        engine.scheduler.call(lambda: setattr(engine.runner, "step", None))
         engine.scheduler.call(lambda: torch.set_default_device("meta"))
         try:
             outs = engine.generate(input_ids=[list(range(5, 45)), list(range(100, 170))],

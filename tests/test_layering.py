@@ -1,9 +1,10 @@
 """The import arrows run one way: every module of baby_sgl imports only from the packages below
-its own in LAYERS (type-only and function-level imports included), so the shared types live in
-core and no package reaches up into the one that uses it. A module of a package may have a layer
-of its own (named package.module) where it uses more than the rest of its package: the one-call
-decode step runs the models that the package's ops serve, and a tensor-parallel rank runs the
-model runner that the rest of distributed/ serves."""
+its own in LAYERS (type-only and function-level imports included, and modules started as processes
+of their own, `-m baby_sgl.x`: a lower layer is handed such a module as a reference instead), so
+the shared types live in core and no package reaches up into the one that uses it. A module of a
+package may have a layer of its own (named package.module) where it uses more than the rest of its
+package: the one-call decode step runs the models that the package's ops serve, and a
+tensor-parallel rank runs the model runner that the rest of distributed/ serves."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
             raise AssertionError(f"{path}:{node.lineno}: a relative import; name the module from baby_sgl")
         names = [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else \
             [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        # A process started as [python, "-m", "baby_sgl.x", ...] runs x. Before, unseen:
+        # entrypoints/data_parallel.py:worker_argv started "-m baby_sgl.launch_server", a layer up.
+        if isinstance(node, ast.List):
+            items = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+            names = [m for flag, m in zip(items, items[1:]) if flag == "-m" and isinstance(m, str)]
         found += [(node.lineno, n) for n in names if n.startswith("baby_sgl.")]
     return found
 

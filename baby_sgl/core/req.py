@@ -103,6 +103,26 @@ class DetokenizeState:
 
 
 @dataclass
+class KVPosition:
+    """Where a request's KV is. Row `req_pool_idx` of the ReqToTokenPool holds alloc_len slots, of
+    which the first kv_len hold computed K/V (the rest were allocated for a pass not yet done); the
+    first cache_protected_len are owned by the tree (locked through last_node, the prefix cache's
+    handle: opaque here, see base_prefix_cache.py). The rest is set by admission for the next extend
+    pass: the cached prefix matched (kept while the cache's version and the sequence's length stay
+    what they were: prefix_match_key), the tokens the pass computes and whether more are to come."""
+
+    req_pool_idx: int | None = None
+    kv_len: int = 0
+    alloc_len: int = 0
+    cache_protected_len: int = 0
+    last_node: Any = None
+    prefix_indices: torch.Tensor | None = None
+    prefix_match_key: tuple[int, int] | None = None
+    extend_input_len: int = 0
+    is_chunked: bool = False
+
+
+@dataclass
 class ReqOutput:
     """What the scheduler emits for one request: the text and ids new since its last output (the
     whole output if it does not stream), and whether (and why) it finished."""
@@ -135,20 +155,7 @@ class Req:
         self.session: Any = None
         self.text = ""  # the output's text so far
         self.detok = DetokenizeState()
-        # KV state: row `req_pool_idx` of the ReqToTokenPool holds alloc_len slots, of which the
-        # first kv_len hold computed K/V (the rest were allocated for a pass not yet done); the
-        # first cache_protected_len are owned by the tree (locked through last_node).
-        self.req_pool_idx: int | None = None
-        self.kv_len = 0
-        self.alloc_len = 0
-        self.cache_protected_len = 0
-        self.last_node: Any = None  # the prefix cache's handle (opaque here; see base_prefix_cache.py)
-        # Set by the scheduler for the next extend pass; the match is kept while the cache's
-        # version and the sequence's length stay what they were (prefix_match_key).
-        self.prefix_indices: torch.Tensor | None = None
-        self.prefix_match_key: tuple[int, int] | None = None
-        self.extend_input_len = 0
-        self.is_chunked = False
+        self.kv = KVPosition()
 
     @property
     def fill_ids(self) -> list[int]:
@@ -161,13 +168,13 @@ class Req:
 
     def row(self) -> int:
         """The request-slot row this request holds (an error if it holds none)."""
-        assert self.req_pool_idx is not None, f"{self!r} holds no request slot"
-        return self.req_pool_idx
+        assert self.kv.req_pool_idx is not None, f"{self!r} holds no request slot"
+        return self.kv.req_pool_idx
 
     def prefix(self) -> torch.Tensor:
         """The KV slots of the cached prefix matched for its next extend pass (an error if none was)."""
-        assert self.prefix_indices is not None, f"{self!r} has no prefix match"
-        return self.prefix_indices
+        assert self.kv.prefix_indices is not None, f"{self!r} has no prefix match"
+        return self.kv.prefix_indices
 
     def input_logprobs_pending(self) -> bool:
         return self.logprobs.input_pending(len(self.origin_input_ids))
@@ -176,19 +183,13 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def reset_kv_state(self) -> None:
-        self.req_pool_idx, self.kv_len, self.alloc_len, self.cache_protected_len = None, 0, 0, 0
-        self.last_node = None
-        self.prefix_indices, self.extend_input_len, self.is_chunked = None, 0, False
-        self.prefix_match_key = None
-
     def check(self) -> None:
         """Asserts what holds of a request between passes: the tree's part of its row is computed,
         and the computed part allocated, within the sequence; a request without a row holds no KV;
         one output logprob per output token; no more sent than produced."""
-        assert 0 <= self.cache_protected_len <= self.kv_len <= self.alloc_len, self._kv_state()
-        assert self.req_pool_idx is not None or self.alloc_len == 0, self._kv_state()
-        assert self.kv_len <= self.seqlen, self._kv_state()
+        assert 0 <= self.kv.cache_protected_len <= self.kv.kv_len <= self.kv.alloc_len, self._kv_state()
+        assert self.kv.req_pool_idx is not None or self.kv.alloc_len == 0, self._kv_state()
+        assert self.kv.kv_len <= self.seqlen, self._kv_state()
         lp = self.logprobs
         assert not lp.return_logprob or len(lp.output_token_logprobs) == len(self.output_ids), \
             f"{self!r}: {len(lp.output_token_logprobs)} output logprobs"
@@ -196,8 +197,8 @@ class Req:
         assert d.sent_ids_len <= len(self.output_ids) and d.sent_text_len <= len(self.text), f"{self!r}: sent {d}"
 
     def _kv_state(self) -> str:
-        return (f"{self!r}: row {self.req_pool_idx}, protected {self.cache_protected_len}, computed {self.kv_len}, "
-                f"allocated {self.alloc_len}")
+        return (f"{self!r}: row {self.kv.req_pool_idx}, protected {self.kv.cache_protected_len}, computed {self.kv.kv_len}, "
+                f"allocated {self.kv.alloc_len}")
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import urllib.request
+from types import ModuleType
 
 from baby_sgl.distributed.processes import child_setup, free_port, reap, split_cores
 from baby_sgl.entrypoints.request_guard import allowed_host_names
@@ -39,12 +40,13 @@ _ROUTER_HEALTH_FLAGS = ("--health-check-interval-secs", "2", "--health-failure-t
 _FRONT_ONLY = ("host", "port", "dp_size", "router_policy", "dp_rank", "allowed_hosts")
 
 
-def worker_argv(args: ServerArgs, port: int, rank: int) -> list[str]:
-    """The `baby-sgl serve` flags of one worker: every setting that differs from the default,
-    except the front's own, plus its loopback port and its rank."""
+def worker_argv(args: ServerArgs, worker: ModuleType, port: int, rank: int) -> list[str]:
+    """The command of one worker (`python -m worker`, the server process's module) with its
+    flags: every setting that differs from the default, except the front's own, plus its loopback
+    port and its rank."""
     # A worker answers the Host names its front answers (the router may pass the client's on).
     names = allowed_host_names(args.host, args.allowed_hosts)
-    argv = [sys.executable, "-m", "baby_sgl.launch_server", "--host", "127.0.0.1", "--port", str(port),
+    argv = [sys.executable, "-m", worker.__name__, "--host", "127.0.0.1", "--port", str(port),
             "--dp-rank", str(rank), "--allowed-hosts", "*" if names is None else ",".join(sorted(names))]
     for f in dataclasses.fields(ServerArgs):
         value = getattr(args, f.name)
@@ -74,8 +76,8 @@ def _healthy(url: str) -> bool:
 
 
 class DataParallelServer:
-    def __init__(self, args: ServerArgs) -> None:
-        self.args = args
+    def __init__(self, args: ServerArgs, worker: ModuleType) -> None:
+        self.args, self.worker = args, worker
         self.workers: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.router: subprocess.Popen | None = None
@@ -85,7 +87,7 @@ class DataParallelServer:
         for i, cores in enumerate(split_cores(self.args.dp_size)):
             port = free_port()
             env = dict(os.environ, OMP_NUM_THREADS=str(len(cores)))
-            proc = subprocess.Popen(worker_argv(self.args, port, i), env=env, preexec_fn=child_setup(cores, die_with_parent=True))
+            proc = subprocess.Popen(worker_argv(self.args, self.worker, port, i), env=env, preexec_fn=child_setup(cores, die_with_parent=True))
             self.workers.append(proc)
             self.urls.append(f"http://127.0.0.1:{port}")
             logger.info("worker %d: pid %d, %s, cores %s", i, proc.pid, self.urls[-1], cores)
@@ -162,5 +164,7 @@ def _router_log_level(level: str) -> str:
     return {"warning": "warn", "critical": "error"}.get(level, level if level in ("debug", "info", "error") else "warn")
 
 
-def launch_data_parallel(args: ServerArgs) -> int:
-    return DataParallelServer(args).run()
+def launch_data_parallel(args: ServerArgs, worker: ModuleType) -> int:
+    """Serves with args.dp_size workers, each a process running `python -m worker` (a layer
+    above this one: the server process, which passes itself)."""
+    return DataParallelServer(args, worker).run()

@@ -10,7 +10,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from baby_sgl.managers.schedule_batch import ScheduleBatch
+    from baby_sgl.managers.scheduler.batch import ScheduleBatch
     from baby_sgl.mem_cache.radix_cache import TreeNode
 
 HISTORY_S = 300  # seconds of per-second counters
@@ -51,8 +51,8 @@ class Activity:
             "draft_tokens": sum(map(len, batch.drafts)),
         })
         for req, start, _ in spans:
-            if start == req.cached_tokens and req.last_node is not None:  # its first pass: the cache hit
-                self.last_hit_node = req.last_node
+            if start == req.cached_tokens and req.kv.last_node is not None:  # its first pass: the cache hit
+                self.last_hit_node = req.kv.last_node
                 self.last_hit = {"t": self._now(), "rid": req.rid, "cached_tokens": req.cached_tokens,
                                  "prompt_tokens": len(req.origin_input_ids)}
 

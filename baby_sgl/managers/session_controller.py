@@ -29,7 +29,7 @@ from baby_sgl.errors import ServerBusyError
 from baby_sgl.errors import MemoryLeakError
 from baby_sgl.managers.io_struct import OpenSessionReqInput, SessionParams
 from baby_sgl.core.finish_reason import FinishAbort
-from baby_sgl.core.req import Req
+from baby_sgl.core.req import KVPosition, Req
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 
 # A normal session keeps every turn (any of them may be continued); this bounds its memory.
@@ -130,9 +130,9 @@ class SessionController:
     def check(self) -> None:
         """Its own integrity: a held turn keeps its request slot, and no two sessions share one."""
         held = self.held_reqs()
-        if any(r.req_pool_idx is None for r in held):
+        if any(r.kv.req_pool_idx is None for r in held):
             raise MemoryLeakError("a streaming session holds a turn without its request slot")
-        if len({r.req_pool_idx for r in held}) != len(held):
+        if len({r.kv.req_pool_idx for r in held}) != len(held):
             raise MemoryLeakError("two streaming sessions hold one request slot")
 
     # ---- a new turn ----------------------------------------------------------------------
@@ -168,7 +168,7 @@ class SessionController:
         input_ids = self._turn_input(prev, req.origin_input_ids, offset, drop_output)
         if not input_ids:
             raise ValueError("the session turn's input is empty (offset 0 and a new input that is only BOS)")
-        if session.held is not None and len(input_ids) <= session.held.kv_len:
+        if session.held is not None and len(input_ids) <= session.held.kv.kv_len:
             raise ValueError("the turn adds no tokens to the session's context (its input is empty or only BOS)")
         if len(input_ids) > self.max_input_len:
             raise ValueError(f"prompt is too long: the session's context plus the new input is {len(input_ids)} "
@@ -219,10 +219,10 @@ class SessionController:
         held = req.session.held if req.session is not None else None
         if held is None:
             return None
-        assert held.fill_ids[: held.kv_len] == req.fill_ids[: held.kv_len], "held KV is not the turn's prefix"
-        assert held.kv_len < req.seqlen
+        assert held.fill_ids[: held.kv.kv_len] == req.fill_ids[: held.kv.kv_len], "held KV is not the turn's prefix"
+        assert held.kv.kv_len < req.seqlen
         table = self.tree_cache.req_to_token_pool.req_to_token
-        return table[held.row(), : held.kv_len].cpu()
+        return table[held.row(), : held.kv.kv_len].cpu()
 
     def release_idle_row(self, waiting: list[Req]) -> bool:
         """Under memory pressure (no free request row, or KV for the next admission or decode):
@@ -245,9 +245,9 @@ class SessionController:
         if session is None or session.held is None:
             return
         held, session.held = session.held, None
-        req.req_pool_idx, req.kv_len, req.alloc_len = held.req_pool_idx, held.kv_len, held.alloc_len
-        req.cache_protected_len, req.last_node = held.cache_protected_len, held.last_node
-        held.reset_kv_state()
+        req.kv.req_pool_idx, req.kv.kv_len, req.kv.alloc_len = held.kv.req_pool_idx, held.kv.kv_len, held.kv.alloc_len
+        req.kv.cache_protected_len, req.kv.last_node = held.kv.cache_protected_len, held.kv.last_node
+        held.kv = KVPosition()
 
     def keep_row(self, req: Req) -> bool:
         """A turn ended. A streaming session that stays open keeps the row of a turn that ended
@@ -256,7 +256,7 @@ class SessionController:
         session = req.session
         if session is not None and session.held is req:
             return True
-        if (session is None or not session.streaming or session.closing or req.req_pool_idx is None
+        if (session is None or not session.streaming or session.closing or req.kv.req_pool_idx is None
                 or isinstance(req.finished_reason, FinishAbort)):
             return False
         self.tree_cache.cache_unfinished_req(req)

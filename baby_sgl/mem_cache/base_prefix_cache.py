@@ -14,13 +14,14 @@ import torch
 
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.core.memory_pool import ReqToTokenPool
+from baby_sgl.core.req import KVPosition
 
 if TYPE_CHECKING:
     from baby_sgl.core.req import Req
 
 
 # A cache's handle on a matched prefix, which locks it: a radix tree node, or None without a tree.
-# A request keeps it (Req.last_node) without reading it; only the cache that made it does.
+# A request keeps it (Req.kv.last_node) without reading it; only the cache that made it does.
 H = TypeVar("H")
 
 
@@ -100,11 +101,11 @@ class BasePrefixCache(ABC, Generic[H]):
         """Takes back everything the request holds: its row's slots (computed or merely
         allocated for a pass that never ran), its lock on the tree and its request slot.
         Idempotent: a request with no row holds nothing."""
-        if req.req_pool_idx is None:
+        if req.kv.req_pool_idx is None:
             return
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.alloc_len].cpu()
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : req.kv.alloc_len].cpu()
         kept = self._keep_pages(req, row)
         self.allocator.free(row[kept:])
-        self.dec_lock_ref(req.last_node)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.reset_kv_state()
+        self.dec_lock_ref(req.kv.last_node)
+        self.req_to_token_pool.free(req.kv.req_pool_idx)
+        req.kv = KVPosition()

@@ -203,27 +203,27 @@ class RadixCache(BasePrefixCache[TreeNode]):
 
     # ---- request lifecycle ----------------------------------------------------------------
     def _row(self, req: Req) -> torch.Tensor:
-        return self.req_to_token_pool.req_to_token[req.row(), : req.kv_len].cpu()
+        return self.req_to_token_pool.req_to_token[req.row(), : req.kv.kv_len].cpu()
 
     def cache_unfinished_req(self, req: Req) -> None:
         """Gives the request's whole computed pages to the tree and repoints its row at the
         tree's slots, so later requests can share them while this one keeps running."""
-        aligned = req.kv_len // self.page_size * self.page_size
-        if aligned <= req.cache_protected_len:
+        aligned = req.kv.kv_len // self.page_size * self.page_size
+        if aligned <= req.kv.cache_protected_len:
             return
         tokens, slots = req.fill_ids[:aligned], self._row(req)[:aligned]
         known = self.insert(tokens, slots)
-        self.allocator.free(slots[req.cache_protected_len : known])
+        self.allocator.free(slots[req.kv.cache_protected_len : known])
         new_slots, node = self.match_prefix(tokens)
         assert len(new_slots) == aligned
         self.req_to_token_pool.write(req.row(), 0, new_slots.to(self.req_to_token_pool.req_to_token.device))
         self.inc_lock_ref(node)
-        self.dec_lock_ref(req.last_node)
-        req.last_node, req.cache_protected_len = node, aligned
+        self.dec_lock_ref(req.kv.last_node)
+        req.kv.last_node, req.kv.cache_protected_len = node, aligned
 
     def _keep_pages(self, req: Req, row: torch.Tensor) -> int:
         """Whole computed pages go to the tree; slots the tree already had are duplicates."""
-        aligned = req.kv_len // self.page_size * self.page_size
+        aligned = req.kv.kv_len // self.page_size * self.page_size
         known = self.insert(req.fill_ids[:aligned], row[:aligned]) if aligned else 0
-        self.allocator.free(row[req.cache_protected_len : known])
+        self.allocator.free(row[req.kv.cache_protected_len : known])
         return aligned

@@ -7,10 +7,10 @@ document being quoted), then the text of every request the prefix cache has take
 another request already gave, the previous turns of other chats). Each is an index from every
 n-gram (n between the min and max match window) to the position after its latest occurrence; the
 longest suffix of the request that occurs wins. The model verifies the drafts in one pass
-(scheduler_spec.py), so a wrong guess costs compute, never correctness.
+(managers/scheduler/speculation.py), so a wrong guess costs compute, never correctness.
 
 When drafting does not pay it stops: a request whose recent drafts were mostly rejected pauses
-(RequestDrafts.record); the batch rule is in scheduler_spec.py.
+(RequestDrafts.record); the batch rule is in managers/scheduler/speculation.py.
 """
 
 from __future__ import annotations

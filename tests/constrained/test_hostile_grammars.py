@@ -43,7 +43,7 @@ def test_no_token_left_ends_the_request_with_a_clear_reason(engine):
     out = engine.generate("c", {"regex": "1", "stop_token_ids": [one], "min_new_tokens": 3, "max_new_tokens": 5})
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "cannot continue under its constraint" in reason["message"]
-    assert "internal error" not in reason["message"] and engine.scheduler.stats["num_failed_reqs"] == 0
+    assert "internal error" not in reason["message"] and engine.get_server_info()["num_failed_reqs"] == 0
 
 
 def test_forbidden_tokens_have_a_finite_logprob(engine, tiny_llama):

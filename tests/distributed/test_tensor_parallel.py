@@ -118,7 +118,7 @@ def test_a_rank_out_of_step_is_caught(tiny_llama):
     with Engine(tiny_llama, dtype="float32", tp_size=2) as engine:
         engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={**GREEDY, "max_new_tokens": 2})
         engine.check_memory()
-        table = engine.scheduler.req_to_token_pool.req_to_token
+        table = engine.runner.req_to_token_pool.req_to_token
         table[0, 0] += 1  # behind the journal's back
         with pytest.raises(EngineDeadError, match="rank 1 is out of step"):
             engine.check_memory()

@@ -4,7 +4,7 @@ survive) when a request with rid "die" arrives. Used by test_server_process.py."
 import sys
 
 from baby_sgl.launch_server import main
-from baby_sgl.managers.scheduler import Scheduler
+from baby_sgl.managers.scheduler.scheduler import Scheduler
 
 
 class Fatal(BaseException):
@@ -15,7 +15,7 @@ _real_step = Scheduler.step
 
 
 def _step(self):
-    if any(r.rid == "die" for r in self.waiting):
+    if any(r.rid == "die" for r in self.queues.waiting):
         raise Fatal("injected scheduler death")
     return _real_step(self)
 

@@ -146,7 +146,7 @@ def test_page_renders_in_headless_chromium(dash, tmp_path):
 def test_deep_trees_are_cut_at_a_depth(dash, capsys):
     """Each prompt extends the one before: a chain of 220 nodes. The view stops at MAX_DEPTH levels and
     counts the rest (JSON encoders recurse once per level), and the tree command prints it."""
-    from baby_sgl.managers.scheduler_view import MAX_DEPTH
+    from baby_sgl.managers.scheduler.view import MAX_DEPTH
 
     httpx.post(dash + "/flush_cache").raise_for_status()
     text = ""

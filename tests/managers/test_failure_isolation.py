@@ -7,7 +7,8 @@ import pytest
 
 from baby_sgl import Engine
 from baby_sgl.errors import EngineDeadError
-from baby_sgl.managers.memory_checker import check_memory
+from baby_sgl.managers.scheduler.memory import KVMemory
+from baby_sgl.sampling.sampler import Sampler
 from helpers import GREEDY, random_prompts
 
 PROMPTS = random_prompts(6, 512, 5, 40, seed=7)
@@ -22,26 +23,26 @@ def _run(engine: Engine, prompts: list[list[int]], max_new_tokens: int = 12) -> 
     return engine.generate(input_ids=prompts, sampling_params=params)
 
 
-class _PoisonedSampler:
-    """Raises whenever the poisoned prompt is among the rows it is asked to sample, after
-    `after` successful steps of that request."""
-
-    def __init__(self, sampler, after: int) -> None:
-        self.sampler, self.after = sampler, after
+def _poisoned(after: int):
+    """Sampler.sample, raising whenever the poisoned prompt is among the rows it is asked to
+    sample, after `after` successful steps of that request."""
+    real = Sampler.sample
 
     def sample(self, logits, batch):
-        if any(p.seed == POISON_SEED and n >= self.after for p, n in zip(batch.params, batch.num_output)):
+        if any(p.seed == POISON_SEED and n >= after for p, n in zip(batch.params, batch.num_output)):
             raise RuntimeError("injected sampling fault")
-        return self.sampler.sample(logits, batch)
+        return real(self, logits, batch)
+
+    return sample
 
 
 @pytest.mark.parametrize("config", [{}, {"page_size": 16}, {"disable_radix_cache": True, "page_size": 4}])
 @pytest.mark.parametrize("after", [0, 3])  # in its prefill, or in the middle of decoding
-def test_sampling_fault_ends_only_that_request(tiny_llama, config, after):
+def test_sampling_fault_ends_only_that_request(tiny_llama, config, after, monkeypatch):
     with Engine(tiny_llama, dtype="float32", debug_memory_check=True, **config) as engine:
         clean = _run(engine, PROMPTS)
         engine.flush_cache()
-        engine.scheduler.sampler = _PoisonedSampler(engine.scheduler.sampler, after)
+        monkeypatch.setattr(Sampler, "sample", _poisoned(after))
         outs = _run(engine, PROMPTS[:3] + [POISON] + PROMPTS[3:])
         bad = outs.pop(3)
         assert bad["meta_info"]["finish_reason"]["type"] == "abort"
@@ -51,7 +52,7 @@ def test_sampling_fault_ends_only_that_request(tiny_llama, config, after):
         assert engine.get_server_info()["num_failed_reqs"] == 1
         engine.check_memory()
         # The engine keeps serving, the poisoned prompt included once the fault is gone.
-        engine.scheduler.sampler = engine.scheduler.sampler.sampler
+        monkeypatch.undo()
         assert _run(engine, [POISON], 4)[0]["meta_info"]["finish_reason"]["type"] == "length"
         engine.check_memory()
 
@@ -60,7 +61,7 @@ def test_sampling_fault_ends_only_that_request(tiny_llama, config, after):
                                     {"page_size": 4, "chunked_prefill_size": 8, "enable_mixed_chunk": True}])
 def test_forward_fault_ends_its_batch_and_frees_its_slots(tiny_llama, config):
     with Engine(tiny_llama, dtype="float32", debug_memory_check=True, **config) as engine:
-        runner = engine.scheduler.runner
+        runner = engine.runner
         real_forward, calls = runner.forward, []
         fail_on = "MIXED" if config.get("enable_mixed_chunk") else None
 
@@ -120,13 +121,15 @@ def test_a_request_that_finished_in_a_failed_step_keeps_its_result(tiny_llama, m
     a request that finished in that step was already answered and must stay as it was."""
     calls = []
 
-    def failing_once(sched):
+    real = KVMemory.check
+
+    def failing_once(memory, *args, **kwargs):
         calls.append(1)
         if len(calls) == 1:
             raise AssertionError("injected memory check failure")
-        return check_memory(sched)
+        return real(memory, *args, **kwargs)
 
-    monkeypatch.setattr("baby_sgl.managers.scheduler.check_memory", failing_once)
+    monkeypatch.setattr(KVMemory, "check", failing_once)
     with Engine(tiny_llama, dtype="float32", debug_memory_check=True) as engine:
         done, running = engine.generate(input_ids=PROMPTS[:2], sampling_params=[
             {**GREEDY, "max_new_tokens": 1}, {**GREEDY, "max_new_tokens": 50}])

@@ -13,7 +13,7 @@ LONG = random_prompts(1, 512, 300, 301, seed=4)[0]
 def _run_and_record(path: str, **config) -> tuple[list[dict], list[tuple[str, int, int]]]:
     """Outputs, and each pass as (mode, extend tokens, decoding requests)."""
     with Engine(path, dtype="float32", page_size=4, debug_memory_check=True, **config) as engine:
-        runner, passes = engine.scheduler.runner, []
+        runner, passes = engine.runner, []
         real_forward = runner.forward
 
         def recording_forward(b):

@@ -28,7 +28,7 @@ def test_a_message_taken_before_its_sender_resumes_leaves_readers_answered(engin
     # marked unsettled, and every reader waited for its next turn, which an idle scheduler takes
     # after _IDLE_WAKE_S (60 s).
     sched = engine.scheduler
-    wait_until(lambda: not sched.has_work(), "the engine to be idle")
+    wait_until(lambda: engine.progress().running == engine.progress().waiting == 0, "the engine to be idle")
     taken = threading.Event()  # the scheduler published with the inbox empty
     real_publish, real_put = sched.snapshots.publish, sched.inbox.put
 
@@ -62,14 +62,14 @@ def test_a_request_leaving_the_inbox_is_counted_as_queued_throughout(one_at_a_ti
     engine = one_at_a_time
     sched = engine.scheduler
     seen: list[int] = []  # num_queued as other threads saw it, right after the inbox was handled
-    real_drain = sched._drain_inbox
+    real_step = sched.step
 
-    def drain_then_look(*args, **kwargs) -> None:
-        real_drain(*args, **kwargs)
-        if not seen and sched.waiting:
+    def look_then_step() -> bool:  # a step follows the inbox's handling at once
+        if not seen and sched.queues.waiting:
             seen.append(engine.num_queued())
+        return real_step()
 
-    monkeypatch.setattr(sched, "_drain_inbox", drain_then_look)
+    monkeypatch.setattr(sched, "step", look_then_step)
     running = engine.submit("runs first", {"max_new_tokens": 300, **GREEDY})
     wait_until(lambda: sched.progress.running, "the first request to run")
     waiting = engine.submit("waits", {"max_new_tokens": 1, **GREEDY})

@@ -18,9 +18,10 @@ import pytest
 from baby_sgl import Engine
 from baby_sgl.entrypoints.async_bridge import AsyncEngine
 from baby_sgl.entrypoints.metrics import Metrics
-from baby_sgl.managers import scheduler as scheduler_module
+from baby_sgl.managers.scheduler import scheduler as scheduler_module
 from baby_sgl.managers.messages import Call
 from baby_sgl.managers.snapshots import VIEW_INTERVAL_S
+from baby_sgl.mem_cache.radix_cache import RadixCache
 from helpers import GREEDY, hold_submissions, wait_until
 
 
@@ -59,7 +60,7 @@ def test_reads_are_fresh_and_cost_the_scheduler_one_snapshot_per_interval(engine
     before the question; dashboard readers share snapshots taken at most every VIEW_INTERVAL_S."""
     taken = []
     real = scheduler_module.take_snapshot
-    monkeypatch.setattr(scheduler_module, "take_snapshot", lambda sched: taken.append(1) or real(sched))
+    monkeypatch.setattr(scheduler_module, "take_snapshot", lambda *parts: taken.append(1) or real(*parts))
     before = engine.get_server_info()["generation_tokens"]
     engine.generate("fresh", {"max_new_tokens": 5, **GREEDY})
     info = engine.get_server_info()
@@ -90,9 +91,8 @@ def test_reads_are_fresh_and_cost_the_scheduler_one_snapshot_per_interval(engine
 # ---- N2: the waiting queue is matched only when the tree changed ------------------------------
 def _count_matches(engine: Engine, monkeypatch) -> list[int]:
     calls: list[int] = []
-    tree = engine.scheduler.tree_cache
-    real = tree.match_prefix
-    monkeypatch.setattr(tree, "match_prefix", lambda key: calls.append(1) or real(key))
+    real = RadixCache.match_prefix
+    monkeypatch.setattr(RadixCache, "match_prefix", lambda tree, key: calls.append(1) or real(tree, key))
     return calls
 
 

@@ -48,9 +48,9 @@ def test_greedy_matches_transformers(case, config):
             if not CONFIGS[config].get("disable_radix_cache"):  # the second round drafts from the first's text
                 assert info["spec_accepted_tokens"] > 0, "drafts from the cache's text were meant to be accepted"
         if CONFIGS[config].get("enable_torch_compile"):
-            assert engine.scheduler.runner.compiled is not None, "compiled graphs were meant to run"
-        elif engine.scheduler.runner.device.type == "cpu" and toolchain.cxx_compiler() is not None:
-            assert engine.scheduler.runner.step is not None, "every family decodes in the one-call CPU step"
+            assert engine.runner.compiled is not None, "compiled graphs were meant to run"
+        elif engine.runner.device.type == "cpu" and toolchain.cxx_compiler() is not None:
+            assert engine.runner.step is not None, "every family decodes in the one-call CPU step"
         if not CONFIGS[config].get("disable_radix_cache") and "retract" not in config:
             page = CONFIGS[config].get("page_size", 1)
             for p, out in zip(prompts, second):
@@ -66,7 +66,7 @@ def test_every_instruction_set_gives_the_same_tokens(case, arch, monkeypatch):
     path, prompts, expected, _ = case
     build_for(arch, monkeypatch)
     with Engine(path, dtype="float32", page_size=4) as engine:
-        assert engine.scheduler.runner.step is not None
+        assert engine.runner.step is not None
         outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW})
         assert [o["output_ids"] for o in outs] == expected
         engine.check_memory()
@@ -81,7 +81,7 @@ def test_first_step_logprobs_match_transformers(case):
 def test_compile_without_a_cxx_compiler_runs_eager(tiny_llama, monkeypatch, caplog):
     monkeypatch.setattr("baby_sgl.model_executor.model_runner.cxx_compiler", lambda: None)
     with Engine(tiny_llama, dtype="float32", enable_torch_compile=True) as engine:
-        assert engine.scheduler.runner.compiled is None
+        assert engine.runner.compiled is None
         out = engine.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 3})
         assert len(out["output_ids"]) == 3
     assert sum("no C++ compiler" in r.message for r in caplog.records) == 1

@@ -30,7 +30,7 @@ TIE_MARGIN = 0.25
 
 def _decode(mode: str, batched: bool) -> list[dict]:
     with Engine(dtype="float32", cpu_int8_activations=mode) as engine:
-        step = engine.scheduler.runner.step
+        step = engine.runner.step
         assert step is not None and step.int8_activations == (mode == "on")
         prompts = [engine.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
         params = {**GREEDY, "max_new_tokens": MAX_NEW}

@@ -38,7 +38,7 @@ kernel_only = pytest.mark.cpu_only("quantized weights served by the CPU kernel")
 
 
 def _served_quantized(engine: Engine) -> bool:
-    model = engine.scheduler.runner.model
+    model = engine.runner.model
     return all(isinstance(m.weight, QuantizedWeight) for m in
                [model.embed_tokens, model.lm_head, *(l.mlp.down_proj for l in model.layers)])
 
@@ -51,7 +51,7 @@ def test_quantized_greedy_matches_transformers(case, config):
         # Compiled graphs take dense weights: with --enable-torch-compile the file is dequantized.
         compiled = CONFIGS[config].get("enable_torch_compile", False)
         assert _served_quantized(engine) != compiled
-        assert (engine.scheduler.runner.step is not None) != compiled
+        assert (engine.runner.step is not None) != compiled
         params = {**GREEDY, "max_new_tokens": MAX_NEW}
         for round_ in ("first", "cached"):
             outs = engine.generate(input_ids=prompts, sampling_params=params)
@@ -71,7 +71,7 @@ def test_quantized_first_step_logprobs_match_transformers(case):
 def test_quantization_none_dequantizes_at_load(case):
     path, prompts, expected, _ = case
     with Engine(path, dtype="float32", quantization="none") as engine:
-        assert not any(isinstance(m.weight, QuantizedWeight) for m in engine.scheduler.runner.model.modules()
+        assert not any(isinstance(m.weight, QuantizedWeight) for m in engine.runner.model.modules()
                        if hasattr(m, "weight"))
         outs = engine.generate(input_ids=prompts[:8], sampling_params={**GREEDY, "max_new_tokens": MAX_NEW})
         assert [o["output_ids"] for o in outs] == expected[:8]
@@ -87,7 +87,7 @@ def test_without_a_compiler_the_file_is_dequantized(case, monkeypatch, caplog):
     monkeypatch.setattr(cpu_ops, "_loaded", {})
     with caplog.at_level(logging.WARNING):
         with Engine(path, dtype="float32") as engine:
-            assert not _served_quantized(engine) and engine.scheduler.runner.step is None
+            assert not _served_quantized(engine) and engine.runner.step is None
             outs = engine.generate(input_ids=prompts[:8], sampling_params={**GREEDY, "max_new_tokens": MAX_NEW})
             assert [o["output_ids"] for o in outs] == expected[:8]
             engine.check_memory()
@@ -112,7 +112,7 @@ def test_every_instruction_set_gives_the_same_tokens(case, arch, monkeypatch):
     path, prompts, expected, _ = case
     build_for(arch, monkeypatch)
     with Engine(path, dtype="float32", page_size=4) as engine:
-        assert _served_quantized(engine) and engine.scheduler.runner.step is not None
+        assert _served_quantized(engine) and engine.runner.step is not None
         outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW})
         assert [o["output_ids"] for o in outs] == expected
         engine.check_memory()

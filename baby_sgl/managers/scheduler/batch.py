@@ -3,30 +3,30 @@ an extend or decode pass, and retracts requests when decode runs out of KV slots
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from baby_sgl.core.req import Req
-from baby_sgl.mem_cache.allocator import PagedTokenAllocator
-from baby_sgl.core.memory_pool import ReqToTokenPool
 from baby_sgl.core.forward_batch import ForwardMode, ModelWorkerBatch
-from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 from baby_sgl.sampling.logprobs import InputLogprobSpan, plan_input_logprobs
+
+if TYPE_CHECKING:
+    from baby_sgl.core.req import Req
+    from baby_sgl.managers.scheduler.memory import KVMemory
 
 
 class ScheduleBatch:
-    def __init__(self, reqs: list[Req], mode: ForwardMode, req_to_token_pool: ReqToTokenPool,
-                 allocator: PagedTokenAllocator, tree_cache: BasePrefixCache[Any]) -> None:
+    def __init__(self, reqs: list[Req], mode: ForwardMode, memory: KVMemory) -> None:
         self.reqs, self.mode = reqs, mode
-        self.req_to_token_pool, self.allocator, self.tree_cache = req_to_token_pool, allocator, tree_cache
+        self.req_to_token_pool, self.allocator = memory.req_to_token_pool, memory.allocator
+        self.tree_cache = memory.tree_cache
         self.prefix_lens: list[int] = []
         self.seq_lens: list[int] = []
         self.out_cache_loc: torch.Tensor | None = None
         self.num_decode_reqs = 0  # MIXED: the last requests of the batch decode one token each
         self.input_logprob_spans: list[InputLogprobSpan] = []  # prompt logprobs this pass computes
         # DECODE with speculative decoding: each request's draft tokens, verified in this pass
-        # after its last token (one row each; scheduler_spec.py). Empty lists: plain decode.
+        # after its last token (one row each; speculation.py). Empty lists: plain decode.
         self.drafts: list[list[int]] = [[] for _ in reqs]
 
     # ---- KV slots ------------------------------------------------------------------------
@@ -37,24 +37,24 @@ class ScheduleBatch:
         if need > alloc.available_size():
             self.tree_cache.evict(need - alloc.available_size())
         table = self.req_to_token_pool.req_to_token
-        last_locs = [int(table[r.req_pool_idx, p - 1]) if p else -1 for r, p in zip(self.reqs, prefix_lens)]
+        last_locs = [int(table[r.kv.req_pool_idx, p - 1]) if p else -1 for r, p in zip(self.reqs, prefix_lens)]
         return alloc.alloc_extend(prefix_lens, seq_lens, last_locs)
 
     def decode_pages_needed(self) -> int:
-        return sum(self.allocator.pages_needed(r.kv_len, r.kv_len + 1 + len(d)) for r, d in zip(self.reqs, self.drafts))
+        return sum(self.allocator.pages_needed(r.kv.kv_len, r.kv.kv_len + 1 + len(d)) for r, d in zip(self.reqs, self.drafts))
 
     # ---- extend --------------------------------------------------------------------------
     def prepare_for_extend(self) -> None:
         """Gives new requests a row holding their cached prefix, then slots for the new tokens."""
         for req in self.reqs:
-            if req.req_pool_idx is None:
-                req.req_pool_idx = self.req_to_token_pool.alloc()
-                assert req.req_pool_idx is not None, "admission let in more requests than slots"
+            if req.kv.req_pool_idx is None:
+                req.kv.req_pool_idx = self.req_to_token_pool.alloc()
+                assert req.kv.req_pool_idx is not None, "admission let in more requests than slots"
                 prefix = req.prefix()
-                self.req_to_token_pool.write(req.req_pool_idx, 0, prefix.to(self.req_to_token_pool.req_to_token.device))
-                req.kv_len = req.alloc_len = req.cache_protected_len = len(prefix)
-        self.prefix_lens = [r.kv_len for r in self.reqs]
-        self.seq_lens = [r.kv_len + r.extend_input_len for r in self.reqs]
+                self.req_to_token_pool.write(req.kv.req_pool_idx, 0, prefix.to(self.req_to_token_pool.req_to_token.device))
+                req.kv.kv_len = req.kv.alloc_len = req.kv.cache_protected_len = len(prefix)
+        self.prefix_lens = [r.kv.kv_len for r in self.reqs]
+        self.seq_lens = [r.kv.kv_len + r.kv.extend_input_len for r in self.reqs]
         self.out_cache_loc = self.alloc_token_slots(self.prefix_lens, self.seq_lens)
         assert self.out_cache_loc is not None, "admission let in more tokens than the pool holds"
         self._write_rows()
@@ -63,14 +63,14 @@ class ScheduleBatch:
         start, slots = 0, self.slots()
         for req, a, b in zip(self.reqs, self.prefix_lens, self.seq_lens):
             self.req_to_token_pool.write(req.row(), a, slots[start : start + b - a])
-            req.alloc_len = b  # owned now, computed once the pass has run (kv_len)
+            req.kv.alloc_len = b  # owned now, computed once the pass has run (kv_len)
             start += b - a
 
     # ---- decode --------------------------------------------------------------------------
     def prepare_for_decode(self) -> None:
         """Slots for each request's last token (and its drafts, if any)."""
-        self.prefix_lens = [r.kv_len for r in self.reqs]
-        self.seq_lens = [r.kv_len + 1 + len(d) for r, d in zip(self.reqs, self.drafts)]
+        self.prefix_lens = [r.kv.kv_len for r in self.reqs]
+        self.seq_lens = [r.kv.kv_len + 1 + len(d) for r, d in zip(self.reqs, self.drafts)]
         self.out_cache_loc = self.alloc_token_slots(self.prefix_lens, self.seq_lens)
         assert self.out_cache_loc is not None, "decode was scheduled without enough KV slots"
         self._write_rows()

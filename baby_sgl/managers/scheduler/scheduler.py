@@ -1,51 +1,52 @@
 """The scheduler: an event loop that admits requests, forms extend and decode batches, runs them
 and hands results back. It runs in its own thread; everything it owns is touched only there.
-This module holds the loop, its inbox and what other threads may call; forming batches is in
-scheduler_batches.py, handling a pass's results (sampling, stops, streaming) in
-scheduler_output.py."""
+This module holds the loop, its inbox and what other threads may call; the work is done by its
+parts (this package): the request queues (queues.py), the KV memory (memory.py), admission
+(prefill.py), the decode batch (decode.py), the output processor (output.py) and speculative
+decoding (speculation.py)."""
 
 from __future__ import annotations
 
 import logging
 import queue
-import random
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
-from baby_sgl.errors import EngineDeadError
-from baby_sgl.managers.io_struct import SessionParams
-from baby_sgl.managers.memory_checker import check_memory
-from baby_sgl.managers.messages import AbortReq, Call, Message, NewReq, Stop, Wake
 from baby_sgl.core.finish_reason import FinishAbort
-from baby_sgl.core.req import Req
-from baby_sgl.managers.schedule_batch import ScheduleBatch
-from baby_sgl.managers.scheduler_batches import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO, BatchFormation
-from baby_sgl.managers.scheduler_output import OutputProcessing
-from baby_sgl.managers.scheduler_spec import Speculation, make_drafter
-from baby_sgl.managers.schedule_policy import CACHE_AWARE_POLICIES
+from baby_sgl.core.forward_batch import ForwardMode, ModelWorkerBatch
+from baby_sgl.errors import EngineDeadError
+from baby_sgl.managers.activity import Activity
+from baby_sgl.managers.io_struct import OpenSessionReqInput, SessionParams
+from baby_sgl.managers.messages import AbortReq, Call, Message, NewReq, Stop, Wake
+from baby_sgl.managers.scheduler.decode import DecodePlanner
+from baby_sgl.managers.scheduler.memory import KVMemory
+from baby_sgl.managers.scheduler.output import OutputProcessor
+from baby_sgl.managers.scheduler.prefill import PrefillPlanner
+from baby_sgl.managers.scheduler.queues import RequestQueues
+from baby_sgl.managers.scheduler.speculation import Speculation, make_drafter
+from baby_sgl.managers.scheduler.view import take_snapshot
 from baby_sgl.managers.session_controller import SessionController
 from baby_sgl.managers.snapshots import Progress, Snapshots
 from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 from baby_sgl.mem_cache.chunk_cache import ChunkCache
 from baby_sgl.mem_cache.radix_cache import RadixCache
-from baby_sgl.core.forward_batch import ForwardMode, ModelWorkerBatch
 from baby_sgl.model_executor.model_runner import ModelRunner
 from baby_sgl.sampling.logprobs import input_logprobs
 from baby_sgl.sampling.sampler import Sampler
 from baby_sgl.server_args import EngineArgs
-from baby_sgl.managers.activity import Activity
-from baby_sgl.managers.scheduler_view import take_snapshot
 from baby_sgl.trace import Tracer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from baby_sgl.managers.scheduler_view import SchedulerSnapshot
+    from baby_sgl.core.req import Req
+    from baby_sgl.managers.scheduler.batch import ScheduleBatch
+    from baby_sgl.managers.scheduler.view import SchedulerSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -55,70 +56,106 @@ _IDLE_WAKE_S = 60.0  # an idle scheduler wakes at least this often, whatever ses
 _CALL_POLL_S = 0.25  # how often a caller waiting on the scheduler checks that it is alive
 _SHUTDOWN_JOIN_S = 5.0
 
+T = TypeVar("T")
 
-class Scheduler(BatchFormation, OutputProcessing, Speculation):
+
+class Scheduler:
     def __init__(self, args: EngineArgs, runner: ModelRunner, tokenizer: PreTrainedTokenizerBase, eos_token_ids: list[int],
                  max_total_tokens: int, context_len: int, max_input_len: int) -> None:
-        self.args, self.runner, self.tokenizer = args, runner, tokenizer
-        self.eos_token_ids = set(eos_token_ids)
-        self.context_len = context_len
+        self.args, self.runner = args, runner
         self.tracer = Tracer(args.trace_file) if args.trace_file else None
         self.activity = Activity()  # recent batches, evictions and counters, for the dashboard
-        self.req_to_token_pool = runner.init_memory_pool(max_total_tokens, args.max_running_requests, context_len)
-        self.allocator = PagedTokenAllocator(max_total_tokens, args.page_size, runner.device)
-        self.tree_cache: BasePrefixCache[Any] = (ChunkCache(self.req_to_token_pool, self.allocator)
-                                            if args.disable_radix_cache else
-                                            RadixCache(self.req_to_token_pool, self.allocator, self.tracer,
+        pool = runner.init_memory_pool(max_total_tokens, args.max_running_requests, context_len)
+        allocator = PagedTokenAllocator(max_total_tokens, args.page_size, runner.device)
+        tree_cache: BasePrefixCache[Any] = (ChunkCache(pool, allocator) if args.disable_radix_cache else
+                                            RadixCache(pool, allocator, self.tracer,
                                                        on_evict=self.activity.record_eviction))
-        self.sessions = SessionController(self.tree_cache, max_input_len, tokenizer.bos_token_id, args.max_sessions)
-        self.sampler = Sampler(runner.cfg.vocab_size, sorted(self.eos_token_ids), args.random_seed)
-        self.drafter = make_drafter(args.speculative_algorithm, args.speculative_ngram_min_match_window_size,
-                                    args.speculative_ngram_max_match_window_size, args.speculative_ngram_capacity,
-                                    share=not (args.disable_radix_cache or args.speculative_ngram_request_only))
-        self.waiting: list[Req] = []
-        self.running: list[Req] = []
-        cache_aware = args.schedule_policy in CACHE_AWARE_POLICIES
-        self.schedule_policy = "fcfs" if cache_aware and args.disable_radix_cache else args.schedule_policy
-        self.rng = random.Random(args.random_seed)  # the random policy's, seeded: same arrivals, same order
-        self.chunked_req: Req | None = None
-        self.cur_batch: ScheduleBatch | None = None
-        c = args.schedule_conservativeness
-        self.init_ratio, self.min_ratio = min(INIT_NEW_TOKEN_RATIO * c, 1.0), min(MIN_NEW_TOKEN_RATIO * c, 1.0)
-        self.new_token_ratio = self.init_ratio
-        # As SGLang: mixing needs chunked prefill, whose chunk size bounds each mixed step.
-        chunk = args.chunked_prefill_size
-        assert chunk is not None, "the engine resolves chunked_prefill_size before the scheduler starts"
-        self.chunk_size = chunk if chunk > 0 else None  # None: unchunked
-        self.mixed_chunk = args.enable_mixed_chunk and chunk > 0
+        self.memory = KVMemory(pool, allocator, tree_cache)
+        self.sessions = SessionController(tree_cache, max_input_len, tokenizer.bos_token_id, args.max_sessions)
+        self.queues = RequestQueues()
         self.stats = {"num_retractions": 0, "prompt_tokens": 0, "cached_tokens": 0, "generation_tokens": 0,
                       "forward_steps": 0, "mixed_steps": 0, "num_failed_reqs": 0,
                       "spec_draft_chances": 0, "spec_verify_steps": 0, "spec_draft_tokens": 0,
                       "spec_accepted_tokens": 0}
+        self._build_parts(args, tokenizer, set(eos_token_ids), context_len)
         self.inbox: queue.Queue[Message] = queue.Queue()
         # Requests in the inbox (its calls and aborts are not queued requests).
         self._inbox_lock, self._inbox_reqs = threading.Lock(), 0
         self._stop = threading.Event()
-        self.error: BaseException | None = None  # the last failure the loop survived
-        self.dead: BaseException | None = None  # what stopped the loop, if it stopped on its own
-        self.on_death: list[Callable[[BaseException], None]] = []
+        self._dead: BaseException | None = None  # what stopped the loop, if it stopped on its own
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
         self.last_forward = time.monotonic()  # when the last forward pass ended
-        self.snapshots = Snapshots(Progress(0, 0, self.last_forward), self.load_info())
-        self.thread = threading.Thread(target=self._loop, name="baby-sgl-scheduler", daemon=True)
-        self.thread.start()
+        self.snapshots = Snapshots(Progress(0, 0, self.last_forward), self._load_info())
+        self._thread = threading.Thread(target=self._loop, name="baby-sgl-scheduler", daemon=True)
+        self._thread.start()
+
+    def _build_parts(self, args: EngineArgs, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int],
+                     context_len: int) -> None:
+        vocab_size = self.runner.cfg.vocab_size
+        drafter = make_drafter(args.speculative_algorithm, args.speculative_ngram_min_match_window_size,
+                               args.speculative_ngram_max_match_window_size, args.speculative_ngram_capacity,
+                               share=not (args.disable_radix_cache or args.speculative_ngram_request_only))
+        sampler = Sampler(vocab_size, sorted(eos_token_ids), args.random_seed)
+        self.output = OutputProcessor(tokenizer, eos_token_ids, context_len, sampler, self.memory.tree_cache,
+                                      self.sessions, drafter, self.queues, self.stats, self.activity)
+        self.speculation = Speculation(drafter, args.speculative_num_draft_tokens, context_len, vocab_size,
+                                       self.memory, self.output, self.stats)
+        self.prefill = PrefillPlanner(args, self.memory, self.queues, self.sessions, self.output)
+        self.decode = DecodePlanner(args.schedule_conservativeness, self.memory, self.queues, self.sessions,
+                                    self.speculation, self.output, self.stats, self.tracer)
 
     # ---- called from other threads -------------------------------------------------------
     def is_alive(self) -> bool:
-        return self.dead is None and self.thread.is_alive()
+        return self._dead is None and self._thread.is_alive()
+
+    def failure(self) -> BaseException | None:
+        """What stopped the loop, if it stopped on its own."""
+        return self._dead
+
+    def on_death(self, callback: Callable[[BaseException], None]) -> None:
+        """callback(error) is called, in the scheduler thread, if the loop fails beyond recovery."""
+        self._death_callbacks.append(callback)
 
     def _check_alive(self) -> None:
         if not self.is_alive():
-            raise EngineDeadError(f"the engine has stopped: {self.dead!r}" if self.dead else "the engine has stopped")
+            raise EngineDeadError(f"the engine has stopped: {self._dead!r}" if self._dead else "the engine has stopped")
 
     def submit(self, req: Req) -> None:
         self._check_alive()
         with self._inbox_lock:
             self._inbox_reqs += 1
         self._put(NewReq(req))
+
+    def submit_session_turn(self, req: Req, session_params: SessionParams) -> None:
+        """Makes req a turn of its session and queues it, in one go in the scheduler thread, so
+        two turns racing for one streaming session cannot both get in."""
+        def attach() -> None:
+            self.sessions.attach(req, session_params)
+            self.queues.waiting.append(req)
+
+        self.call(attach)
+
+    def open_session(self, params: OpenSessionReqInput) -> str:
+        return self.call(lambda: self.sessions.open(params))
+
+    def close_session(self, session_id: str) -> None:
+        self.call(lambda: self.sessions.close(session_id))
+
+    def check_memory(self) -> dict[str, int]:
+        """Asserts invariant 4 in the scheduler thread (see memory.py); returns the slot counts."""
+        return self.call(self._check_memory)
+
+    def flush(self) -> bool:
+        """Empties the prefix cache (and the text drafts come from), unless requests are in
+        flight: then nothing changes and the answer is False."""
+        def flush() -> bool:
+            if self.queues.has_work():
+                return False
+            self.memory.flush()
+            self.speculation.clear()
+            return True
+
+        return self.call(flush)
 
     def _put(self, msg: Message) -> None:
         self.snapshots.sending(lambda: self.inbox.put(msg))
@@ -134,7 +171,8 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
             return self.progress.waiting + self._inbox_reqs
 
     def load(self) -> dict[str, Any]:
-        """load_info as fresh as this question (see snapshots.py), waiting in this thread."""
+        """The counters and gauges of `_load_info`, as fresh as this question (see snapshots.py),
+        waiting in this thread."""
         return self.snapshots.wait(self.snapshots.load_probe())
 
     async def load_async(self) -> dict[str, Any]:
@@ -155,16 +193,10 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
             self._put(Wake())  # an idle loop sleeps until a message comes
         return probe
 
-    def add_session_req(self, req: Req, session_params: SessionParams) -> None:
-        """In the scheduler thread (through `call`): makes req a turn of its session and queues
-        it, in one go, so two turns racing for one streaming session cannot both get in."""
-        self.sessions.attach(req, session_params)
-        self.waiting.append(req)
-
     def abort(self, rid: str) -> None:
         self._put(AbortReq(rid))
 
-    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+    def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
         """Runs fn in the scheduler thread between steps and returns its result. Raises
         EngineDeadError, rather than waiting forever, if the scheduler stops meanwhile."""
         self._check_alive()
@@ -181,14 +213,17 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
                     raise TimeoutError("the scheduler did not answer in time") from None
         if not ok:
             raise value
-        return value
+        return cast(T, value)  # what fn returned
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> bool:
+        """Stops the loop; True if it ended between passes (neither stuck in one nor stopped by
+        a failure inside one), so whatever runs passes with it can be told to stop."""
         self._stop.set()
         self._put(Stop())
-        self.thread.join(timeout=_SHUTDOWN_JOIN_S)
+        self._thread.join(timeout=_SHUTDOWN_JOIN_S)
         if self.tracer:
             self.tracer.close()
+        return not self._thread.is_alive()
 
     # ---- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -197,7 +232,7 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         except BaseException as e:  # noqa: BLE001 - whatever it was, nobody may wait forever
             self._die(e)
         finally:
-            self.snapshots.close(repr(self.dead) if self.dead else "shut down")
+            self.snapshots.close(repr(self._dead) if self._dead else "shut down")
 
     def _run(self) -> None:
         stalled = False
@@ -206,40 +241,45 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
             try:
                 # Idle: sleep until a message (or a session timeout). Stalled (requests wait but
                 # none could be scheduled): poll at a low rate instead of spinning a core.
-                self._drain_inbox(block=stalled or not self.has_work(),
+                self._drain_inbox(block=stalled or not self.queues.has_work(),
                                   max_wait=_STALLED_POLL_S if stalled else _IDLE_WAKE_S)
                 if self._stop.is_set():
                     break
-                stalled = not self.step() and self.has_work()
+                stalled = not self.step() and self.queues.has_work()
             except Exception as e:  # a bug, not bad input: fail what was in flight, keep serving
                 logger.exception("scheduler step failed")
-                self.error, stalled = e, False
+                stalled = False
                 self._fail_all(f"internal error: {e!r}")
             if self.args.debug_memory_check:
                 try:
-                    check_memory(self)
+                    self._check_memory()
                 except AssertionError as e:
                     logger.error("memory check failed after a step: %s", e)
-                    self.error = e
                     self._fail_all(f"internal error: {e}")
             self._publish()
 
+    def _check_memory(self) -> dict[str, int]:
+        counts = self.memory.check(self.queues.active(), self.sessions, idle=not self.queues.has_work())
+        self.runner.check_ranks()  # tensor parallelism: every rank's slot table and pool agree with these
+        return counts
+
     def _progress(self) -> Progress:
-        return Progress(len(self.running) + (self.chunked_req is not None), len(self.waiting), self.last_forward)
+        return Progress(self.queues.num_active(), len(self.queues.waiting), self.last_forward)
 
     def _publish(self) -> None:
         """What other threads read without a call: progress and load every turn, the dashboard's
         snapshot when one is wanted and due."""
-        self.snapshots.publish(self._progress(), self.load_info(),
-                               settled=lambda: not self.has_work() and self.inbox.empty(),
-                               take_view=lambda: take_snapshot(self))
+        self.snapshots.publish(self._progress(), self._load_info(),
+                               settled=lambda: not self.queues.has_work() and self.inbox.empty(),
+                               take_view=lambda: take_snapshot(self.memory, self.queues, self.sessions.held_reqs(),
+                                                               self.activity))
 
     def _die(self, e: BaseException) -> None:
         """The loop itself failed: answer everyone who waits, then tell the owners (a server
         exits so that its supervisor can restart it)."""
-        self.dead = e
+        self._dead = e
         logger.critical("the scheduler thread stopped: %r", e, exc_info=e)
-        reqs = self._in_flight()
+        reqs = self.queues.in_flight()
         while True:
             try:
                 msg = self.inbox.get_nowait()
@@ -252,27 +292,18 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         for req in reqs:
             if not req.finished:
                 req.finished_reason = FinishAbort(f"the engine has stopped: {e!r}")
-                self._emit(req)
-        for callback in self.on_death:
+                self.output.emit(req)
+        for callback in self._death_callbacks:
             try:
                 callback(e)
             except Exception:
                 logger.exception("on_death callback failed")
 
-    def load_info(self) -> dict[str, Any]:
+    def _load_info(self) -> dict[str, Any]:
         """Counters and gauges for /server_info and /metrics (in the scheduler thread; others
         read the copy published every turn: `load`)."""
-        used = self.allocator.size - self.allocator.available_size() - self.tree_cache.evictable_size()
-        return {**self.stats, "num_running_reqs": len(self.running) + (self.chunked_req is not None),
-                "num_waiting_reqs": len(self.waiting), "kv_used_tokens": used,
-                "kv_cached_tokens": self.tree_cache.evictable_size(), "kv_total_tokens": self.allocator.size}
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req)
-
-    def active_reqs(self) -> list[Req]:
-        """The requests holding KV now: the running ones and the one whose prompt is mid-chunk."""
-        return self.running + ([self.chunked_req] if self.chunked_req is not None else [])
+        return {**self.stats, "num_running_reqs": self.queues.num_active(),
+                "num_waiting_reqs": len(self.queues.waiting), **self.memory.load()}
 
     def _drain_inbox(self, block: bool, max_wait: float) -> None:
         """Handles the messages in the inbox when it is looked at, and no more: messages that
@@ -301,10 +332,11 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
             # both under this lock): a request counted nowhere could pass the queue limit.
             with self._inbox_lock:
                 self._inbox_reqs -= 1
-                self.waiting.append(msg.req)
+                self.queues.waiting.append(msg.req)
                 self.snapshots.progress = self._progress()
         elif isinstance(msg, AbortReq):
-            self._mark_abort(msg.rid)
+            for req in self.queues.find(msg.rid):
+                req.to_abort = "aborted by request"
         elif isinstance(msg, Call):
             try:
                 msg.done.put((True, msg.fn()))
@@ -312,21 +344,14 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
                 msg.done.put((False, e))
         return not isinstance(msg, Stop)
 
-    def _mark_abort(self, rid: str) -> None:
-        for req in self.waiting + self.running + ([self.chunked_req] if self.chunked_req else []):
-            if req.rid == rid:
-                req.to_abort = "aborted by request"
-
     def step(self) -> bool:
         """One scheduling round; True if a forward pass ran."""
         self.sessions.expire()
         self._handle_aborts()
-        self.cur_batch = None
-        batch = self._get_new_batch_prefill()
-        if batch is not None and self.running and self.mixed_chunk:
-            self._mix_running(batch)
-        elif batch is None and self.running:
-            batch = self._get_decode_batch()
+        self.queues.batch = None
+        batch = self.prefill.next_batch(self.decode.new_token_ratio)
+        if batch is None and self.queues.running:
+            batch = self.decode.next_batch()
         if batch is None:
             return False
         mwb = batch.get_model_worker_batch()
@@ -337,8 +362,8 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
             logits, logprob_hidden = self.runner.forward(mwb)
         except Exception as e:  # shared by the batch: its requests end, the others go on
             logger.exception("forward pass failed")
-            self.error = e
-            self._fail_batch(batch.reqs, f"internal error in the forward pass: {e!r}")
+            for req in list(batch.reqs):
+                self.output.fail(req, f"internal error in the forward pass: {e!r}")
             return True
         self.stats["forward_steps"] += 1
         self.stats["mixed_steps"] += batch.mode == ForwardMode.MIXED
@@ -346,9 +371,10 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         if batch.input_logprob_spans:
             self._record_input_logprobs(batch, logprob_hidden)
         if any(batch.drafts):
-            self._process_verify(batch, logits)
+            still_running = self.speculation.process_verify(batch, logits)
         else:
-            self._process_result(batch, logits)
+            still_running = self.output.process_result(batch, logits)
+        self.queues.settle(batch.mode, still_running)
         self.activity.record_step(self.stats)
         return True
 
@@ -367,41 +393,14 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
 
     # ---- aborts and failures -------------------------------------------------------------
     def _handle_aborts(self) -> None:
-        for req, message in [(r, r.to_abort) for r in self.waiting if r.to_abort]:
-            self.waiting.remove(req)
-            self._finish(req, FinishAbort(message))
-        chunked = self.chunked_req
-        if chunked is not None and chunked.to_abort:
-            self.chunked_req = None
-            self._finish(chunked, FinishAbort(chunked.to_abort))
-        for req, message in [(r, r.to_abort) for r in self.running if r.to_abort]:
-            self.running.remove(req)
-            self._finish(req, FinishAbort(message))
-
-    def _fail_req(self, req: Req, message: str) -> None:
-        """Ends one request with an error; whatever it held is released."""
-        self.stats["num_failed_reqs"] += 1
-        if self.chunked_req is req:
-            self.chunked_req = None
-        self._finish(req, FinishAbort(message))  # releasing is idempotent
-
-    def _fail_batch(self, reqs: list[Req], message: str) -> None:
-        failed = list(reqs)
-        self.running = [r for r in self.running if r not in failed]
-        for req in failed:
-            self._fail_req(req, message)
-
-    def _in_flight(self) -> list[Req]:
-        """Every request the scheduler holds: waiting, running, chunked, or in the current batch."""
-        reqs = self.waiting + self.running + ([self.chunked_req] if self.chunked_req else [])
-        return reqs + [r for r in (self.cur_batch.reqs if self.cur_batch else []) if r not in reqs]
+        for req, message in [(r, r.to_abort) for r in self.queues.all() if r.to_abort]:
+            self.queues.discard(req)
+            self.output.finish(req, FinishAbort(message))
 
     def _fail_all(self, message: str) -> None:
-        reqs = self._in_flight()
-        self.waiting, self.running, self.chunked_req, self.cur_batch = [], [], None, None
-        for req in reqs:
+        for req in self.queues.clear():
             if not req.finished:  # a finished one was released and its last piece sent already
-                self._fail_req(req, message)
+                self.output.fail(req, message)
 
     def _trace_batch(self, batch: ScheduleBatch, mwb: ModelWorkerBatch) -> None:
         assert self.tracer is not None and batch.out_cache_loc is not None

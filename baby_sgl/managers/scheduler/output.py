@@ -1,7 +1,8 @@
-"""What the scheduler does with a pass's logits (a part of Scheduler, run in its thread): samples
-the next token of each request (the sampler sees only the batch's SamplingBatch), advances it with
-its token and logprobs (grammar, stop tokens, lengths, detokenizing, stop strings and regexes),
-finishes and releases it, and emits its new text and ids to whoever waits."""
+"""What the scheduler does with a pass's logits (a part of the Scheduler, run in its thread):
+samples the next token of each request (the sampler sees only the batch's SamplingBatch), advances
+it with its token and logprobs (grammar, stop tokens, lengths, detokenizing, stop strings and
+regexes), finishes and releases it, and emits its new text and ids to whoever waits. A request
+ends here whatever ends it (`finish`, `fail`)."""
 
 from __future__ import annotations
 
@@ -9,23 +10,29 @@ import logging
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from baby_sgl.constrained.grammar import ConstraintError
-from baby_sgl.managers.detokenizer import detokenize_step
-from baby_sgl.managers.scheduler_state import SchedulerState
-from baby_sgl.core.finish_reason import (FinishAbort, FinishLength, FinishMatched,
-                                         FinishReason)
+from baby_sgl.core.finish_reason import FinishAbort, FinishLength, FinishMatched, FinishReason
 from baby_sgl.core.forward_batch import ForwardMode
 from baby_sgl.core.req import ReqOutput, TokenLogprobs
-from baby_sgl.sampling.sampling_batch import SamplingBatch
 from baby_sgl.core.sampling_params import STOP_WINDOW
+from baby_sgl.managers.detokenizer import detokenize_step
+from baby_sgl.sampling.sampling_batch import SamplingBatch
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from baby_sgl.core.req import Req
-    from baby_sgl.managers.schedule_batch import ScheduleBatch
+    from baby_sgl.managers.activity import Activity
+    from baby_sgl.managers.scheduler.batch import ScheduleBatch
+    from baby_sgl.managers.scheduler.queues import RequestQueues
+    from baby_sgl.managers.session_controller import SessionController
+    from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
+    from baby_sgl.sampling.sampler import Sampler
+    from baby_sgl.speculative.ngram import NgramDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -33,41 +40,44 @@ logger = logging.getLogger(__name__)
 Sampled = tuple[int, TokenLogprobs | None]
 
 
-class OutputProcessing(SchedulerState):
-    """Scheduler's handling of results; the state it reads and writes is the Scheduler's."""
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int], context_len: int,
+                 sampler: Sampler, tree_cache: BasePrefixCache[Any], sessions: SessionController,
+                 drafter: NgramDrafter | None, queues: RequestQueues, stats: dict[str, int], activity: Activity) -> None:
+        self.tokenizer, self.eos_token_ids, self.context_len = tokenizer, eos_token_ids, context_len
+        self.sampler, self.tree_cache, self.sessions, self.drafter = sampler, tree_cache, sessions, drafter
+        self.queues, self.stats, self.activity = queues, stats, activity
 
-    def _process_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
+    def process_result(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
         """Each request's share of the pass, one at a time: an error in one (sampling, the
-        detokenizer, a stop check, its session) ends that request alone."""
-        tokens = self._sample(logits, batch.reqs)
+        detokenizer, a stop check, its session) ends that request alone. Returns those that go on
+        decoding."""
+        tokens = self.sample(logits, batch.reqs)
         still_running = []
         num_extend = 0 if batch.mode == ForwardMode.DECODE else len(batch.reqs) - batch.num_decode_reqs
         for i, (req, seq_len, token) in enumerate(zip(batch.reqs, batch.seq_lens, tokens)):
-            req.kv_len = seq_len
-            if self._guarded(req, partial(self._advance, req, i < num_extend, token)):
+            req.kv.kv_len = seq_len
+            if self.guarded(req, partial(self._advance, req, i < num_extend, token)):
                 still_running.append(req)
-        if batch.mode == ForwardMode.EXTEND:
-            self.running.extend(still_running)
-        else:  # a decode or mixed batch held every running request
-            self.running = still_running
+        return still_running
 
-    def _guarded(self, req: Req, step: Callable[[], bool]) -> bool:
+    def guarded(self, req: Req, step: Callable[[], bool]) -> bool:
         """Runs one request's share of a pass (step: True if it keeps decoding); an error, or an
         exception in place of its token, ends that request alone (False)."""
         try:
             return step()
         except ConstraintError as e:  # the request's own constraint, not our error
             logger.warning("request %s: %s", req.rid, e)
-            self._finish(req, FinishAbort(str(e)))
+            self.finish(req, FinishAbort(str(e)))
         except Exception as e:
             logger.exception("request %s failed", req.rid)
-            self._fail_req(req, f"internal error while handling this request: {e!r}")
+            self.fail(req, f"internal error while handling this request: {e!r}")
         return False
 
     def _needs_token(self, req: Req) -> bool:
-        return not req.is_chunked and not req.to_abort and req.sampling_params.max_new_tokens > 0
+        return not req.kv.is_chunked and not req.to_abort and req.sampling_params.max_new_tokens > 0
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[Sampled | Exception | None]:
+    def sample(self, logits: torch.Tensor, reqs: list[Req]) -> list[Sampled | Exception | None]:
         """The next token of every request that gets one (None for the others). Sampling is
         batched; if the batch fails, each row is sampled alone so one bad row fails one request."""
         rows = [i for i, r in enumerate(reqs) if self._needs_token(r)]
@@ -84,12 +94,12 @@ class OutputProcessing(SchedulerState):
             logger.exception("batched sampling failed; sampling row by row")
         for i in rows:
             try:
-                out[i] = self._sample_one(logits[i : i + 1], reqs[i])
+                out[i] = self.sample_one(logits[i : i + 1], reqs[i])
             except Exception as e:
                 out[i] = e
         return out
 
-    def _sample_one(self, logits: torch.Tensor, req: Req) -> Sampled:
+    def sample_one(self, logits: torch.Tensor, req: Req) -> Sampled:
         result = self.sampler.sample(logits, SamplingBatch.from_reqs([req]))
         return result.tokens[0], result.logprobs[0]
 
@@ -98,11 +108,11 @@ class OutputProcessing(SchedulerState):
         rather than one decode step); True if it keeps decoding."""
         if isinstance(sampled, Exception):  # its sampling failed
             raise sampled
-        if req.is_chunked:  # more of its prompt to come; it stays the chunked request
+        if req.kv.is_chunked:  # more of its prompt to come; it stays the chunked request
             self.tree_cache.cache_unfinished_req(req)
             return False
         if req.to_abort:
-            self._finish(req, FinishAbort(req.to_abort))
+            self.finish(req, FinishAbort(req.to_abort))
             return False
         ts = req.time_stats
         if ts.first_token is None:  # prefill complete: its first token; its prompt counted once
@@ -111,17 +121,17 @@ class OutputProcessing(SchedulerState):
             self.stats["cached_tokens"] += req.cached_tokens
             self.activity.record_ttft(ts.first_token - ts.created)
         if sampled is None:  # max_new_tokens == 0: prefill only, the prompt stays in the cache
-            self._finish(req, FinishLength(0))
+            self.finish(req, FinishLength(0))
             return False
-        self._append_token(req, *sampled)
+        self.append_token(req, *sampled)
         if req.finished:
-            self._release(req)
+            self.release(req)
         elif extended:
             self.tree_cache.cache_unfinished_req(req)
-        self._emit(req)
+        self.emit(req)
         return not req.finished
 
-    def _append_token(self, req: Req, token: int, logprobs: TokenLogprobs | None) -> None:
+    def append_token(self, req: Req, token: int, logprobs: TokenLogprobs | None) -> None:
         if req.grammar is not None:  # raises ConstraintError if the token breaks the constraint
             req.grammar.accept_token(token)
         req.output_ids.append(token)
@@ -165,12 +175,18 @@ class OutputProcessing(SchedulerState):
                 req.finished_reason = FinishMatched(pattern)
                 return
 
-    def _finish(self, req: Req, reason: FinishReason) -> None:
+    def finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
-        self._release(req)
-        self._emit(req)
+        self.release(req)
+        self.emit(req)
 
-    def _release(self, req: Req) -> None:
+    def fail(self, req: Req, message: str) -> None:
+        """Ends one request with an error, wherever it is; whatever it held is released."""
+        self.stats["num_failed_reqs"] += 1
+        self.queues.discard(req)
+        self.finish(req, FinishAbort(message))  # releasing is idempotent
+
+    def release(self, req: Req) -> None:
         """A finished request's KV goes back through the cache layer, unless its streaming
         session keeps the row for the next turn."""
         if not self.sessions.keep_row(req):
@@ -180,7 +196,7 @@ class OutputProcessing(SchedulerState):
             self.drafter.add_cached_text(req.fill_ids)
         req.spec.drafts = None  # its own index of its text: no later step drafts for it
 
-    def _emit(self, req: Req) -> None:
+    def emit(self, req: Req) -> None:
         """Sends the new text and ids to whoever waits for this request (stream) or the whole
         result when it finishes."""
         interval = req.sampling_params.stream_interval

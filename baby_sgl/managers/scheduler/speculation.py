@@ -1,5 +1,5 @@
-"""Speculative decoding in the scheduler (--speculative-algorithm NGRAM; a part of Scheduler, run
-in its thread): which running requests get drafts (speculative/ngram.py), and how a verify pass's
+"""Speculative decoding in the scheduler (--speculative-algorithm NGRAM; a part of the Scheduler,
+run in its thread): which running requests get drafts (speculative/ngram.py), and how a verify pass's
 logits become each request's tokens.
 
 A verify pass is a decode pass in which a request with k drafts has k + 1 rows: its last token
@@ -28,22 +28,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from baby_sgl.core.finish_reason import FinishAbort
-from baby_sgl.managers.scheduler_state import SchedulerState
 from baby_sgl.speculative.ngram import NgramDrafter, RequestDrafts
 
 if TYPE_CHECKING:
     from baby_sgl.core.req import Req
-    from baby_sgl.managers.schedule_batch import ScheduleBatch
+    from baby_sgl.managers.scheduler.batch import ScheduleBatch
+    from baby_sgl.managers.scheduler.memory import KVMemory
+    from baby_sgl.managers.scheduler.output import OutputProcessor
 
-# The batch rule, fixed and measured (scripts/profile_step.py --batch N, default model, Q4_1, a
-# 2-core AVX-512 Xeon; a scheduler round, logits and sampling included): float32 17.6 ms for 1 row,
-# 21.2 for 4, 29.6 for 5, 34.0 for 8; bfloat16 17.2 for 1, 21.5 for 2, 31.3 for 4, 36.9 for 8,
-# 45.9 for 16. A pass of a few rows costs much less than that many passes (the weights are read
-# and unpacked once per tile of rows), so a verify pass carries at most MAX_VERIFY_ROWS rows, and
-# with more than MAX_SPEC_REQUESTS requests running nobody drafts (their own rows fill the pass).
-# Each request's share is --speculative-num-draft-tokens rows at most (default 4: one tile of the
-# AVX-512 kernel, which took the copy workload from 1.25x to 1.52x over plain decoding at batch 1
-# in float32 against 8, and in bfloat16 from 1.25x to 1.31x).
+# The batch rule, fixed (the measurements behind it are in docs/speculative_decoding.md): a pass of
+# a few rows costs much less than that many passes (the weights are read and unpacked once per tile
+# of rows), so a verify pass carries at most MAX_VERIFY_ROWS rows, and with more than
+# MAX_SPEC_REQUESTS requests running nobody drafts (their own rows fill the pass). Each request's
+# share is --speculative-num-draft-tokens rows at most (default 4: one tile of the AVX-512 kernel).
 MAX_VERIFY_ROWS, MAX_SPEC_REQUESTS = 16, 8
 
 
@@ -51,10 +48,22 @@ def make_drafter(algorithm: str | None, min_n: int, max_n: int, capacity: int, s
     return NgramDrafter(min_n, max_n, capacity, share) if algorithm == "NGRAM" else None
 
 
-class Speculation(SchedulerState):
-    """Scheduler's speculative decoding; the state it reads and writes is the Scheduler's."""
+class Speculation:
+    """Drafts from `drafter` (None: no speculative decoding), which the output processor also
+    feeds: a finished request's text joins what later requests may draft from."""
 
-    def _plan_drafts(self, batch: ScheduleBatch) -> None:
+    def __init__(self, drafter: NgramDrafter | None, num_draft_tokens: int, context_len: int, vocab_size: int,
+                 memory: KVMemory, output: OutputProcessor, stats: dict[str, int]) -> None:
+        self.drafter, self.num_draft_tokens = drafter, num_draft_tokens
+        self.context_len, self.vocab_size = context_len, vocab_size
+        self.memory, self.output, self.stats = memory, output, stats
+
+    def clear(self) -> None:
+        """Forgets the cache's text that drafts come from (the cache was flushed)."""
+        if self.drafter is not None:
+            self.drafter.clear()
+
+    def plan_drafts(self, batch: ScheduleBatch) -> None:
         """Each running request's drafts for this decode pass, within the batch rule, each
         request's max_new_tokens and the context length; none if the pool cannot hold them."""
         drafter = self.drafter
@@ -63,7 +72,7 @@ class Speculation(SchedulerState):
         rows = len(batch.reqs)
         for i, req in enumerate(batch.reqs):
             p = req.sampling_params
-            room = min(self.args.speculative_num_draft_tokens - 1, p.max_new_tokens - len(req.output_ids) - 1,
+            room = min(self.num_draft_tokens - 1, p.max_new_tokens - len(req.output_ids) - 1,
                        self.context_len - req.seqlen, MAX_VERIFY_ROWS - rows)
             if room <= 0 or req.to_abort:
                 continue
@@ -75,40 +84,41 @@ class Speculation(SchedulerState):
         if not batch.can_decode():  # the drafts' slots are not there: decode one token each
             batch.drafts = [[] for _ in batch.reqs]
 
-    def _process_verify(self, batch: ScheduleBatch, logits: torch.Tensor) -> None:
-        """The tokens of a decode pass with drafts, request by request (an error ends one)."""
+    def process_verify(self, batch: ScheduleBatch, logits: torch.Tensor) -> list[Req]:
+        """The tokens of a decode pass with drafts, request by request (an error ends one).
+        Returns the requests that go on decoding."""
         still_running = []
         row = 0
         for req, drafts in zip(batch.reqs, batch.drafts):
             rows = logits[row : row + 1 + len(drafts)]
             row += 1 + len(drafts)
-            if self._guarded(req, partial(self._verify, req, rows, drafts)):
+            if self.output.guarded(req, partial(self._verify, req, rows, drafts)):
                 still_running.append(req)
-        self.running = still_running
+        return still_running
 
     def _verify(self, req: Req, rows: torch.Tensor, drafts: list[int]) -> bool:
         """One request's share of a verify pass; True if it keeps decoding."""
         if req.to_abort:
-            self._finish(req, FinishAbort(req.to_abort))
+            self.output.finish(req, FinishAbort(req.to_abort))
             return False
         self._accept(req, rows, drafts)
         if req.finished:
-            self._release(req)
-        self._emit(req)
+            self.output.release(req)
+        self.output.emit(req)
         return not req.finished
 
     def _accept(self, req: Req, rows: torch.Tensor, drafts: list[int]) -> None:
         """Appends the tokens decoding would produce from rows, up to the first that differs from
         its draft; the request's KV then covers the tokens before the last one appended."""
-        targets = rows[:, : self.sampler.vocab_size].argmax(dim=-1).tolist() if _plain_greedy(req) else None
+        targets = rows[:, : self.vocab_size].argmax(dim=-1).tolist() if _plain_greedy(req) else None
         appended = 0
         for j in range(len(drafts) + 1):
-            token, logprobs = (targets[j], None) if targets is not None else self._sample_one(rows[j : j + 1], req)
-            self._append_token(req, token, logprobs)
+            token, logprobs = (targets[j], None) if targets is not None else self.output.sample_one(rows[j : j + 1], req)
+            self.output.append_token(req, token, logprobs)
             appended += 1
             if req.finished or j == len(drafts) or token != drafts[j]:
                 break
-        req.kv_len += appended  # the last token and the accepted drafts were computed
+        req.kv.kv_len += appended  # the last token and the accepted drafts were computed
         if drafts:
             accepted = sum(1 for t, d in zip(req.output_ids[-appended:], drafts) if t == d)
             req.spec.verify_ct += 1
@@ -123,11 +133,11 @@ class Speculation(SchedulerState):
     def _drop_rejected_slots(self, req: Req) -> None:
         """Whole pages past the last computed token go back to the pool (they held only rejected
         drafts); the row keeps what it had before the pass plus the accepted tokens."""
-        page = self.allocator.page_size
-        keep = -(-req.kv_len // page) * page
-        if req.alloc_len > keep:
-            self.allocator.free(self.req_to_token_pool.req_to_token[req.row(), keep : req.alloc_len].cpu())
-        req.alloc_len = req.kv_len
+        page = self.memory.allocator.page_size
+        keep = -(-req.kv.kv_len // page) * page
+        if req.kv.alloc_len > keep:
+            self.memory.allocator.free(self.memory.row_slots(req, keep, req.kv.alloc_len))
+        req.kv.alloc_len = req.kv.kv_len
 
 
 def _plain_greedy(req: Req) -> bool:

@@ -1,20 +1,15 @@
-"""Which waiting requests to prefill next, within the KV and token budgets."""
+"""The order in which waiting requests are considered for prefill (--schedule-policy), and the
+cached prefix each one would reuse."""
 
 from __future__ import annotations
 
-import enum
 import random
 from collections import defaultdict
 from typing import Any
 
 from baby_sgl.core.req import Req
 from baby_sgl.managers.session_controller import SessionController
-from baby_sgl.mem_cache.allocator import PagedTokenAllocator
 from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
-
-# Output tokens a running request is assumed to still need, at most, when reserving KV room.
-_MAX_RESERVED_PER_REQ = 4096
-_UNCHUNKED = 1 << 62  # the chunk budget of unchunked prefill: more tokens than any pass holds
 
 
 def match_prefix(req: Req, tree_cache: BasePrefixCache[Any], sessions: SessionController) -> None:
@@ -26,17 +21,17 @@ def match_prefix(req: Req, tree_cache: BasePrefixCache[Any], sessions: SessionCo
     prompt, for every request that waits, at every step."""
     held = sessions.held_prefix(req)
     if held is not None:
-        req.prefix_indices, req.last_node, req.prefix_match_key = held, tree_cache.root, None
+        req.kv.prefix_indices, req.kv.last_node, req.kv.prefix_match_key = held, tree_cache.root, None
         return
     key = (tree_cache.version, req.seqlen)
-    if req.prefix_match_key == key:
+    if req.kv.prefix_match_key == key:
         return
     limit = req.seqlen - 1
     start = req.logprobs.start_len
     if start is not None and req.input_logprobs_pending():  # prompt logprobs need those positions computed here
         limit = min(limit, start)
     match = tree_cache.match_prefix(req.fill_ids[:limit])
-    req.prefix_indices, req.last_node, req.prefix_match_key = match.slots, match.node, key
+    req.kv.prefix_indices, req.kv.last_node, req.kv.prefix_match_key = match.slots, match.node, key
 
 
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")  # need the radix tree; fcfs without it, as SGLang
@@ -80,7 +75,7 @@ def _dfs_weight_order(waiting: list[Req], root: Any) -> list[Req]:
     at_node: dict[int, list[Req]] = defaultdict(list)
     weight: dict[int, int] = defaultdict(int)
     for req in waiting:
-        node = req.last_node if req.last_node is not None else root
+        node = req.kv.last_node if req.kv.last_node is not None else root
         at_node[id(node)].append(req)
         while node is not None:  # every ancestor's subtree holds this request too
             weight[id(node)] += 1
@@ -112,75 +107,3 @@ def shares_uncached_prefix(req: Req, batch: list[Req]) -> bool:
         return False
     head = req.fill_ids[:k]
     return any(other.fill_ids[:k] == head for other in batch)
-
-
-class AddResult(enum.Enum):
-    CONTINUE = enum.auto()
-    NO_ROOM = enum.auto()  # out of KV slots, prefill tokens or chunk budget: stop adding
-
-
-def reserved_tokens(req: Req, ratio: float) -> int:
-    remaining = req.sampling_params.max_new_tokens - len(req.output_ids)
-    return int(min(remaining, _MAX_RESERVED_PER_REQ) * ratio)
-
-
-class PrefillAdder:
-    def __init__(self, tree_cache: BasePrefixCache[Any], allocator: PagedTokenAllocator, running: list[Req], new_token_ratio: float,
-                 max_prefill_tokens: int, chunked_prefill_size: int | None, sessions: SessionController,
-                 mixed_decode_tokens: int = 0) -> None:
-        self.tree_cache, self.allocator, self.ratio = tree_cache, allocator, new_token_ratio
-        self.sessions = sessions
-        self.page_size = allocator.page_size
-        # KV room kept for the decode steps of requests already running.
-        self.reserved = sum(reserved_tokens(r, new_token_ratio) + self.page_size for r in running)
-        self.idle = not running
-        # A mixed pass also carries one token per running request: they count against the budgets.
-        self.rem_input_tokens = max_prefill_tokens - mixed_decode_tokens
-        self.rem_chunk_tokens = (chunked_prefill_size or _UNCHUNKED) - mixed_decode_tokens
-        self.can_run: list[Req] = []
-        self.new_chunked_req: Req | None = None
-
-    @property
-    def rem_total_tokens(self) -> int:
-        return self.allocator.available_size() + self.tree_cache.evictable_size() - self.reserved
-
-    def add_chunked_req(self, req: Req) -> bool:
-        """Next chunk of a request whose prefill is split across steps, if KV room allows."""
-        extend = min(req.seqlen - req.kv_len, self._chunk_room())
-        if extend + self.page_size > self.rem_total_tokens:
-            return False
-        self._add(req, extend)
-        return True
-
-    def add_one_req(self, req: Req) -> AddResult:
-        extend = req.seqlen - len(req.prefix())
-        if self.can_run and extend > self.rem_input_tokens:
-            return AddResult.NO_ROOM
-        # Lock first: the matched prefix must survive this step's evictions, so it no longer
-        # counts as room that eviction could free.
-        self.tree_cache.inc_lock_ref(req.last_node)
-        # An idle engine takes its first request whenever the prompt fits: were its future output
-        # reserved too, a long max_new_tokens in a small pool would wait forever.
-        reserve = 0 if self.idle and not self.can_run else reserved_tokens(req, self.ratio)
-        if extend + reserve + self.page_size > self.rem_total_tokens:
-            self.tree_cache.dec_lock_ref(req.last_node)
-            return AddResult.NO_ROOM
-        req.cached_tokens = max(req.cached_tokens, len(req.prefix()))
-        self.sessions.hand_over(req)  # a streaming turn resumes in its session's row
-        self._add(req, min(extend, self._chunk_room()))
-        return AddResult.NO_ROOM if req.is_chunked or self.rem_chunk_tokens <= 0 else AddResult.CONTINUE
-
-    def _chunk_room(self) -> int:
-        # A chunk ends on a page boundary so the tree can take all of it between chunks.
-        return max(self.rem_chunk_tokens // self.page_size * self.page_size, self.page_size)
-
-    def _add(self, req: Req, extend: int) -> None:
-        start = req.kv_len if req.req_pool_idx is not None else len(req.prefix())
-        req.extend_input_len = extend
-        req.is_chunked = start + extend < req.seqlen
-        if req.is_chunked:
-            self.new_chunked_req = req
-        self.can_run.append(req)
-        self.reserved += extend + reserved_tokens(req, self.ratio) + self.page_size
-        self.rem_input_tokens -= extend
-        self.rem_chunk_tokens -= extend

@@ -14,11 +14,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from baby_sgl.managers.memory_checker import pool_counts
-
 if TYPE_CHECKING:
     from baby_sgl.core.req import Req
-    from baby_sgl.managers.scheduler import Scheduler
+    from baby_sgl.managers.activity import Activity
+    from baby_sgl.managers.scheduler.memory import KVMemory
+    from baby_sgl.managers.scheduler.queues import RequestQueues
 
 HEAD_TOKENS = 24  # tokens of each node sent for its text
 # Deeper nodes are counted, not shown: JSON encoders recurse once per level (the server's refused
@@ -48,9 +48,10 @@ class SchedulerSnapshot:
     activity: dict[str, Any]
 
 
-def take_snapshot(sched: Scheduler) -> SchedulerSnapshot:
-    """In the scheduler thread: one pass over the tree, copies of the rest."""
-    root = getattr(sched.tree_cache, "root", None)
+def take_snapshot(memory: KVMemory, queues: RequestQueues, held: list[Req], activity: Activity) -> SchedulerSnapshot:
+    """In the scheduler thread: one pass over the tree, copies of the rest (held: the rows
+    streaming sessions keep between turns)."""
+    root = getattr(memory.tree_cache, "root", None)
     nodes = []
     stack = [root] if root is not None else []
     while stack:
@@ -58,13 +59,13 @@ def take_snapshot(sched: Scheduler) -> SchedulerSnapshot:
         nodes.append(NodeInfo(n.id, None if n is root else n.up().id, len(n.key), n.key[:HEAD_TOKENS], n.lock_ref,
                               n.last_access_time))
         stack.extend(n.children.values())
-    running = sched.active_reqs()
+    running, waiting = queues.active(), queues.waiting
     return SchedulerSnapshot(
-        nodes=nodes if root is not None else None, hit_path=frozenset(sched.activity.hit_path()),
-        pool=pool_counts(sched), page_size=sched.allocator.page_size,
+        nodes=nodes if root is not None else None, hit_path=frozenset(activity.hit_path()),
+        pool=memory.pool_counts(running, held), page_size=memory.allocator.page_size,
         running={"count": len(running), "reqs": [_req_view(r) for r in running[:MAX_LISTED_REQS]]},
-        waiting={"count": len(sched.waiting), "reqs": [_req_view(r) for r in sched.waiting[:MAX_LISTED_REQS]]},
-        activity=sched.activity.snapshot())
+        waiting={"count": len(waiting), "reqs": [_req_view(r) for r in waiting[:MAX_LISTED_REQS]]},
+        activity=activity.snapshot())
 
 
 def _req_view(req: Req) -> dict[str, Any]:
