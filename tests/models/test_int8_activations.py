@@ -36,7 +36,7 @@ def _decode(mode: str, batched: bool) -> list[dict]:
         params = {**GREEDY, "max_new_tokens": MAX_NEW}
         if batched:  # decode steps of 8 rows, and the prefills, take the many-row products
             outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
-        else:  # decode steps take products of fewer than 4 rows
+        else:  # decode steps of one row
             outs = [engine.generate(input_ids=p, sampling_params=params, return_logprob=True, top_logprobs_num=2)
                     for p in prompts]
         engine.check_memory()
