@@ -255,6 +255,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         experts_loaded: dict[str, set[tuple[int, str]]] = {}
         quantized: dict[str, dict[int | None, QuantizedWeight]] = {}
+        dense: set[str] = set()  # fused targets with a part that came dense
         for name, tensor in weights:
             name = name.removeprefix("model.")
             for pattern, replacement in self._RENAMES:
@@ -274,14 +275,15 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(tensor, QuantizedWeight):
                 quantized.setdefault(target, {})[shard] = tensor
                 continue
-            param = params[target]
-            with torch.no_grad():
-                if shard is None:
-                    param.copy_(tensor)
-                else:
-                    param[self._shard_rows(target, shard)].copy_(tensor)
+            dense.add(target)
+            self._copy_part(params[target], target, shard, tensor)
         for target, shards in quantized.items():
-            self._load_quantized(target, [shards[i] for i in sorted(shards, key=lambda i: i or 0)], params[target])
+            if target in dense:  # a fused matrix whose other parts are already in the dense parameter
+                for shard, part in shards.items():
+                    self._copy_part(params[target], target, shard, part.dequantize())
+            else:
+                self._load_quantized(target, [shards[i] for i in sorted(shards, key=lambda i: i or 0)],
+                                     params[target])
         self.tie_weights()
         loaded |= {t for t, parts in experts_loaded.items() if len(parts) == 2 * self.config.num_experts
                    or (t.endswith("experts_down") and len(parts) == self.config.num_experts)}
@@ -307,6 +309,13 @@ class LlamaForCausalLM(nn.Module):
                 start = 0 if piece == "gate_proj" else param.shape[1] // 2
                 param[e, start : start + param.shape[1] // 2].copy_(tensor)
         experts_loaded.setdefault(target, set()).add((e, piece))
+
+    def _copy_part(self, param: nn.Parameter, target: str, shard: int | None, tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            if shard is None:
+                param.copy_(tensor)
+            else:
+                param[self._shard_rows(target, shard)].copy_(tensor)
 
     def _load_quantized(self, target: str, parts: list[QuantizedWeight], param: nn.Parameter) -> None:
         """Keeps a matrix as its blocks (a fused one as its parts' rows), unless its parts differ
