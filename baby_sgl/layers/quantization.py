@@ -93,6 +93,43 @@ class QuantizedWeight:
         return self.data.numel()
 
 
+@dataclass
+class FusedWeight:
+    """A fused projection (q/k/v, gate/up) whose parts a file stores in different formats (a
+    Q4_K_M file keeps v in Q6_K in some layers, q and k in Q4_K): each part as its own blocks,
+    their outputs side by side."""
+
+    parts: list[QuantizedWeight]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        biases = [None] * len(self.parts) if bias is None else bias.split([p.shape[0] for p in self.parts])
+        return torch.cat([p.matmul(x, b) for p, b in zip(self.parts, biases)], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+StoredWeight = QuantizedWeight | FusedWeight
+
+
+def fuse(parts: list[QuantizedWeight]) -> StoredWeight:
+    """A fused projection from its parts: one run of blocks where they share a format."""
+    assert len({p.shape[1] for p in parts}) == 1, "fused parts must have rows of one width"
+    return QuantizedWeight.cat(parts) if len({p.qtype for p in parts}) == 1 else FusedWeight(parts)
+
+
+def stored_parts(weight: StoredWeight) -> list[QuantizedWeight]:
+    return weight.parts if isinstance(weight, FusedWeight) else [weight]
+
+
 def dequantize_blocks(data: torch.Tensor, qtype: WeightType, k: int) -> torch.Tensor:
     """The portable dequantization (torch ops): rows of blocks -> float32 [n, k], with the float32
     operations of the `gguf` package's dequantizers (so the same bits)."""

@@ -24,7 +24,7 @@ from baby_sgl.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from baby_sgl.layers.layernorm import RMSNorm, rms_norm, rms_norm_offset
 from baby_sgl.layers.linear import Linear, linear, set_quantized
 from baby_sgl.layers.moe import SparseMoE
-from baby_sgl.layers.quantization import QuantizedWeight
+from baby_sgl.layers.quantization import QuantizedWeight, fuse
 from baby_sgl.layers.rotary_embedding import RotaryEmbedding
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.core.forward_batch import ForwardBatch
@@ -282,8 +282,7 @@ class LlamaForCausalLM(nn.Module):
                 for shard, part in shards.items():
                     self._copy_part(params[target], target, shard, part.dequantize())
             else:
-                self._load_quantized(target, [shards[i] for i in sorted(shards, key=lambda i: i or 0)],
-                                     params[target])
+                self._load_quantized(target, [shards[i] for i in sorted(shards, key=lambda i: i or 0)])
         self.tie_weights()
         loaded |= {t for t, parts in experts_loaded.items() if len(parts) == 2 * self.config.num_experts
                    or (t.endswith("experts_down") and len(parts) == self.config.num_experts)}
@@ -317,14 +316,9 @@ class LlamaForCausalLM(nn.Module):
             else:
                 param[self._shard_rows(target, shard)].copy_(tensor)
 
-    def _load_quantized(self, target: str, parts: list[QuantizedWeight], param: nn.Parameter) -> None:
-        """Keeps a matrix as its blocks (a fused one as its parts' rows), unless its parts differ
-        in format: then they are dequantized into the dense parameter."""
-        if len({p.qtype for p in parts}) == 1:
-            set_quantized(self.get_submodule(target.rsplit(".", 1)[0]), QuantizedWeight.cat(parts))
-            return
-        with torch.no_grad():
-            param.copy_(torch.cat([p.dequantize() for p in parts]))
+    def _load_quantized(self, target: str, parts: list[QuantizedWeight]) -> None:
+        """Keeps a matrix as its blocks (a fused one as its parts' rows, each part in its format)."""
+        set_quantized(self.get_submodule(target.rsplit(".", 1)[0]), fuse(parts))
 
     def _shard_rows(self, target: str, shard: int) -> slice:
         cfg = self.config

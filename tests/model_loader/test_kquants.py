@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as G
+from gguf import GGUFReader
 from transformers import AutoModelForCausalLM
 
 from baby_sgl import Engine
-from baby_sgl.layers.quantization import QuantizedWeight, WeightType
+from baby_sgl.layers.quantization import FusedWeight, QuantizedWeight, WeightType
 from conftest import _save_tiny
 from gguf_writer import write_tiny_gguf
 from helpers import GREEDY, hf_greedy, random_prompts
@@ -68,3 +69,65 @@ def test_a_layer_mixing_kept_and_dequantized_formats_loads(tiny_llama, tmp_path)
     assert isinstance(model.embed_tokens.weight, QuantizedWeight) and model.embed_tokens.weight.qtype == WeightType.Q5_1
     assert isinstance(layer.mlp.down_proj.weight, QuantizedWeight)
     assert layer.mlp.down_proj.weight.qtype == WeightType.Q5_0
+
+
+KEPT = [WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K, WeightType.Q5_0, WeightType.Q5_1, WeightType.IQ4_NL,
+        WeightType.IQ4_XS]
+
+
+def _matrices(model: torch.nn.Module) -> dict[str, object]:
+    """Every matrix the model multiplies or looks up, by module name: its weight as held."""
+    return {name: m.weight for name, m in model.named_modules()
+            if name.endswith(("_proj", "embed_tokens", "lm_head")) and hasattr(m, "weight")}
+
+
+def _bytes(weight: object) -> int:
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    assert isinstance(weight, QuantizedWeight | FusedWeight)
+    return weight.nbytes
+
+
+@kernel_only
+@pytest.mark.parametrize("qtype", KEPT)
+def test_a_model_in_each_format_gives_the_greedy_ids_of_its_dequantized_weights(wide_qwen2, tmp_path, qtype):
+    """Every matrix in one format, the embedding tied to the output head: served as stored."""
+    path = str(tmp_path / f"{qtype.name}.gguf")
+    weights = write_tiny_gguf(wide_qwen2, path, G[qtype.name], embed_qtype=G[qtype.name])
+    prompts = random_prompts(6, 512, 3, 60)
+    outs, model = _serve(path, prompts)
+    assert outs == _expected(wide_qwen2, weights, prompts)
+    held = _matrices(model)
+    assert all(isinstance(w, QuantizedWeight) and w.qtype == qtype for w in held.values())
+    assert held["lm_head"] is held["embed_tokens"]  # tied: one copy
+
+
+def _q4_k_m(name: str) -> G:
+    """llama.cpp's Q4_K_M choice on the tiny Llama: Q4_K, with v and down in Q6_K in layer 0,
+    down in Q5_0 in layer 1 (its fallback for rows that are not whole super-blocks), Q6_K output."""
+    if "lm_head" in name:
+        return G.Q6_K
+    if ".layers.0." in name and (".v_proj." in name or ".down_proj." in name):
+        return G.Q6_K
+    return G.Q5_0 if ".layers.1.down_proj" in name.replace("mlp.", "") else G.Q4_K
+
+
+@kernel_only
+def test_a_q4_k_m_file_serves_with_its_tensors_in_their_own_formats(wide_llama, tmp_path):
+    path = str(tmp_path / "q4_k_m.gguf")
+    weights = write_tiny_gguf(wide_llama, path, G.Q4_K, type_of=_q4_k_m)
+    prompts = random_prompts(6, 512, 3, 60)
+    outs, model = _serve(path, prompts)
+    assert outs == _expected(wide_llama, weights, prompts)
+    held = _matrices(model)
+    qkv0 = held["layers.0.self_attn.qkv_proj"]
+    assert isinstance(qkv0, FusedWeight)  # q and k in Q4_K, v in Q6_K: each part in its own format
+    assert [p.qtype for p in qkv0.parts] == [WeightType.Q4_K, WeightType.Q4_K, WeightType.Q6_K]
+    formats = {name: w.qtype for name, w in held.items() if isinstance(w, QuantizedWeight)}
+    assert formats["lm_head"] == WeightType.Q6_K and formats["embed_tokens"] == WeightType.Q4_K
+    assert formats["layers.0.mlp.down_proj"] == WeightType.Q6_K
+    assert formats["layers.1.mlp.down_proj"] == WeightType.Q5_0
+    assert formats["layers.1.self_attn.qkv_proj"] == WeightType.Q4_K
+    # Resident: the file's bytes for every matrix, not a dequantized copy.
+    stored = sum(int(t.n_bytes) for t in GGUFReader(path).tensors if len(t.shape) == 2)
+    assert sum(_bytes(w) for w in held.values()) == stored
