@@ -300,7 +300,7 @@ class DecodeStep {
     if (ldo == 0) ldo = w.n;
     int64_t n0, n1;
     split_range(w.n, tid, nt, n0, n1);
-    if (int8_activations_ && rows < kInt8MaxRows && is_block_quantized(w.type)) {
+    if (int8_activations_ && rows < kInt8MaxRows && has_int8_products(w.type)) {
       quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
       product_q8(w, copies.int8, out, ldo, n0, n1);
       return;

@@ -95,18 +95,18 @@ inline iv nibble_ints(const uint8_t* p, int i) {
 
 inline fv nibbles(const uint8_t* p, int i) { return to_float(nibble_ints(p, i)); }
 
-// Lanes 0, 1, 2, ... plus first.
-inline iv lane_ids(int first) {
-  iv r;
-  for (int l = 0; l < kLanes; ++l) r[l] = first + l;
-  return r;
-}
+// Bit j of a lane for each of a block's 32 values j, kLanes to a vector.
+alignas(64) inline constexpr uint32_t kValueBits[32] = {
+    1u << 0,  1u << 1,  1u << 2,  1u << 3,  1u << 4,  1u << 5,  1u << 6,  1u << 7,  1u << 8,  1u << 9,  1u << 10,
+    1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15, 1u << 16, 1u << 17, 1u << 18, 1u << 19, 1u << 20, 1u << 21,
+    1u << 22, 1u << 23, 1u << 24, 1u << 25, 1u << 26, 1u << 27, 1u << 28, 1u << 29, 1u << 30, 1u << 31};
 
 // Values kLanes * i.. of a Q5 block: its nibbles with bit (value index) of qh on top.
 inline iv five_bits(const uint8_t* p, uint32_t qh, int i) {
-  iv h;
-  for (int l = 0; l < kLanes; ++l) h[l] = static_cast<int32_t>(qh);
-  return nibble_ints(p, i) | (((h >> lane_ids(kLanes * i)) & 1) << 4);
+  iv bits;
+  std::memcpy(&bits, kValueBits + kLanes * i, sizeof(bits));
+  const iv h = (iv{} + static_cast<int32_t>(qh)) & bits;
+  return nibble_ints(p, i) | ((h != 0) & 16);
 }
 
 // IQ4's 16 levels (kvalues_iq4nl in ggml-common.h).

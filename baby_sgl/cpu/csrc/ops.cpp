@@ -44,7 +44,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& data, int64_t type, int
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type, int64_t n, int64_t k,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kFloat, "x must be float32 [M, ", k, "]");
-  TORCH_CHECK(is_block_quantized(static_cast<int>(type)), "int8 activations meet block-quantized weights only");
+  TORCH_CHECK(has_int8_products(static_cast<int>(type)), "int8 activations meet block-quantized weights only (not Q6_K)");
   const Weight w = make_weight(data, type, n, k, bias);
   const at::Tensor xc = x.contiguous();
   Q8Rows a;
