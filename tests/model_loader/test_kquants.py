@@ -51,9 +51,10 @@ def _serve(path: str, prompts: list[list[int]]) -> tuple[list[list[int]], torch.
 @kernel_only
 def test_a_layer_mixing_kept_and_dequantized_formats_loads(tiny_llama, tmp_path):
     """q/k/v, gate/up and the rest each in a format of its own: some kept as blocks, some (F16,
-    BF16) dequantized at load, in one fused projection. Before, models/llama.py:load_weights kept
-    the quantized parts of qkv_proj alone as its weight (`QuantizedWeight.cat(parts)` over k and v
-    only), and cpu/csrc/cpu_step.cpp refused it: "layer weight shapes do not match the config"."""
+    BF16) dequantized at load, in one fused projection. Failed before in
+    models/llama.py:_load_quantized, `set_quantized(..., QuantizedWeight.cat(parts))` with parts
+    = k and v only (q had come dense): cpu/csrc/cpu_step.cpp then refused the layer with "layer
+    weight shapes do not match the config"."""
     types = {"q_proj": G.F16, "k_proj": G.Q8_0, "v_proj": G.Q8_0, "o_proj": G.BF16, "gate_proj": G.Q4_1,
              "up_proj": G.Q8_0, "down_proj": G.Q5_0, "embed_tokens": G.Q5_1, "lm_head": G.F32}
 
