@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 from safetensors.torch import load_file
+
+from kquant_encoder import encode
 
 from baby_sgl.model_loader.gguf_writer import gguf_tensor_name, new_gguf_writer, permute_rows, permuted_for_llama_cpp
 
@@ -21,9 +24,11 @@ _EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj":
 
 
 def write_tiny_gguf(hf_dir: str, path: str, qtype: GGMLQuantizationType,
-                    embed_qtype: GGMLQuantizationType = GGMLQuantizationType.Q8_0) -> dict[str, torch.Tensor]:
-    """Every 2-D weight quantized (the embedding as embed_qtype); returns the Hugging Face state dict
-    with those matrices replaced by their dequantized values (what transformers should compute with)."""
+                    embed_qtype: GGMLQuantizationType = GGMLQuantizationType.Q8_0,
+                    type_of: Callable[[str], GGMLQuantizationType] | None = None) -> dict[str, torch.Tensor]:
+    """Every 2-D weight quantized (the embedding as embed_qtype), or each as type_of(its Hugging Face
+    name) says; returns the Hugging Face state dict with those matrices replaced by their dequantized
+    values (what transformers should compute with)."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
     w = new_gguf_writer(path, cfg)
@@ -47,8 +52,8 @@ def write_tiny_gguf(hf_dir: str, path: str, qtype: GGMLQuantizationType,
             continue
         data = tensor.float().numpy()
         if data.ndim == 2:
-            kind = embed_qtype if "embed_tokens" in hf_name else qtype
-            blocks = quantize(data, kind)
+            kind = type_of(hf_name) if type_of else embed_qtype if "embed_tokens" in hf_name else qtype
+            blocks = encode(data, kind)
             reference[hf_name] = torch.from_numpy(dequantize(blocks, kind).reshape(data.shape).astype(np.float32))
             if permuted_for_llama_cpp(cfg, hf_name):
                 heads = cfg["num_attention_heads" if ".q_proj." in hf_name else "num_key_value_heads"]
@@ -61,7 +66,7 @@ def write_tiny_gguf(hf_dir: str, path: str, qtype: GGMLQuantizationType,
             w.add_tensor(gguf_tensor_name(hf_name, gemma), data)
     for gguf_name, parts in stacks.items():
         parts.sort()
-        blocks = quantize(np.stack([m for _, _, m in parts]), qtype)
+        blocks = encode(np.stack([m for _, _, m in parts]), qtype)
         values = dequantize(blocks, qtype).reshape(len(parts), *parts[0][2].shape).astype(np.float32)
         for (_, hf_name, _), v in zip(parts, values):
             reference[hf_name] = torch.from_numpy(v.copy())

@@ -18,7 +18,7 @@ import torch
 from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
 from baby_sgl.layers.layernorm import RMSNorm
 from baby_sgl.layers.moe import SparseMoE
-from baby_sgl.layers.quantization import DENSE_TYPES, QuantizedWeight
+from baby_sgl.layers.quantization import DENSE_TYPES, FusedWeight, QuantizedWeight, StoredWeight, stored_parts
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.models.llama import SandwichDecoderLayer
 
@@ -44,7 +44,7 @@ def can_run(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
                                                        *_mlp_linears(layer))]
     experts = [t for layer in model.layers if isinstance(layer.mlp, SparseMoE)
                for t in (layer.mlp.experts_gate_up, layer.mlp.experts_down)]
-    return all(isinstance(m.weight, QuantizedWeight) or _plain(cast(torch.Tensor, m.weight)) for m in linears) and \
+    return all(isinstance(m.weight, QuantizedWeight | FusedWeight) or _plain(cast(torch.Tensor, m.weight)) for m in linears) and \
         all(_plain(t) for t in experts)
 
 
@@ -65,7 +65,7 @@ def _norm(module: RMSNorm) -> torch.Tensor:
 
 def _layer(layer: DecoderLayer, cfg: ModelConfig) -> dict[str, Any]:
     a = layer.self_attn
-    out: dict[str, Any] = dict(qkv=_weight(a.qkv_proj), o=_weight(a.o_proj), norm_in=_norm(layer.input_layernorm),
+    out: dict[str, Any] = dict(qkv=_parts(a.qkv_proj), o=_weight(a.o_proj), norm_in=_norm(layer.input_layernorm),
                                norm_post=_norm(layer.post_attention_layernorm),
                                window=cfg.sliding_window if a.windowed else 0,
                                local_rope=a.windowed and cfg.local_rope_theta is not None)
@@ -78,7 +78,7 @@ def _layer(layer: DecoderLayer, cfg: ModelConfig) -> dict[str, Any]:
     if isinstance(m, SparseMoE):
         return out | dict(router=_weight(m.gate), experts_gate_up=[_matrix(w) for w in m.experts_gate_up.detach()],
                           experts_down=[_matrix(w) for w in m.experts_down.detach()])
-    return out | dict(gate_up=_weight(m.gate_up_proj), down=_weight(m.down_proj))
+    return out | dict(gate_up=_parts(m.gate_up_proj), down=_weight(m.down_proj))
 
 
 def _matrix(w: torch.Tensor) -> tuple:
@@ -87,11 +87,19 @@ def _matrix(w: torch.Tensor) -> tuple:
 
 def _weight(module: torch.nn.Module) -> tuple:
     """(data, format, n, k, bias) as the kernel takes a matrix."""
-    w = cast("torch.Tensor | QuantizedWeight", module.weight)  # a Linear's or an Embedding's, maybe quantized
+    (part,) = _parts(module)
+    return part
+
+
+def _parts(module: torch.nn.Module) -> list[tuple]:
+    """A fused projection as the kernel takes it: each part's (data, format, n, k, bias)."""
+    w = cast("torch.Tensor | StoredWeight", module.weight)  # a Linear's or an Embedding's, maybe quantized
     bias = getattr(module, "bias", None)
-    if isinstance(w, QuantizedWeight):
-        return (w.data, int(w.qtype), *w.shape, bias)
-    return (*_matrix(w.detach())[:4], bias)
+    if isinstance(w, torch.Tensor):
+        return [(*_matrix(w.detach())[:4], bias)]
+    parts = stored_parts(w)
+    biases = [None] * len(parts) if bias is None else bias.detach().split([p.shape[0] for p in parts])
+    return [(p.data, int(p.qtype), *p.shape, b) for p, b in zip(parts, biases)]
 
 
 class CpuDecodeStep:

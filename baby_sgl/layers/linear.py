@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baby_sgl.layers.quantization import QuantizedWeight
+from baby_sgl.layers.quantization import FusedWeight, QuantizedWeight, StoredWeight, stored_parts
 
 SKINNY_ROWS = (2, 128)
 
@@ -28,8 +28,8 @@ def skinny_transposed() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(weight, QuantizedWeight):
+def linear(x: torch.Tensor, weight: torch.Tensor | StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, QuantizedWeight | FusedWeight):
         return weight.matmul(x, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -40,16 +40,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
     return F.linear(x, weight, bias)
 
 
-def can_prepack(weight: torch.Tensor | QuantizedWeight) -> bool:
+def can_prepack(weight: torch.Tensor | StoredWeight) -> bool:
     return (isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
             and weight.dtype in (torch.float32, torch.bfloat16) and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def set_quantized(module: nn.Module, weight: QuantizedWeight) -> None:
+def set_quantized(module: nn.Module, weight: StoredWeight) -> None:
     """Replaces a module's dense `weight` parameter by stored blocks: `weight` becomes the
-    QuantizedWeight, whose bytes are a buffer (so they move with the module)."""
+    QuantizedWeight (or FusedWeight), whose bytes are buffers (so they move with the module)."""
     del module._parameters["weight"]
-    module.register_buffer("qweight", weight.data, persistent=False)
+    for i, part in enumerate(stored_parts(weight)):
+        module.register_buffer(f"qweight{i}", part.data, persistent=False)
     module.weight = weight  # type: ignore[assignment]  # read by linear() below, never as a tensor
 
 

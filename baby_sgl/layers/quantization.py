@@ -1,7 +1,8 @@
-"""Weights kept as GGUF stores them (Q8_0, Q4_0, Q4_1 blocks of 32 values), multiplied without a
-full-precision copy by our CPU kernel (cpu/csrc/weights.h), which widens each block in registers and
-accumulates in float32: the same math as a float32 product over the dequantized weights, up to
-the order of the sums.
+"""Weights kept as GGUF stores them (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL blocks of 32 values;
+Q4_K, Q5_K, Q6_K and IQ4_XS super-blocks of 256), multiplied without a full-precision copy by our
+CPU kernel (cpu/csrc/weights.h, the formats in cpu/csrc/formats.h), which widens each block in
+registers and accumulates in float32: the same math as a float32 product over the dequantized
+weights, up to the order of the sums.
 
 `--quantization` (SGLang's flag): by default a GGUF's quantized tensors are served as they are
 wherever the kernel runs (a CPU with a C++ compiler, no tensor parallelism, no torch.compile);
@@ -28,9 +29,25 @@ class WeightType(enum.IntEnum):
     Q8_0 = 2
     Q4_0 = 3
     Q4_1 = 4
+    Q5_0 = 5
+    Q5_1 = 6
+    Q4_K = 7
+    Q5_K = 8
+    Q6_K = 9
+    IQ4_NL = 10
+    IQ4_XS = 11
 
 
-BLOCK_BYTES = {WeightType.Q8_0: 34, WeightType.Q4_0: 18, WeightType.Q4_1: 20}
+BLOCK_BYTES = {WeightType.Q8_0: 34, WeightType.Q4_0: 18, WeightType.Q4_1: 20, WeightType.Q5_0: 22,
+               WeightType.Q5_1: 24, WeightType.Q4_K: 144, WeightType.Q5_K: 176, WeightType.Q6_K: 210,
+               WeightType.IQ4_NL: 18, WeightType.IQ4_XS: 136}
+SUPER_BLOCK_TYPES = {WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K, WeightType.IQ4_XS}
+
+
+def block_values(qtype: WeightType) -> int:
+    """Values per block: 256 for the super-block formats, else 32."""
+    return 256 if qtype in SUPER_BLOCK_TYPES else 32
+DENSE_WEIGHT_TYPES = {WeightType.F32, WeightType.BF16}
 DENSE_TYPES = {torch.float32: WeightType.F32, torch.bfloat16: WeightType.BF16}
 
 # From this many activation rows the matrix is dequantized for torch's GEMM, which is then the
@@ -41,16 +58,18 @@ DENSE_TYPES = {torch.float32: WeightType.F32, torch.bfloat16: WeightType.BF16}
 TORCH_GEMM_MIN_ROWS = {torch.float32: 64, torch.bfloat16: 256}
 
 
-# Fewer rows than this take int8 activations on any CPU (cpu/csrc/int8_products.h); more only
-# where the kernel has its many-row int8 product (int8_gemm.h: AVX-512 VNNI), which beat both
-# our bfloat16 products and torch's GEMM over dequantized weights from 4 rows to 1000 (2-core
-# Zen 4, Q4_0 2048 -> 8192 and 8192 -> 2048).
+# Fewer rows than this take int8 activations on any CPU (cpu/csrc/int8_products.h: every block
+# format but Q6_K); more only in the formats of the kernel's many-row int8 product (int8_gemm.h,
+# on CPUs with AVX-512 VNNI), which beat both our bfloat16 products and torch's GEMM over
+# dequantized weights from 4 rows to 1000 (2-core Zen 4, Q4_0 2048 -> 8192 and 8192 -> 2048).
 INT8_TILE_MAX_ROWS = 4
+INT8_TYPES = set(BLOCK_BYTES) - {WeightType.Q6_K}
+INT8_GEMM_TYPES = {WeightType.Q8_0, WeightType.Q4_0, WeightType.Q4_1}
 
 
 @dataclass
 class QuantizedWeight:
-    """An [n, k] weight as rows of GGUF blocks: `data` is uint8 [n, k / 32 * block bytes].
+    """An [n, k] weight as rows of GGUF blocks: `data` is uint8 [n, k / block values * block bytes].
     int8_activations: products round the activations to int8 blocks first (--cpu-int8-activations;
     the decode step does the same)."""
 
@@ -78,7 +97,8 @@ class QuantizedWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         ops = cpu_ops()
-        if ops is not None and self.int8_activations and (x.shape[0] < INT8_TILE_MAX_ROWS or ops.has_int8_gemm):
+        if (ops is not None and self.int8_activations and self.qtype in INT8_TYPES
+                and (x.shape[0] < INT8_TILE_MAX_ROWS or (ops.has_int8_gemm and self.qtype in INT8_GEMM_TYPES))):
             return ops.linear_int8(x if x.dtype == torch.bfloat16 else x.float(), self.data, int(self.qtype),
                                    *self.shape, None if bias is None else bias.float().contiguous())
         if ops is None or x.shape[0] >= TORCH_GEMM_MIN_ROWS.get(x.dtype, 0):
@@ -90,25 +110,149 @@ class QuantizedWeight:
         return self.data.numel()
 
 
+@dataclass
+class FusedWeight:
+    """A fused projection (q/k/v, gate/up) whose parts a file stores in different formats (a
+    Q4_K_M file keeps v in Q6_K in some layers, q and k in Q4_K): each part as its own blocks,
+    their outputs side by side."""
+
+    parts: list[QuantizedWeight]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        biases = [None] * len(self.parts) if bias is None else bias.split([p.shape[0] for p in self.parts])
+        return torch.cat([p.matmul(x, b) for p, b in zip(self.parts, biases)], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+StoredWeight = QuantizedWeight | FusedWeight
+
+
+def fuse(parts: list[QuantizedWeight]) -> StoredWeight:
+    """A fused projection from its parts: one run of blocks where they share a format."""
+    assert len({p.shape[1] for p in parts}) == 1, "fused parts must have rows of one width"
+    return QuantizedWeight.cat(parts) if len({p.qtype for p in parts}) == 1 else FusedWeight(parts)
+
+
+def stored_parts(weight: StoredWeight) -> list[QuantizedWeight]:
+    return weight.parts if isinstance(weight, FusedWeight) else [weight]
+
+
 def round_activations_to_int8(model: nn.Module) -> None:
     """Every stored-block matrix of `model` multiplies int8-rounded activations (op by op as in
     the decode step: prefill and decode then round alike)."""
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if isinstance(weight, QuantizedWeight):
-            weight.int8_activations = True
+        for part in weight.parts if isinstance(weight, FusedWeight) else [weight]:
+            if isinstance(part, QuantizedWeight):
+                part.int8_activations = True
 
 
 def dequantize_blocks(data: torch.Tensor, qtype: WeightType, k: int) -> torch.Tensor:
-    """The portable dequantization (torch ops): rows of blocks -> float32 [n, k]."""
-    blocks = data.reshape(data.shape[0], k // 32, BLOCK_BYTES[qtype])
-    d = blocks[..., :2].contiguous().view(torch.float16).float()
-    if qtype == WeightType.Q8_0:
-        q = blocks[..., 2:].contiguous().view(torch.int8).float()
-        return (d * q).reshape(-1, k)
-    nibbles = blocks[..., -16:]
-    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
-    if qtype == WeightType.Q4_0:
-        return (d * (q - 8)).reshape(-1, k)
-    m = blocks[..., 2:4].contiguous().view(torch.float16).float()
-    return (d * q + m).reshape(-1, k)
+    """The portable dequantization (torch ops): rows of blocks -> float32 [n, k], with the float32
+    operations of the `gguf` package's dequantizers (so the same bits)."""
+    blocks = data.reshape(-1, BLOCK_BYTES[qtype])
+    return _DECODERS[qtype](blocks).reshape(-1, k)
+
+
+def _halves(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(b: torch.Tensor) -> torch.Tensor:
+    """[..., 16 bytes] -> [..., 32] values: low halves, then high halves."""
+    return torch.cat([b & 0x0F, b >> 4], dim=-1).int()
+
+
+def _high_bits(qh: torch.Tensor, count: int) -> torch.Tensor:
+    """[..., count / 8 bytes] little-endian -> [..., count] bits."""
+    bits = (qh.unsqueeze(-1).int() >> torch.arange(8, dtype=torch.int32)) & 1
+    return bits.reshape(*qh.shape[:-1], count)
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return _halves(b[:, :2]) * b[:, 2:].contiguous().view(torch.int8).float()
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    return _halves(b[:, :2]) * (_nibbles(b[:, 2:]) - 8).float()
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _halves(b[:, :2]) * _nibbles(b[:, 4:]).float() + _halves(b[:, 2:4])
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    return _halves(b[:, :2]) * ((_nibbles(b[:, 6:]) | _high_bits(b[:, 2:6], 32) << 4) - 16).float()
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    return _halves(b[:, :2]) * (_nibbles(b[:, 8:]) | _high_bits(b[:, 4:8], 32) << 4).float() + _halves(b[:, 2:4])
+
+
+_IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                           dtype=torch.float32)
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    return _halves(b[:, :2]) * _IQ4_VALUES[_nibbles(b[:, 2:]).long()]
+
+
+def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's / Q5_K's 12 bytes -> the 8 sub-blocks' 6-bit scales and mins (as floats)."""
+    s = s.int()
+    lo, hi, mixed = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([lo & 63, (mixed & 0x0F) | ((lo >> 6) << 4)], dim=-1)
+    m = torch.cat([hi & 63, (mixed >> 4) | ((hi >> 6) << 4)], dim=-1)
+    return sc.float(), m.float()
+
+
+def _k_quant(b: torch.Tensor, high: torch.Tensor | None) -> torch.Tensor:
+    """Q4_K (high None) or Q5_K: value = (d * sc) * q - dmin * m per sub-block of 32."""
+    sc, m = _k4_scales(b[:, 4:16])
+    scale = (_halves(b[:, 0:2]) * sc).unsqueeze(-1)
+    offset = (_halves(b[:, 2:4]) * m).unsqueeze(-1)
+    packed = b[:, -128:].reshape(-1, 4, 1, 32).int() >> torch.tensor([0, 4], dtype=torch.int32).reshape(2, 1)
+    q = (packed & 0x0F).reshape(-1, 8, 32)
+    if high is not None:
+        q = q | (high << 4)
+    return (scale * q.float() - offset).reshape(-1, 256)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    return _k_quant(b, None)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    qh = b[:, 16:48].int().unsqueeze(1) >> torch.arange(8, dtype=torch.int32).reshape(8, 1)
+    return _k_quant(b, qh & 1)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    ql = b[:, :128].reshape(-1, 2, 1, 64).int() >> torch.tensor([0, 4], dtype=torch.int32).reshape(2, 1)
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32).int() >> torch.tensor([0, 2, 4, 6], dtype=torch.int32).reshape(4, 1)
+    q = ((ql & 0x0F).reshape(-1, 8, 32) | ((qh & 3).reshape(-1, 8, 32) << 4)) - 32
+    scale = _halves(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()
+    return (scale.unsqueeze(-1) * q.reshape(-1, 16, 16).float()).reshape(-1, 256)
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    low = _nibbles(b[:, 4:8]).reshape(-1, 2, 4).transpose(1, 2).reshape(-1, 8)  # byte j: sub-blocks 2j, 2j + 1
+    high = (b[:, 2:4].contiguous().view(torch.int16).int() >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3
+    scale = _halves(b[:, :2]) * ((low | high << 4) - 32).float()
+    q = _IQ4_VALUES[_nibbles(b[:, 8:].reshape(-1, 8, 16)).long()]
+    return (scale.unsqueeze(-1) * q).reshape(-1, 256)
+
+
+_DECODERS = {WeightType.Q8_0: _q8_0, WeightType.Q4_0: _q4_0, WeightType.Q4_1: _q4_1, WeightType.Q5_0: _q5_0,
+             WeightType.Q5_1: _q5_1, WeightType.IQ4_NL: _iq4_nl, WeightType.Q4_K: _q4_k, WeightType.Q5_K: _q5_k,
+             WeightType.Q6_K: _q6_k, WeightType.IQ4_XS: _iq4_xs}

@@ -1,7 +1,7 @@
 """Reads a GGUF file (llama.cpp's format) as a Hugging Face checkpoint: a config.json-like dict built
 from its metadata, weights with Hugging Face names, and a Hugging Face tokenizer converted from its
-vocabulary. The weights come either as they are stored (Q8_0, Q4_0 and Q4_1 tensors as their blocks,
-layers/quantization.py; other types dequantized) or all dequantized to float32 with the `gguf` package.
+vocabulary. The weights come either as they are stored (the block formats our CPU kernel reads,
+layers/quantization.py, as their blocks; other types dequantized) or all dequantized to float32 with the `gguf` package.
 
 Converting is slow next to loading (the tokenizer alone takes ~10 s), so the tokenizer and the float32
 weights are cached under the cache's tokenizers/ and weights/ (cache_dirs.py), keyed by the file's path, size
@@ -25,7 +25,7 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
 from baby_sgl.cache_dirs import cache_root, write_atomically
-from baby_sgl.layers.quantization import QuantizedWeight, WeightType
+from baby_sgl.layers.quantization import DENSE_WEIGHT_TYPES, QuantizedWeight, WeightType
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +64,12 @@ _LONGROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": 
 
 
 # GGUF block formats the CPU kernel multiplies as they are.
-_KEPT_QUANTIZED = {GGMLQuantizationType.Q8_0: WeightType.Q8_0, GGMLQuantizationType.Q4_0: WeightType.Q4_0,
-                   GGMLQuantizationType.Q4_1: WeightType.Q4_1}
+_KEPT_QUANTIZED = {getattr(GGMLQuantizationType, t.name): t for t in WeightType if t not in DENSE_WEIGHT_TYPES}
 
 
 def load_gguf(path: str, quantized: bool = False) -> tuple[dict, dict[str, torch.Tensor | QuantizedWeight], str]:
     """Returns (hf_config, state_dict with Hugging Face names, tokenizer_dir): float32 tensors, or
-    with `quantized` the Q8_0/Q4_0/Q4_1 matrices as QuantizedWeight."""
+    with `quantized` the matrices in a format our kernel reads as QuantizedWeight."""
     path = os.path.abspath(path)
     root = str(cache_root())
     key = _cache_key(path)

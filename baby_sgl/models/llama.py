@@ -24,7 +24,7 @@ from baby_sgl.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from baby_sgl.layers.layernorm import RMSNorm, rms_norm, rms_norm_offset
 from baby_sgl.layers.linear import Linear, linear, set_quantized
 from baby_sgl.layers.moe import SparseMoE
-from baby_sgl.layers.quantization import QuantizedWeight
+from baby_sgl.layers.quantization import QuantizedWeight, fuse
 from baby_sgl.layers.rotary_embedding import RotaryEmbedding
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.core.forward_batch import ForwardBatch
@@ -255,6 +255,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         experts_loaded: dict[str, set[tuple[int, str]]] = {}
         quantized: dict[str, dict[int | None, QuantizedWeight]] = {}
+        dense: set[str] = set()  # fused targets with a part that came dense
         for name, tensor in weights:
             name = name.removeprefix("model.")
             for pattern, replacement in self._RENAMES:
@@ -274,14 +275,14 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(tensor, QuantizedWeight):
                 quantized.setdefault(target, {})[shard] = tensor
                 continue
-            param = params[target]
-            with torch.no_grad():
-                if shard is None:
-                    param.copy_(tensor)
-                else:
-                    param[self._shard_rows(target, shard)].copy_(tensor)
+            dense.add(target)
+            self._copy_part(params[target], target, shard, tensor)
         for target, shards in quantized.items():
-            self._load_quantized(target, [shards[i] for i in sorted(shards, key=lambda i: i or 0)], params[target])
+            if target in dense:  # a fused matrix whose other parts are already in the dense parameter
+                for shard, part in shards.items():
+                    self._copy_part(params[target], target, shard, part.dequantize())
+            else:
+                self._load_quantized(target, [shards[i] for i in sorted(shards, key=lambda i: i or 0)])
         self.tie_weights()
         loaded |= {t for t, parts in experts_loaded.items() if len(parts) == 2 * self.config.num_experts
                    or (t.endswith("experts_down") and len(parts) == self.config.num_experts)}
@@ -308,14 +309,16 @@ class LlamaForCausalLM(nn.Module):
                 param[e, start : start + param.shape[1] // 2].copy_(tensor)
         experts_loaded.setdefault(target, set()).add((e, piece))
 
-    def _load_quantized(self, target: str, parts: list[QuantizedWeight], param: nn.Parameter) -> None:
-        """Keeps a matrix as its blocks (a fused one as its parts' rows), unless its parts differ
-        in format: then they are dequantized into the dense parameter."""
-        if len({p.qtype for p in parts}) == 1:
-            set_quantized(self.get_submodule(target.rsplit(".", 1)[0]), QuantizedWeight.cat(parts))
-            return
+    def _copy_part(self, param: nn.Parameter, target: str, shard: int | None, tensor: torch.Tensor) -> None:
         with torch.no_grad():
-            param.copy_(torch.cat([p.dequantize() for p in parts]))
+            if shard is None:
+                param.copy_(tensor)
+            else:
+                param[self._shard_rows(target, shard)].copy_(tensor)
+
+    def _load_quantized(self, target: str, parts: list[QuantizedWeight]) -> None:
+        """Keeps a matrix as its blocks (a fused one as its parts' rows, each part in its format)."""
+        set_quantized(self.get_submodule(target.rsplit(".", 1)[0]), fuse(parts))
 
     def _shard_rows(self, target: str, shard: int) -> slice:
         cfg = self.config

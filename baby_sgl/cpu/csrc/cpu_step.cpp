@@ -48,8 +48,16 @@ struct RowCopies {
   AlignedBuffer<int32_t> int8_offsets;  // int8_gemm.h's per-block offsets of int8
 };
 
+// A fused projection (q/k/v, gate/up): its parts' rows one after another, each part in its own
+// format (a file may hold v in another format than q and k).
+struct Fused {
+  std::vector<Weight> parts;
+  int64_t n = 0, k = 0;
+};
+
 struct Layer {
-  Weight qkv, o, gate_up, down;  // gate_up and down: a dense MLP's
+  Fused qkv, gate_up;  // gate_up and down: a dense MLP's
+  Weight o, down;
   const float* norm_in;
   const float* norm_post;  // before the MLP; Gemma: on the attention's output, before its residual
   const float* pre_ff_norm = nullptr;  // Gemma: before the MLP, and on its output
@@ -103,10 +111,10 @@ class DecodeStep {
     for (auto item : layers) {
       auto l = item.cast<py::dict>();
       Layer layer;
-      layer.qkv = weight(l["qkv"].cast<py::tuple>());
+      layer.qkv = fused(l["qkv"].cast<py::list>());
       layer.o = weight(l["o"].cast<py::tuple>());
       if (l.contains("gate_up")) {
-        layer.gate_up = weight(l["gate_up"].cast<py::tuple>());
+        layer.gate_up = fused(l["gate_up"].cast<py::list>());
         layer.down = weight(l["down"].cast<py::tuple>());
       }
       layer.norm_in = keep_float(l["norm_in"].cast<at::Tensor>());
@@ -256,6 +264,18 @@ class DecodeStep {
     return make_weight(data, t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(), bias);
   }
 
+  Fused fused(py::list parts) {
+    Fused f;
+    for (auto p : parts) {
+      f.parts.push_back(weight(p.cast<py::tuple>()));
+      f.n += f.parts.back().n;
+      TORCH_CHECK(f.parts.back().k == f.parts[0].k, "the parts of a fused projection must have rows of one width");
+    }
+    TORCH_CHECK(!f.parts.empty(), "a fused projection needs a part");
+    f.k = f.parts[0].k;
+    return f;
+  }
+
   const float* keep_float(const at::Tensor& t, int64_t n = -1) {
     keep_.push_back(t.to(at::kFloat).contiguous());
     TORCH_CHECK(keep_.back().numel() == (n < 0 ? hidden_ : n), "norm weights must have ", (n < 0 ? hidden_ : n),
@@ -274,21 +294,24 @@ class DecodeStep {
   // Thread tid's share (its output columns) of out[rows, w.n] = x[rows, w.k] w^T; copies: its
   // copy of x in the form the products take (every thread makes its own: no barrier, and the
   // same values).
-  void linear(const Weight& w, const float* x, int64_t rows, float* out, int tid, int nt, RowCopies& copies) const {
+  // ldo: out's row stride (w.n unless w is part of a fused projection).
+  void linear(const Weight& w, const float* x, int64_t rows, float* out, int tid, int nt, RowCopies& copies,
+              int64_t ldo = 0) const {
+    if (ldo == 0) ldo = w.n;
     int64_t n0, n1;
     split_range(w.n, tid, nt, n0, n1);
-    if (int8_activations_ && is_block_quantized(w.type)) {
+    if (int8_activations_ && has_int8_products(w.type)) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      if (rows >= kInt8GemmMinRows) {
+      if (rows >= kInt8GemmMinRows && has_int8_gemm(w.type)) {
         quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
         block_offsets(copies.int8, w.type, copies.int8_offsets);
-        product_int8_gemm(w, copies.int8, copies.int8_offsets.data(), out, w.n, n0, n1);
+        product_int8_gemm(w, copies.int8, copies.int8_offsets.data(), out, ldo, n0, n1);
         return;
       }
 #endif
       if (rows < kInt8MaxRows) {
         quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
-        product_q8(w, copies.int8, out, w.n, n0, n1);
+        product_q8(w, copies.int8, out, ldo, n0, n1);
         return;
       }
     }
@@ -296,11 +319,20 @@ class DecodeStep {
     if (bf16_products_ && rows >= kBF16MinRows && w.k % 32 == 0) {
       copies.bf16.resize(rows * w.k);
       to_bf16_rows(x, w.k, rows, w.k, copies.bf16.data());
-      product_bf16(w, copies.bf16.data(), rows, out, w.n, n0, n1);
+      product_bf16(w, copies.bf16.data(), rows, out, ldo, n0, n1);
       return;
     }
 #endif
-    product(w, x, w.k, rows, out, w.n, n0, n1);
+    product(w, x, w.k, rows, out, ldo, n0, n1);
+  }
+
+  // The same over a fused projection: each part's outputs in its columns of out [rows, f.n].
+  void linear(const Fused& f, const float* x, int64_t rows, float* out, int tid, int nt, RowCopies& copies) const {
+    int64_t first = 0;
+    for (const Weight& w : f.parts) {
+      linear(w, x, rows, out + first, tid, nt, copies, f.n);
+      first += w.n;
+    }
   }
 
   // The activation of a gate/up row into out[0 .. n): SiLU(gate) * up or GELU-tanh(gate) * up,

@@ -31,6 +31,9 @@ constexpr int kGemmMR = 4, kGemmNR = 2;  // a tile: 4 activation rows by 2 group
 // two and three rows at 2.2-2.4x its tiles (2-core Zen 4, Q4_0 2048 -> 2048, 2048 -> 16384, 8192 -> 2048).
 constexpr int64_t kInt8GemmMinRows = 2;
 
+// The formats it takes (the K-quants and the others go one row at a time, int8_products.h).
+constexpr bool has_int8_gemm(int type) { return type == kQ8_0 || type == kQ4_0 || type == kQ4_1; }
+
 // What a weight type's unsigned bytes are offset by: value = d * (u - offset) (+ m for Q4_1).
 inline int32_t byte_offset(int type) { return type == kQ8_0 ? 128 : type == kQ4_0 ? 8 : 0; }
 

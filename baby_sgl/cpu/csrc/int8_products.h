@@ -5,6 +5,8 @@
 //   Q8_0: dw * da * sum(w q)
 //   Q4_0: dw * da * sum(n q) - 8 dw (da sum(q))     (n: the unsigned nibbles)
 //   Q4_1: dw * da * sum(n q) + mw (da sum(q))
+// and likewise Q5_0 / Q5_1 (5-bit n, -16 dw), IQ4_NL / IQ4_XS (their levels as signed bytes), and
+// Q4_K / Q5_K per 32-value sub-block (its d * sc_j on the dot, -dmin * m_j on da sum(q)).
 // The integer products run as unsigned x signed bytes: AVX-512 VNNI's vpdpbusd, AVX-VNNI's, or
 // AVX2's vpmaddubsw + vpmaddwd (Q8_0's signed weights through the sign trick: |w| x sign(w) q),
 // and a scalar loop elsewhere. Instead of widening every weight to float32 and an FMA per value,
@@ -109,18 +111,106 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
-// A quantized block's scale, its minimum (Q4_1; 0 otherwise) and the factor on the activation
-// block's scaled sum: -8 d for Q4_0, m for Q4_1.
+// Weight formats with integer products: all the block formats but Q6_K (whose 16-value scales
+// would split each activation block's dot product in two).
+constexpr bool has_int8_products(int type) { return type != kF32 && type != kBF16 && type != kQ6_K; }
+
+// Formats whose values are signed bytes (through the sign trick); the others' are unsigned.
+constexpr bool signed_values(int type) { return type == kQ8_0 || type == kIQ4_NL || type == kIQ4_XS; }
+
+// Block b of a row for the integer products: where its 32 values sit (p), the scale d on their
+// integer dot product and the factor offset on the activation block's scaled sum:
+//   Q8_0, IQ4: offset 0;  Q4_0: -8 d;  Q5_0: -16 d;  Q4_1, Q5_1: m;  Q4_K, Q5_K: -dmin * m_j.
+// For the K-quants and IQ4_XS, j is the sub-block and p its super-block.
 template <int T>
-inline void block_scales(const uint8_t* p, float& d, float& offset) {
-  if constexpr (T == kQ4_1) {
-    half2_to_float(p, d, offset);
+inline const uint8_t* int_block(const uint8_t* row, int64_t b, int& j, float& d, float& offset) {
+  j = static_cast<int>(b % 8);
+  if constexpr (T == kQ4_K || T == kQ5_K || T == kIQ4_XS) {
+    const uint8_t* p = row + block_bytes(T) * (b / 8);
+    if constexpr (T == kIQ4_XS) {
+      const int ls = ((p[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | (((read_u16(p + 2) >> (2 * j)) & 3) << 4);
+      d = half_to_float(read_u16(p)) * static_cast<float>(ls - 32);
+      offset = 0.f;
+    } else {
+      k4_sub_scales(p, j, d, offset);
+      offset = -offset;
+    }
+    return p;
   } else {
-    d = half_to_float(read_u16(p));
-    offset = T == kQ4_0 ? -8.f * d : 0.f;
+    const uint8_t* p = row + block_bytes(T) * b;
+    if constexpr (T == kQ4_1 || T == kQ5_1) {
+      half2_to_float(p, d, offset);
+    } else {
+      d = half_to_float(read_u16(p));
+      offset = T == kQ4_0 ? -8.f * d : T == kQ5_0 ? -16.f * d : 0.f;
+    }
+    return p;
   }
 }
 
+// Value i of a 32-value block from int_block, as an integer.
+template <int T>
+inline int32_t int_value(const uint8_t* p, int j, int i) {
+  auto nibble = [i](const uint8_t* q) { return i < 16 ? q[i] & 0x0f : q[i - 16] >> 4; };
+  auto high = [i](const uint8_t* qh) {
+    uint32_t h;
+    std::memcpy(&h, qh, 4);
+    return static_cast<int32_t>((h >> i) & 1) << 4;
+  };
+  if constexpr (T == kQ8_0) return reinterpret_cast<const int8_t*>(p + 2)[i];
+  else if constexpr (T == kQ4_0) return nibble(p + 2);
+  else if constexpr (T == kQ4_1) return nibble(p + 4);
+  else if constexpr (T == kQ5_0) return nibble(p + 6) | high(p + 2);
+  else if constexpr (T == kQ5_1) return nibble(p + 8) | high(p + 4);
+  else if constexpr (T == kIQ4_NL) return static_cast<int32_t>(kIQ4Values[nibble(p + 2)]);
+  else if constexpr (T == kIQ4_XS) return static_cast<int32_t>(kIQ4Values[nibble(p + 8 + 16 * j)]);
+  else {
+    int32_t v = (p[16 + (T == kQ5_K ? 32 : 0) + 32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0f;
+    if constexpr (T == kQ5_K) v |= ((p[16 + i] >> j) & 1) << 4;
+    return v;
+  }
+}
+
+#if defined(__AVX2__)
+// 32 bits -> 32 bytes, 0xff where the bit is set.
+inline __m256i bytes_from_bits(const uint8_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                                                0x0303030303030303));
+  const __m256i probe = _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(probe, _mm256_set1_epi64x(-1));
+}
+
+// IQ4's levels for 32 nibbles, as signed bytes.
+inline __m256i iq4_bytes(__m256i nibbles) {
+  const __m128i levels = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  return _mm256_shuffle_epi8(_mm256_set_m128i(levels, levels), nibbles);
+}
+
+// The 32 values of a block from int_block as bytes, in order.
+template <int T>
+inline __m256i int_values(const uint8_t* p, int j) {
+  if constexpr (T == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+  else if constexpr (T == kQ4_0) return unpack_nibbles(p + 2);
+  else if constexpr (T == kQ4_1) return unpack_nibbles(p + 4);
+  else if constexpr (T == kQ5_0 || T == kQ5_1) {
+    constexpr int qh = T == kQ5_0 ? 2 : 4;
+    return _mm256_or_si256(unpack_nibbles(p + qh + 4), _mm256_and_si256(bytes_from_bits(p + qh), _mm256_set1_epi8(0x10)));
+  } else if constexpr (T == kIQ4_NL) return iq4_bytes(unpack_nibbles(p + 2));
+  else if constexpr (T == kIQ4_XS) return iq4_bytes(unpack_nibbles(p + 8 + 16 * j));
+  else {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + (T == kQ5_K ? 32 : 0) + 32 * (j / 2)));
+    __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 4 * (j % 2)), _mm256_set1_epi8(0x0f));
+    if constexpr (T == kQ5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+      v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
+    }
+    return v;
+  }
+}
+#endif
 
 // out[m * ldo + j] = a's rows m0 .. m0 + MR - 1 . w.row(j) (+ bias): each block's integer dot
 // products scaled and added to a float32 sum per row (a vector of partial sums, then the offset
@@ -137,35 +227,26 @@ inline void tile_q8(const Weight& w, int64_t j, const Q8Rows& a, int64_t m0, flo
   float acc[MR] = {};
 #endif
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* p = row + row_bytes(T, 32) * b;
+    int sub;
     float d, offset;
-    block_scales<T>(p, d, offset);
+    const uint8_t* p = int_block<T>(row, b, sub, d, offset);
 #if defined(__AVX2__)
-    __m256i u, sign;
-    if constexpr (T == kQ8_0) {
-      sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
-      u = _mm256_sign_epi8(sign, sign);
-    } else {
-      u = unpack_nibbles(p + (T == kQ4_0 ? 2 : 4));
-    }
+    const __m256i v = int_values<T>(p, sub);
+    const __m256i u = signed_values(T) ? _mm256_sign_epi8(v, v) : v;
     for (int m = 0; m < MR; ++m) {
       __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block(m0 + m, b)));
-      if constexpr (T == kQ8_0) q = _mm256_sign_epi8(q, sign);
+      if constexpr (signed_values(T)) q = _mm256_sign_epi8(q, v);
       const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(u, q));
       acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(d * a.scale(m0 + m, b)), acc[m]);
       offsets[m] += offset * a.scaled_sum(m0 + m, b);
     }
 #else
+    int32_t v[32];
+    for (int i = 0; i < 32; ++i) v[i] = int_value<T>(p, sub, i);
     for (int m = 0; m < MR; ++m) {
       const int8_t* q = a.block(m0 + m, b);
       int32_t dot = 0;
-      if constexpr (T == kQ8_0) {
-        const int8_t* v = reinterpret_cast<const int8_t*>(p + 2);
-        for (int i = 0; i < 32; ++i) dot += v[i] * q[i];
-      } else {
-        const uint8_t* v = p + (T == kQ4_0 ? 2 : 4);
-        for (int i = 0; i < 16; ++i) dot += (v[i] & 0x0f) * q[i] + (v[i] >> 4) * q[i + 16];
-      }
+      for (int i = 0; i < 32; ++i) dot += v[i] * q[i];
       acc[m] += static_cast<float>(dot) * (d * a.scale(m0 + m, b));
       offsets[m] += offset * a.scaled_sum(m0 + m, b);
     }
@@ -191,14 +272,13 @@ constexpr int kQ8MR = 2;
 // AVX-512 VNNI, only single rows do: int8_gemm.h takes two and more.
 constexpr int64_t kInt8MaxRows = 4;
 
-inline bool is_block_quantized(int type) { return type == kQ8_0 || type == kQ4_0 || type == kQ4_1; }
 
 // a (the activations, quantized by quantize_rows_q8) times w's rows n0..n1-1 into out [rows, n]
-// (row stride ldo); w block-quantized.
+// (row stride ldo); w in a format with integer products.
 inline void product_q8(const Weight& w, const Q8Rows& a, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   with_format(w.type, [&](auto t) {
     constexpr int T = decltype(t)::value;
-    if constexpr (T == kQ8_0 || T == kQ4_0 || T == kQ4_1) {
+    if constexpr (has_int8_products(T)) {
       by_row_tiles<kQ8MR>(a.rows, [&](auto mr, int64_t m) {
         for (int64_t j = n0; j < n1; ++j) tile_q8<T, decltype(mr)::value>(w, j, a, m, out + m * ldo, ldo);
       });

@@ -45,7 +45,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be float32 or bfloat16 [M, ", k, "]");
-  TORCH_CHECK(is_block_quantized(static_cast<int>(type)), "int8 activations meet block-quantized weights only");
+  TORCH_CHECK(has_int8_products(static_cast<int>(type)), "int8 activations meet block-quantized weights only (not Q6_K)");
   const Weight w = make_weight(data, type, n, k, bias);
   const at::Tensor xc = x.contiguous();
   const int64_t rows = x.size(0);
@@ -64,7 +64,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
     }
   });
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (rows >= kInt8GemmMinRows) {  // results written in x's dtype: no float32 copy of a prefill's [M, N]
+  if (rows >= kInt8GemmMinRows && has_int8_gemm(w.type)) {  // results written in x's dtype: no float32 copy of a prefill's [M, N]
     AlignedBuffer<int32_t> offsets;
     block_offsets(a, w.type, offsets);
     at::Tensor out = at::empty({rows, n}, x.options());

@@ -33,8 +33,9 @@ constexpr int64_t kBF16MinRows = 4;
 inline Weight make_weight(const at::Tensor& data, int64_t type, int64_t n, int64_t k, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(data.device().is_cpu() && data.dim() == 2 && data.size(0) == n && data.stride(1) == 1,
               "weight data must be a CPU [n, row] tensor with unit inner stride");
-  TORCH_CHECK(type >= kF32 && type <= kQ4_1, "unknown weight type ", type);
-  TORCH_CHECK(type <= kBF16 || k % 32 == 0, "quantized rows must hold whole 32-value blocks");
+  TORCH_CHECK(type >= kF32 && type <= kLastWeightType, "unknown weight type ", type);
+  TORCH_CHECK(k % block_values(static_cast<int>(type)) == 0, "quantized rows must hold whole ",
+              block_values(static_cast<int>(type)), "-value blocks");
   const int64_t bytes = data.size(1) * data.element_size();
   TORCH_CHECK(bytes == row_bytes(static_cast<int>(type), k), "weight rows hold ", bytes, " bytes, expected ",
               row_bytes(static_cast<int>(type), k));

@@ -1,11 +1,5 @@
-// Weight matrices as they are stored, and their products with float32 activations.
+// Weight matrices as they are stored (formats.h), and their products with float32 activations.
 //
-// A weight is N rows of K values, each row a run of 32-value blocks: plain float32 or bfloat16,
-// or one of GGUF's block formats, which stay quantized in memory:
-//   Q8_0: half d, 32 x int8 q          value = d * q
-//   Q4_0: half d, 16 bytes of nibbles  value = d * (q - 8)
-//   Q4_1: half d, half m, 16 bytes     value = d * q + m
-// (in a nibble block byte j holds value j in its low half and value j + 16 in its high half).
 // A block is widened to float32 in registers and multiplied there: nothing full-precision is
 // ever written out, and the products accumulate in float32. Each output is one dot product
 // whose order of operations is fixed (two 16-lane partial sums over the blocks, then a fixed
@@ -13,34 +7,9 @@
 // the batch it is in.
 #pragma once
 
-#include "vec.h"
+#include "formats.h"
 
 namespace bsgl {
-
-enum WeightType : int { kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_0 = 3, kQ4_1 = 4 };
-
-constexpr int64_t row_bytes(int type, int64_t k) {
-  switch (type) {
-    case kF32: return 4 * k;
-    case kBF16: return 2 * k;
-    case kQ8_0: return k / 32 * 34;
-    case kQ4_0: return k / 32 * 18;
-    case kQ4_1: return k / 32 * 20;
-  }
-  return -1;
-}
-
-// Calls f(std::integral_constant<int, T>{}) for the weight format T: one switch for every kernel.
-template <typename F>
-inline void with_format(int type, F&& f) {
-  switch (type) {
-    case kF32: return f(std::integral_constant<int, kF32>{});
-    case kBF16: return f(std::integral_constant<int, kBF16>{});
-    case kQ8_0: return f(std::integral_constant<int, kQ8_0>{});
-    case kQ4_0: return f(std::integral_constant<int, kQ4_0>{});
-    case kQ4_1: return f(std::integral_constant<int, kQ4_1>{});
-  }
-}
 
 // Calls f(std::integral_constant<int, R>{}, m) over [0, rows) in tiles of R rows: as many of MR
 // as fit, then halves (a remainder of 7 under MR = 8 goes as 4, 2, 1). A row's result does not
@@ -61,47 +30,6 @@ struct Weight {
   const float* bias = nullptr;  // [n] or null
   const uint8_t* row(int64_t i) const { return data + i * stride; }
 };
-
-inline uint16_t read_u16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
-
-constexpr int kBlockVecs = 32 / kLanes;  // vectors per 32-value block
-
-// Values kLanes * i.. of a block's 16 bytes of nibbles (byte j holds value j in its low half and
-// value j + 16 in its high half).
-inline fv nibbles(const uint8_t* p, int i) {
-  constexpr int per_half = 16 / kLanes;
-  const iv v = widen(p + (i % per_half) * kLanes);
-  return to_float(i < per_half ? (v & 0x0f) : (v >> 4));
-}
-
-// Block b of a row as kBlockVecs vectors, values in order.
-template <int T>
-inline void decode_block(const uint8_t* row, int64_t b, fv* w) {
-  if constexpr (T == kF32) {
-    const float* p = reinterpret_cast<const float*>(row) + 32 * b;
-    for (int i = 0; i < kBlockVecs; ++i) w[i] = loadv(p + kLanes * i);
-  } else if constexpr (T == kBF16) {
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(row) + 32 * b;
-    for (int i = 0; i < kBlockVecs; ++i) w[i] = load_bf16(p + kLanes * i);
-  } else if constexpr (T == kQ8_0) {
-    const uint8_t* p = row + 34 * b;
-    const fv d = splat(half_to_float(read_u16(p)));
-    for (int i = 0; i < kBlockVecs; ++i) w[i] = to_float(widen(reinterpret_cast<const int8_t*>(p + 2) + kLanes * i)) * d;
-  } else if constexpr (T == kQ4_0) {
-    const uint8_t* p = row + 18 * b;
-    const fv d = splat(half_to_float(read_u16(p)));
-    for (int i = 0; i < kBlockVecs; ++i) w[i] = (nibbles(p + 2, i) - 8.f) * d;
-  } else {
-    const uint8_t* p = row + 20 * b;
-    float d, m;
-    half2_to_float(p, d, m);
-    for (int i = 0; i < kBlockVecs; ++i) w[i] = nibbles(p + 4, i) * splat(d) + splat(m);
-  }
-}
 
 // A block's partial sums into one vector: adjacent pairs, then pairs of pairs.
 inline fv fold(const fv* a) {

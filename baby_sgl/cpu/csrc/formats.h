@@ -1,0 +1,232 @@
+// The row formats of stored weights, and each one's 32-value blocks widened to float32 vectors.
+//
+// A weight is N rows of K values: plain float32 or bfloat16, or one of GGUF's block formats,
+// which stay quantized in memory (ggml-common.h defines them; "half" is IEEE fp16):
+//   Q8_0:   half d, 32 x int8 q                        value = d * q
+//   Q4_0:   half d, 16 bytes of nibbles                value = d * (q - 8)
+//   Q4_1:   half d, half m, 16 bytes of nibbles        value = d * q + m
+//   Q5_0:   half d, 32 high bits, 16 bytes of nibbles  value = d * (q - 16)
+//   Q5_1:   half d, half m, 32 high bits, 16 bytes     value = d * q + m
+//   IQ4_NL: half d, 16 bytes of nibbles                value = d * kIQ4Values[q]
+// (in these 32-value blocks byte j holds value j in its low half and value j + 16 in its high
+// half; high bit j of a 5-bit q is bit j of the little-endian uint32). The K-quants group 8
+// such sub-blocks of 32 (16 of 16 for Q6_K) into a 256-value super-block under one fp16 scale:
+//   Q4_K: half d, half dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+//         value = (d * sc_j) * q - dmin * m_j; sub-block j's nibbles are bytes 32 (j / 2)..,
+//         low halves for even j, high halves for odd j
+//   Q5_K: Q4_K's fields, then 32 bytes of high bits (bit j of byte l: sub-block j's value l)
+//   Q6_K: 128 bytes of low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, half d
+//         value = (d * sc_i) * (q - 32), sc_i for each 16 values
+//   IQ4_XS: half d, 16 bits of high scale bits, 4 bytes of low scale nibbles, 128 bytes of
+//         nibbles; value = (d * (ls_j - 32)) * kIQ4Values[q], sub-block j's nibbles as IQ4_NL's
+// Every product above is exact in float32 but the last (Q6_K, IQ4_XS), which is rounded once
+// as the reference dequantizers round it: the decoded values are theirs, bit for bit.
+#pragma once
+
+#include "vec.h"
+
+namespace bsgl {
+
+enum WeightType : int {
+  kF32 = 0, kBF16 = 1, kQ8_0 = 2, kQ4_0 = 3, kQ4_1 = 4, kQ5_0 = 5, kQ5_1 = 6, kQ4_K = 7, kQ5_K = 8, kQ6_K = 9,
+  kIQ4_NL = 10, kIQ4_XS = 11,
+};
+constexpr int kLastWeightType = kIQ4_XS;
+
+// Values per block: rows hold whole blocks.
+constexpr int64_t block_values(int type) {
+  return type <= kBF16 ? 1 : type >= kQ4_K && type != kIQ4_NL ? 256 : 32;
+}
+
+constexpr int64_t block_bytes(int type) {
+  switch (type) {
+    case kF32: return 4;
+    case kBF16: return 2;
+    case kQ8_0: return 34;
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+    case kIQ4_NL: return 18;
+    case kIQ4_XS: return 136;
+  }
+  return -1;
+}
+
+constexpr int64_t row_bytes(int type, int64_t k) { return k / block_values(type) * block_bytes(type); }
+
+// Calls f(std::integral_constant<int, T>{}) for the weight format T: one switch for every kernel.
+template <typename F>
+inline void with_format(int type, F&& f) {
+  switch (type) {
+    case kF32: return f(std::integral_constant<int, kF32>{});
+    case kBF16: return f(std::integral_constant<int, kBF16>{});
+    case kQ8_0: return f(std::integral_constant<int, kQ8_0>{});
+    case kQ4_0: return f(std::integral_constant<int, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int, kQ5_0>{});
+    case kQ5_1: return f(std::integral_constant<int, kQ5_1>{});
+    case kQ4_K: return f(std::integral_constant<int, kQ4_K>{});
+    case kQ5_K: return f(std::integral_constant<int, kQ5_K>{});
+    case kQ6_K: return f(std::integral_constant<int, kQ6_K>{});
+    case kIQ4_NL: return f(std::integral_constant<int, kIQ4_NL>{});
+    case kIQ4_XS: return f(std::integral_constant<int, kIQ4_XS>{});
+  }
+}
+
+inline uint16_t read_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+constexpr int kBlockVecs = 32 / kLanes;  // vectors per 32-value block
+
+// Values kLanes * i.. of a block's 16 bytes of nibbles (byte j holds value j in its low half and
+// value j + 16 in its high half), as integers.
+inline iv nibble_ints(const uint8_t* p, int i) {
+  constexpr int per_half = 16 / kLanes;
+  const iv v = widen(p + (i % per_half) * kLanes);
+  return i < per_half ? (v & 0x0f) : (v >> 4);
+}
+
+inline fv nibbles(const uint8_t* p, int i) { return to_float(nibble_ints(p, i)); }
+
+// Bit j of a lane for each of a block's 32 values j, kLanes to a vector.
+alignas(64) inline constexpr uint32_t kValueBits[32] = {
+    1u << 0,  1u << 1,  1u << 2,  1u << 3,  1u << 4,  1u << 5,  1u << 6,  1u << 7,  1u << 8,  1u << 9,  1u << 10,
+    1u << 11, 1u << 12, 1u << 13, 1u << 14, 1u << 15, 1u << 16, 1u << 17, 1u << 18, 1u << 19, 1u << 20, 1u << 21,
+    1u << 22, 1u << 23, 1u << 24, 1u << 25, 1u << 26, 1u << 27, 1u << 28, 1u << 29, 1u << 30, 1u << 31};
+
+// Values kLanes * i.. of a Q5 block: its nibbles with bit (value index) of qh on top.
+inline iv five_bits(const uint8_t* p, uint32_t qh, int i) {
+  iv bits;
+  std::memcpy(&bits, kValueBits + kLanes * i, sizeof(bits));
+  const iv h = (iv{} + static_cast<int32_t>(qh)) & bits;
+  return nibble_ints(p, i) | ((h != 0) & 16);
+}
+
+// IQ4's 16 levels (kvalues_iq4nl in ggml-common.h).
+alignas(64) inline constexpr float kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                     1,    13,   25,  38,  53,  69,  89,  113};
+
+// kIQ4Values[q] for each lane's q in 0..15.
+inline fv iq4_levels(iv q) {
+#if defined(__AVX512F__)
+  __m512i idx;
+  std::memcpy(&idx, &q, 64);
+  const __m512 r = _mm512_permutexvar_ps(idx, _mm512_load_ps(kIQ4Values));
+  fv out;
+  std::memcpy(&out, &r, 64);
+  return out;
+#elif defined(__AVX2__)
+  __m256i idx;
+  std::memcpy(&idx, &q, 32);
+  const __m256 lo = _mm256_permutevar8x32_ps(_mm256_load_ps(kIQ4Values), idx);
+  const __m256 hi = _mm256_permutevar8x32_ps(_mm256_load_ps(kIQ4Values + 8), idx);
+  const __m256 r = _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));  // bit 3 -> sign
+  fv out;
+  std::memcpy(&out, &r, 32);
+  return out;
+#else
+  fv r;
+  for (int l = 0; l < kLanes; ++l) r[l] = kIQ4Values[q[l]];
+  return r;
+#endif
+}
+
+// Q4_K's / Q5_K's 6-bit scale and min of sub-block j (get_scale_min_k4 in ggml-quants.c).
+inline void k4_scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Sub-block j's scale d * sc and offset dmin * m of a Q4_K / Q5_K super-block at p.
+inline void k4_sub_scales(const uint8_t* p, int j, float& scale, float& offset) {
+  float d, dmin;
+  half2_to_float(p, d, dmin);
+  int sc, m;
+  k4_scale_min(p + 4, j, sc, m);
+  scale = d * static_cast<float>(sc);
+  offset = dmin * static_cast<float>(m);
+}
+
+// Block b of a row as kBlockVecs vectors, values in order.
+template <int T>
+inline void decode_block(const uint8_t* row, int64_t b, fv* w) {
+  if constexpr (T == kF32) {
+    const float* p = reinterpret_cast<const float*>(row) + 32 * b;
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = loadv(p + kLanes * i);
+  } else if constexpr (T == kBF16) {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(row) + 32 * b;
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = load_bf16(p + kLanes * i);
+  } else if constexpr (T == kQ8_0) {
+    const uint8_t* p = row + 34 * b;
+    const fv d = splat(half_to_float(read_u16(p)));
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = to_float(widen(reinterpret_cast<const int8_t*>(p + 2) + kLanes * i)) * d;
+  } else if constexpr (T == kQ4_0 || T == kIQ4_NL) {
+    const uint8_t* p = row + 18 * b;
+    const fv d = splat(half_to_float(read_u16(p)));
+    for (int i = 0; i < kBlockVecs; ++i)
+      w[i] = (T == kQ4_0 ? nibbles(p + 2, i) - 8.f : iq4_levels(nibble_ints(p + 2, i))) * d;
+  } else if constexpr (T == kQ4_1) {
+    const uint8_t* p = row + 20 * b;
+    float d, m;
+    half2_to_float(p, d, m);
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = nibbles(p + 4, i) * splat(d) + splat(m);
+  } else if constexpr (T == kQ5_0) {
+    const uint8_t* p = row + 22 * b;
+    const fv d = splat(half_to_float(read_u16(p)));
+    uint32_t qh;
+    std::memcpy(&qh, p + 2, 4);
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = to_float(five_bits(p + 6, qh, i) - 16) * d;
+  } else if constexpr (T == kQ5_1) {
+    const uint8_t* p = row + 24 * b;
+    float d, m;
+    half2_to_float(p, d, m);
+    uint32_t qh;
+    std::memcpy(&qh, p + 4, 4);
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = to_float(five_bits(p + 8, qh, i)) * splat(d) + splat(m);
+  } else if constexpr (T == kQ4_K || T == kQ5_K) {
+    const int j = static_cast<int>(b % 8);
+    const uint8_t* p = row + block_bytes(T) * (b / 8);
+    float scale, offset;
+    k4_sub_scales(p, j, scale, offset);
+    const uint8_t* q = p + (T == kQ4_K ? 16 : 48) + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    for (int i = 0; i < kBlockVecs; ++i) {
+      iv v = (widen(q + kLanes * i) >> shift) & 0x0f;
+      if constexpr (T == kQ5_K) v |= ((widen(p + 16 + kLanes * i) >> j) & 1) << 4;
+      w[i] = to_float(v) * splat(scale) - splat(offset);
+    }
+  } else if constexpr (T == kQ6_K) {
+    const int h = static_cast<int>(b % 8) / 4, g = static_cast<int>(b % 4);
+    const uint8_t* p = row + 210 * (b / 8);
+    const uint8_t* ql = p + 64 * h + 32 * (g % 2);
+    const uint8_t* qh = p + 128 + 32 * h;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192) + 2 * (b % 8);
+    const float d = half_to_float(read_u16(p + 208));
+    for (int i = 0; i < kBlockVecs; ++i) {
+      const iv lo = (widen(ql + kLanes * i) >> (4 * (g / 2))) & 0x0f;
+      const iv hi = (widen(qh + kLanes * i) >> (2 * g)) & 3;
+      w[i] = to_float((lo | (hi << 4)) - 32) * splat(d * static_cast<float>(sc[kLanes * i / 16]));
+    }
+  } else {
+    static_assert(T == kIQ4_XS);
+    const int j = static_cast<int>(b % 8);
+    const uint8_t* p = row + 136 * (b / 8);
+    const int ls = ((p[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | (((read_u16(p + 2) >> (2 * j)) & 3) << 4);
+    const fv d = splat(half_to_float(read_u16(p)) * static_cast<float>(ls - 32));
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = iq4_levels(nibble_ints(p + 8 + 16 * j, i)) * d;
+  }
+}
+
+}  // namespace bsgl
