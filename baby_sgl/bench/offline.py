@@ -99,7 +99,8 @@ def memory_budget(engine: Engine) -> dict[str, float]:
     cfg = engine.model_config
     model = engine.scheduler.runner.model
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    kv = engine.max_total_tokens * KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.dtype)
+    kv = engine.max_total_tokens * KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                           engine.kv_cache_dtype)
     return {"weights_mb": weights / 1e6, "kv_pool_mb": kv / 1e6, "budget_mb": (weights + kv) / 1e6 + 600}
 
 

@@ -64,7 +64,8 @@ class Scheduler(BatchFormation, OutputProcessing, Speculation):
         self.context_len = context_len
         self.tracer = Tracer(args.trace_file) if args.trace_file else None
         self.activity = Activity()  # recent batches, evictions and counters, for the dashboard
-        self.req_to_token_pool = runner.init_memory_pool(max_total_tokens, args.max_running_requests, context_len)
+        self.req_to_token_pool = runner.init_memory_pool(max_total_tokens, args.max_running_requests, context_len,
+                                                           args.kv_cache_dtype)
         self.allocator = PagedTokenAllocator(max_total_tokens, args.page_size, runner.device)
         self.tree_cache: BasePrefixCache[Any] = (ChunkCache(self.req_to_token_pool, self.allocator)
                                             if args.disable_radix_cache else
