@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from baby_sgl.core import kv_cache_dtype
+from baby_sgl.cpu.ops import cpu_ops
 from baby_sgl.errors import MemoryLeakError
 
 
@@ -78,6 +79,10 @@ class KVPool:
         scaled = kv_cache_dtype.is_scaled(self.cache_dtype)
         self.k_scales = [torch.ones(shape[:2], device=device) for _ in range(num_layers)] if scaled else []
         self.v_scales = [torch.ones(shape[:2], device=device) for _ in range(num_layers)] if scaled else []
+        # On CPU a 1-byte pool is written by the kernel that rounds the decode step's writes, so a
+        # slot holds the same bytes whichever pass wrote it; elsewhere by kv_cache_dtype.quantize,
+        # which rounds the same way.
+        self._store_op = cpu_ops() if scaled and torch.device(device).type == "cpu" else None
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
@@ -94,6 +99,9 @@ class KVPool:
             self.v_buffers[layer_id].index_copy_(0, loc, v.to(self.cache_dtype))
             return
         for x, buffers, scales in ((k, self.k_buffers, self.k_scales), (v, self.v_buffers, self.v_scales)):
+            if self._store_op is not None:
+                self._store_op.store_kv(x.float().contiguous(), loc.contiguous(), buffers[layer_id], scales[layer_id])
+                continue
             q, scale = kv_cache_dtype.quantize(x, self.cache_dtype)
             kv_cache_dtype.as_bytes(buffers[layer_id]).index_copy_(0, loc, kv_cache_dtype.as_bytes(q))
             scales[layer_id].index_copy_(0, loc, scale)

@@ -219,6 +219,36 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
+// Keys or values x [N, kv_heads, D] (float32) written to slots loc [N] of a 1-byte pool buf
+// [slots, kv_heads, D] with their scales [slots, kv_heads], each head rounded as the decode step
+// rounds it (kv_elements.h quantize_head): a slot holds the same bytes whichever pass wrote it.
+void store_kv(const at::Tensor& x, const at::Tensor& loc, at::Tensor& buf, at::Tensor& scales) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3 && buf.dim() == 3 &&
+                  buf.is_contiguous() && x.size(1) == buf.size(1) && x.size(2) == buf.size(2),
+              "x: contiguous float32 [N, kv_heads, D] for a contiguous [slots, kv_heads, D] pool");
+  TORCH_CHECK(buf.element_size() == 1, "store_kv writes 1-byte pools");
+  check_kv_scales(buf, scales);
+  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.is_contiguous() && loc.numel() == x.size(0), "loc: int64 [N]");
+  const int64_t N = x.size(0), H = x.size(1), D = x.size(2), slots = buf.size(0);
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) TORCH_CHECK(lp[i] >= 0 && lp[i] < slots, "KV slot out of range");
+  dispatch_kv(buf.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    if constexpr (kScaledKV<T>) {
+      T* out = static_cast<T*>(buf.data_ptr());
+      const float* xp = x.data_ptr<float>();
+      float* sp = scales.data_ptr<float>();
+      at::parallel_for(0, N * H, 64, [&](int64_t begin, int64_t end) {
+        const FlushDenormals flush;  // as in the decode step
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t row = t / H, h = t % H, at = lp[row] * H + h;
+          quantize_head(xp + t * D, D, out + at * D, sp + at);
+        }
+      });
+    }
+  });
+}
+
 }  // namespace
 
 void register_ops(pybind11::module& m) {
@@ -230,6 +260,7 @@ void register_ops(pybind11::module& m) {
   m.def("extend_attention", &extend_attention, "prefill attention of new tokens over the paged KV pool (CPU)",
         py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("rows"), py::arg("prefix_lens"),
         py::arg("extend_lens"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+  m.def("store_kv", &store_kv, "keys or values rounded into slots of a 1-byte KV pool, with their scales (CPU)");
 }
 
 }  // namespace bsgl
