@@ -204,3 +204,16 @@ def test_perplexity_of_the_default_model_over_one_byte_pools():
     print({name: round(p, 3) for name, p in ppl.items()})
     assert ppl["int8"] <= 1.01 * ppl["auto"] and ppl["fp8_e4m3"] <= 1.01 * ppl["auto"]
     assert ppl["fp8_e5m2"] <= 1.03 * ppl["auto"]
+
+
+def test_tensor_parallel_ranks_keep_their_heads_in_int8(tiny_llama_head64):
+    """Each rank's pool holds its own KV heads with their scales (InitPool carries the type): the
+    split engine answers as the single one over the same type."""
+    prompts = random_prompts(4, 512, 5, 40, seed=6)
+    outputs = []
+    for tp_size in (1, 2):
+        with Engine(tiny_llama_head64, dtype="float32", kv_cache_dtype="int8", max_total_tokens=2048,
+                    tp_size=tp_size) as engine:
+            outputs.append([o["output_ids"] for o in _outputs(engine, prompts)])
+            engine.check_memory()
+    assert outputs[0] == outputs[1]
