@@ -1,7 +1,8 @@
 """Attention over a pool of 1-byte elements (--kv-cache-dtype fp8_e4m3, fp8_e5m2, int8) reads the
 stored bytes and their scales: the prefill kernel (cpu/csrc/attention.h), the decode kernel
 (decode_attention.cpp) and the portable path each equal float64 attention over the dequantized
-values (element times scale), on every build of the kernels."""
+values (element times scale), on every build of the kernels; and the kernels round keys and values
+into the pool as the portable path does, bit for bit."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import pytest
 import torch
 
 from baby_sgl.attention.torch_native import TorchNativeAttnBackend
+from baby_sgl.core import kv_cache_dtype
 from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode
 from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
-from baby_sgl.cpu import decode_attention, toolchain
-from helpers import ARCHS
+from helpers import ARCHS, build_for
 
 HEADS, KV_HEADS = 6, 2
 SCALED = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -87,18 +88,42 @@ def test_a_one_byte_pool_without_its_scales_is_refused(ops):
         ops.extend_attention(q, kv.k, kv.v, rows, torch.tensor([0]), torch.tensor([3]), 0.25)
 
 
+def _heads_with_ties(cache_dtype: torch.dtype, dim: int = 64) -> torch.Tensor:
+    """Heads whose scale is exactly 1 (each holds the type's largest value) filled with every value
+    halfway between two neighbours of the type (ties, subnormal ones included) and their negatives,
+    then random heads of many magnitudes."""
+    largest = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[cache_dtype]
+    if cache_dtype == torch.int8:
+        grid = torch.arange(0, 128, dtype=torch.float32)
+    else:
+        grid = torch.arange(0, 256, dtype=torch.uint8).view(cache_dtype).float()
+        grid = grid[grid.isfinite() & (grid >= 0) & (grid <= largest)].unique()
+    halves = (grid[1:] + grid[:-1]) / 2
+    values = torch.cat([halves, -halves, grid, -grid])
+    values = torch.cat([values, values.new_zeros((-len(values)) % (dim - 1))]).view(-1, dim - 1)
+    tied = torch.cat([values.new_full((len(values), 1), largest), values], 1)
+    g = torch.Generator().manual_seed(0)
+    random = torch.randn(64, dim, generator=g) * 10.0 ** torch.randint(-6, 4, (64, 1), generator=g)
+    return torch.cat([tied, random, torch.zeros(1, dim)]).view(-1, 1, dim)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_kernels_rounding_is_the_portable_paths(ops, cache_dtype):
+    """The CPU kernel's writes (the decode step's, and KVPool's on CPU) are kv_cache_dtype.quantize's
+    bit for bit: ties to even, subnormals, zero heads."""
+    x = _heads_with_ties(cache_dtype)
+    q, scale = kv_cache_dtype.quantize(x, cache_dtype)
+    buf, scales = torch.zeros_like(q), torch.zeros_like(scale)
+    ops.store_kv(x, torch.arange(len(x)), buf, scales)
+    assert torch.equal(kv_cache_dtype.as_bytes(buf), kv_cache_dtype.as_bytes(q))
+    assert torch.equal(scales, scale)
+
+
 @pytest.fixture(scope="module", params=ARCHS)
 def decode_ops(request):
     """The decode-attention kernel built for each instruction set the tests cover."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("BABY_SGL_CPU_ARCH", request.param)
-        mp.setattr(decode_attention, "_loaded", {})
-        built = decode_attention.decode_kernel()
-        if built is None:
-            if toolchain.cxx_compiler() is not None:
-                pytest.fail(f"the decode kernel failed to build for {request.param} (see the log)")
-            pytest.skip("no C++ compiler")
-        yield built
+        yield build_for(request.param, mp, "decode_attention")
 
 
 def _decode_reference(q, k, v, table, lens, scale):

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from baby_sgl import Engine
-from baby_sgl.core import kv_cache_dtype
 from baby_sgl.cpu import decode_step
 from helpers import ARCHS, GREEDY, build_for, random_prompts, shared_prefix_prompts
 
@@ -39,37 +38,6 @@ def test_the_models_dtype_by_name_changes_nothing(tiny_llama_head64, dtype, name
             runs.append([(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in _outputs(engine, prompts, 1)])
             engine.check_memory()
     assert runs[0] == runs[1]
-
-
-def _heads_with_ties(cache_dtype: torch.dtype, dim: int = 64) -> torch.Tensor:
-    """Heads whose scale is exactly 1 (each holds the type's largest value) filled with every value
-    halfway between two neighbours of the type (ties, subnormal ones included) and their negatives,
-    then random heads of many magnitudes."""
-    largest = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[cache_dtype]
-    if cache_dtype == torch.int8:
-        grid = torch.arange(0, 128, dtype=torch.float32)
-    else:
-        grid = torch.arange(0, 256, dtype=torch.uint8).view(cache_dtype).float()
-        grid = grid[grid.isfinite() & (grid >= 0) & (grid <= largest)].unique()
-    halves = (grid[1:] + grid[:-1]) / 2
-    values = torch.cat([halves, -halves, grid, -grid])
-    values = torch.cat([values, values.new_zeros((-len(values)) % (dim - 1))]).view(-1, dim - 1)
-    tied = torch.cat([values.new_full((len(values), 1), largest), values], 1)
-    g = torch.Generator().manual_seed(0)
-    random = torch.randn(64, dim, generator=g) * 10.0 ** torch.randint(-6, 4, (64, 1), generator=g)
-    return torch.cat([tied, random, torch.zeros(1, dim)]).view(-1, 1, dim)
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
-def test_the_kernels_rounding_is_the_portable_paths(ops, cache_dtype):
-    """The CPU kernel's writes (the decode step's, and KVPool's on CPU) are kv_cache_dtype.quantize's
-    bit for bit: ties to even, subnormals, zero heads."""
-    x = _heads_with_ties(cache_dtype)
-    q, scale = kv_cache_dtype.quantize(x, cache_dtype)
-    buf, scales = torch.zeros_like(q), torch.zeros_like(scale)
-    ops.store_kv(x, torch.arange(len(x)), buf, scales)
-    assert torch.equal(kv_cache_dtype.as_bytes(buf), kv_cache_dtype.as_bytes(q))
-    assert torch.equal(scales, scale)
 
 
 def _agreement(expected: list[list[int]], got: list[list[int]]) -> float:
