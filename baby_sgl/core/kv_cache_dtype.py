@@ -3,9 +3,9 @@
 fp8 (e4m3, e5m2) and int8 elements carry a float32 scale per token and KV head, computed from the
 values it covers when they are written (the head's largest magnitude maps to the type's largest
 value) and stored beside the pool. A scale fixed per layer or head (SGLang's k_scale / v_scale,
-1.0 unless a checkpoint calibrates them) clips the keys that later positions bring (outlier
-channels grow along a long context) or leaves most of the range unused; a running maximum would
-have to rescale what is already stored. Per token, nothing written later changes or clips an
+1.0 unless a checkpoint calibrates them) clips any later key larger than what it was set for, or
+leaves most of the range unused for small ones; a running maximum would have to rescale what is
+already stored. Per token, nothing written later changes or clips an
 earlier entry, and every entry keeps the type's full relative precision: int8 is within half a
 step of amax / 127 of its head's values, e4m3 within 2^-4 of each value relative, e5m2 2^-3. It
 costs 4 bytes per head and token beside 1 byte per value (a 64-value head: 68 bytes, not 128 in
