@@ -20,6 +20,7 @@ from baby_sgl.core.req import Req, ReqOutput
 from baby_sgl.managers.scheduler.scheduler import Scheduler
 from baby_sgl.managers.snapshots import Progress
 from baby_sgl.managers.tokenizer_manager import LogprobCursor, TokenizerManager
+from baby_sgl.core.kv_cache_dtype import resolve as resolve_kv_cache_dtype
 from baby_sgl.core.memory_pool import KVPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.cpu import decode_step
@@ -69,6 +70,7 @@ class Engine:
         loaded = load_model(args.model_path, quantized=self._serve_quantized())
         self.model_config = cfg = ModelConfig.from_hf(loaded.hf_config, args.context_length)
         self.dtype = self._pick_dtype(loaded.hf_config)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.tokenizer_path = loaded.tokenizer_path  # a directory AutoTokenizer loads (also for a .gguf)
         self.tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_path)
         if args.chat_template is not None:
@@ -94,7 +96,8 @@ class Engine:
         # at shutdown.
         gc.collect()
         gc.freeze()
-        logger.info("engine ready: %s, %s, %d KV slots", loaded.source, self.dtype, self.max_total_tokens)
+        logger.info("engine ready: %s, %s, KV pool of %d tokens in %s", loaded.source, self.dtype,
+                    self.max_total_tokens, self.kv_cache_dtype)
 
     # ---- set-up helpers ------------------------------------------------------------------
     def _start(self, cfg: ModelConfig, loaded) -> None:
@@ -183,16 +186,20 @@ class Engine:
             # on CUDA each rank has its own device, so count the largest share.
             kv_heads = tp_plan.kv_heads_per_token(cfg, args.tp_size) if self.device.type == "cpu" else \
                 max(s.kv_heads[1] - s.kv_heads[0] for s in tp_plan.plan(cfg, args.tp_size))
-            per_token = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype)
+            # The pool is sized in bytes: a smaller --kv-cache-dtype holds more tokens in the same
+            # memory (the caps below are tokens of the model's dtype, as bytes).
+            full = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype)
+            per_token = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.kv_cache_dtype)
             if self.device.type == "cuda":
                 # Slots past every running request at full context only cache prefixes: for a small
                 # model, 80% of a large GPU would be hundreds of millions of them, each tracked by
                 # the allocator and walked by the memory check.
-                size = min(int(torch.cuda.mem_get_info(self.device)[0] * 0.8) // per_token,
-                           args.max_running_requests * self.context_len)
+                budget = min(int(torch.cuda.mem_get_info(self.device)[0] * 0.8),
+                             args.max_running_requests * self.context_len * full)
             else:
                 avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-                size = min(int(avail * 0.2) // per_token, _CPU_MAX_TOTAL_TOKENS)
+                budget = min(int(avail * 0.2), _CPU_MAX_TOTAL_TOKENS * full)
+            size = budget // per_token
         size = size // args.page_size * args.page_size
         if size < 2 * args.page_size:
             raise ValueError(f"max_total_tokens={args.max_total_tokens} is too small for page_size={args.page_size}")

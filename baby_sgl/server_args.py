@@ -20,6 +20,7 @@ REASONING_PARSER_NAMES = ("deepseek-r1", "qwen3")  # entrypoints/reasoning.py
 TOOL_CALL_PARSER_NAMES = ("qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic")  # entrypoints/tool_parsers.py
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 CPU_INT8_ACTIVATIONS_CHOICES = ("auto", "on", "off")
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float32", "fp8_e5m2", "fp8_e4m3", "int8")  # core/kv_cache_dtype.py
 
 
 def _setting(default: Any, help: str) -> Any:
@@ -40,6 +41,9 @@ class EngineArgs:
         "auto", "on CPU, products of quantized GGUF weights (decode steps and prefills) round their "
                 "activations to int8 blocks (integer dot products, as llama.cpp; faster, results move by the "
                 "rounding): on, off, or auto (on unless the dtype is float32, whose results stay transformers')")
+    kv_cache_dtype: str = _setting(
+        "auto", "the KV pool's element type: auto (the dtype), bfloat16, float32, or 1 byte a value with a scale "
+                "per token and head: fp8_e5m2, fp8_e4m3, int8 (about twice the tokens of bfloat16 in the same memory)")
     device: str = _setting("auto", "cpu, cuda, or auto (cuda when available)")
     page_size: int = _setting(1, "KV slots per page (a power of two); the radix cache shares whole pages")
     disable_radix_cache: bool = _setting(False, "no prefix sharing between requests (each prompt is prefilled whole)")
@@ -92,6 +96,9 @@ class EngineArgs:
                              f"got {self.schedule_policy!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.cpu_int8_activations not in CPU_INT8_ACTIVATIONS_CHOICES:
             raise ValueError(f"cpu_int8_activations must be one of {', '.join(CPU_INT8_ACTIVATIONS_CHOICES)}, "
                              f"got {self.cpu_int8_activations!r}")

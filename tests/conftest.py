@@ -160,6 +160,13 @@ def tiny_llama_long(tmp_path_factory) -> str:
     return _save_tiny(tmp_path_factory.mktemp("tiny-llama-long"), "llama", max_position_embeddings=32768)
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_head64(tmp_path_factory) -> str:
+    """The tiny Llama with heads of 64 values (as SmolLM2's and most small models'), where a KV
+    pool of 1-byte elements holds ~2x the tokens of bfloat16 (a 16-value head's scale costs a fifth)."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama-head64"), "llama", head_dim=64)
+
+
 @pytest.fixture(scope="module")
 def _tiny_engine(tiny_llama):
     from baby_sgl import Engine

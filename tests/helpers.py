@@ -128,14 +128,16 @@ def assert_first_step_logprobs(engine, hf, prompts: list[list[int]], top: int) -
 ARCHS = ["native", "x86-64-v3", "x86-64"] if platform.machine() == "x86_64" else ["native"]
 
 
-def build_for(arch: str, monkeypatch):
+def build_for(arch: str, monkeypatch, kernels: str = "ops"):
     """The CPU kernels built for arch (cached per arch in ~/.cache/baby-sgl/kernels) and made the
-    ones the engine uses, or a skip without a compiler."""
-    from baby_sgl.cpu import ops as cpu_ops, toolchain
+    ones the engine uses, or a skip without a compiler. kernels: cpu/ops.py's, or
+    "decode_attention" (cpu/decode_attention.py's)."""
+    from baby_sgl.cpu import decode_attention, ops as cpu_ops, toolchain
 
+    module = decode_attention if kernels == "decode_attention" else cpu_ops
     monkeypatch.setenv("BABY_SGL_CPU_ARCH", arch)
-    monkeypatch.setattr(cpu_ops, "_loaded", {})
-    built = cpu_ops.cpu_ops()
+    monkeypatch.setattr(module, "_loaded", {})
+    built = decode_attention.decode_kernel() if module is decode_attention else cpu_ops.cpu_ops()
     if built is None:
         if toolchain.cxx_compiler() is not None:
             pytest.fail(f"the CPU kernels failed to build for {arch} (see the log)")

@@ -8,7 +8,8 @@ slots in place; elsewhere, or without a C++ compiler, the slots are gathered int
 lengths go in separate calls (see split_by_length). Either way a prefix several requests share
 is read once per group (see shared_prefix.py). Extend loops over the requests of the batch (not
 over tokens): each request's new queries attend to its cached prefix plus the causal part of its
-new tokens.
+new tokens. A pool of 1-byte elements (--kv-cache-dtype) is read as stored by the kernels; the
+portable path widens the rows it gathers.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch.nn.functional as F
 from baby_sgl.cpu.decode_attention import decode_kernel
 from baby_sgl.cpu.ops import cpu_ops
 from baby_sgl.attention.shared_prefix import SharedPrefixes, find_shared_prefixes, merge
+from baby_sgl.core import kv_cache_dtype
 from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode
+from baby_sgl.core.memory_pool import LayerKV
 
 
 @dataclass
@@ -119,6 +122,14 @@ def _gather(buf: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """buf[indices] for any shape of indices; index_select is ~3x faster than advanced indexing
     on CPU (measured: 26 vs 90 us for 8 x 192 slots of [3, 64])."""
     return buf.index_select(0, indices.reshape(-1)).view(*indices.shape, *buf.shape[1:])
+
+
+def _widened(rows: torch.Tensor, scales: torch.Tensor | None, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows gathered from the pool at `indices` as dtype (a 1-byte pool's times their scales):
+    only the rows a request reads are widened, never the pool. Rows already in dtype are returned as they are."""
+    if scales is None and rows.dtype == dtype:
+        return rows
+    return kv_cache_dtype.widen(rows, None if scales is None else _gather(scales, indices), dtype)
 
 
 class _Workspace:
@@ -233,24 +244,24 @@ class TorchNativeAttnBackend:
 
     def forward(self, q: torch.Tensor, layer_id: int, scale: float, fb: ForwardBatch,
                 windowed: bool = False) -> torch.Tensor:
-        k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer_id)
+        kv = fb.kv_pool.layer(layer_id)
         meta = fb.attn_metadata_window if windowed else fb.attn_metadata
         if fb.mode == ForwardMode.DECODE:
-            return self._decode(q, k_buf, v_buf, scale, meta)
+            return self._decode(q, kv, scale, meta)
         if fb.mode == ForwardMode.EXTEND:
-            return self._extend(q, k_buf, v_buf, scale, meta)
+            return self._extend(q, kv, scale, meta)
         t = meta.extend_tokens
-        return torch.cat([self._extend(q[:t], k_buf, v_buf, scale, meta.extend),
-                          self._decode(q[t:], k_buf, v_buf, scale, meta.decode)])
+        return torch.cat([self._extend(q[:t], kv, scale, meta.extend), self._decode(q[t:], kv, scale, meta.decode)])
 
-    def _extend(self, q, k_buf, v_buf, scale, meta: _ExtendMeta) -> torch.Tensor:
+    def _extend(self, q, kv: LayerKV, scale, meta: _ExtendMeta) -> torch.Tensor:
         if self.extend_kernel is not None and q.shape[-1] % 16 == 0 and meta.window is None:
-            return self.extend_kernel.extend_attention(q, k_buf, v_buf, meta.rows, *meta.kernel_lens(), scale)
+            return self.extend_kernel.extend_attention(q, kv.k, kv.v, meta.rows, *meta.kernel_lens(), scale,
+                                                       kv.k_scale, kv.v_scale)
         outs, start = [], 0
         for idx, mask, ext in zip(*meta.portable(), meta.extend_lens):
             qi = q[start : start + ext].transpose(0, 1).unsqueeze(0)  # [1, H, ext, D]
-            ki = _gather(k_buf, idx).transpose(0, 1).unsqueeze(0)
-            vi = _gather(v_buf, idx).transpose(0, 1).unsqueeze(0)
+            ki = _widened(_gather(kv.k, idx), kv.k_scale, idx, q.dtype).transpose(0, 1).unsqueeze(0)
+            vi = _widened(_gather(kv.v, idx), kv.v_scale, idx, q.dtype).transpose(0, 1).unsqueeze(0)
             oi = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
             )
@@ -258,33 +269,32 @@ class TorchNativeAttnBackend:
             start += ext
         return torch.cat(outs, dim=0)
 
-    def _decode(self, q, k_buf, v_buf, scale, plan: _DecodePlan) -> torch.Tensor:
+    def _decode(self, q, kv: LayerKV, scale, plan: _DecodePlan) -> torch.Tensor:
         if len(plan.parts) == 1:
-            return self._decode_group_attn(q, k_buf, v_buf, scale, plan.parts[0][1])
+            return self._decode_group_attn(q, kv, scale, plan.parts[0][1])
         out = torch.empty_like(q)
         for idx, meta in plan.parts:
             assert idx is not None
-            out.index_copy_(0, idx, self._decode_group_attn(q[idx], k_buf, v_buf, scale, meta))
+            out.index_copy_(0, idx, self._decode_group_attn(q[idx], kv, scale, meta))
         return out
 
-    def _decode_group_attn(self, q, k_buf, v_buf, scale, meta: _DecodeMeta) -> torch.Tensor:
+    def _decode_group_attn(self, q, kv: LayerKV, scale, meta: _DecodeMeta) -> torch.Tensor:
         batch, heads, dim = q.shape
-        kv_heads = k_buf.shape[1]
+        kv_heads = kv.k.shape[1]
         group = heads // kv_heads
         qg = q.view(batch, kv_heads, group, dim)  # [B, Hkv, group, D]: plain MHA over Hkv heads
         sp = meta.shared
         if sp is None and not self.kernel_rows:  # no log-sum-exp needed: the plain SDPA kernel
-            k = self.workspace.gather("k", k_buf, meta.kv_indices).transpose(1, 2)  # [B, Hkv, L, D]
-            v = self.workspace.gather("v", v_buf, meta.kv_indices).transpose(1, 2)
+            k, v = self._gather_kv("", kv, meta.kv_indices, q.dtype)  # [B, Hkv, L, D]
             return F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask, scale=scale).reshape(batch, heads, dim)
-        out, lse = self._attend(qg, k_buf, v_buf, meta.kv_indices, meta.lens, meta.mask, scale, "")
+        out, lse = self._attend(qg, kv, meta.kv_indices, meta.lens, meta.mask, scale, "")
         if sp is None:
             return out.reshape(batch, heads, dim)
         n_groups, width = sp.members.shape
         # Every group's queries as one sequence: [G, Hkv, M * group, D].
         qs = qg[sp.members.reshape(-1)].view(n_groups, width, kv_heads, group, dim)
         qs = qs.transpose(1, 2).reshape(n_groups, kv_heads, width * group, dim)
-        out_s, lse_s = self._attend(qs, k_buf, v_buf, sp.kv_indices, sp.kv_lens, sp.mask, scale, "shared_")
+        out_s, lse_s = self._attend(qs, kv, sp.kv_indices, sp.kv_lens, sp.mask, scale, "shared_")
         # Back to one entry per grouped request: [S, Hkv, group, (D)].
         out_s = out_s.view(n_groups, kv_heads, width, group, dim).transpose(1, 2)
         out_s = out_s.reshape(n_groups * width, kv_heads, group, dim)[sp.flat]
@@ -297,11 +307,18 @@ class TorchNativeAttnBackend:
     def _kernel_takes(self, q: torch.Tensor) -> bool:
         return self.decode_kernel is not None and q.shape[2] <= _KERNEL_MAX_QUERIES
 
-    def _attend(self, q, k_buf, v_buf, table, lens, mask, scale, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather_kv(self, name: str, kv: LayerKV, table: torch.Tensor,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the slots in table [N, L] as [N, Hkv, L, D] of dtype."""
+        k = _widened(self.workspace.gather(name + "k", kv.k, table), kv.k_scale, table, dtype)
+        v = _widened(self.workspace.gather(name + "v", kv.v, table), kv.v_scale, table, dtype)
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def _attend(self, q, kv: LayerKV, table, lens, mask, scale, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of q [N, Hkv, G, D] over each row's slots (table [N, L], the first lens[n] of
         row n; mask says the same for the portable path), with the log-sum-exp of the scores."""
         if self.decode_kernel is not None and self._kernel_takes(q):
-            return self.decode_kernel.decode_attention(q.contiguous(), k_buf, v_buf, table, lens, scale)
-        k = self.workspace.gather(name + "k", k_buf, table).transpose(1, 2)
-        v = self.workspace.gather(name + "v", v_buf, table).transpose(1, 2)
+            return self.decode_kernel.decode_attention(q.contiguous(), kv.k, kv.v, table, lens, scale, kv.k_scale,
+                                                       kv.v_scale)
+        k, v = self._gather_kv(name, kv, table, q.dtype)
         return _attend_with_lse(q, k, v, mask, scale)

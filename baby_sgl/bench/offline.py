@@ -21,7 +21,7 @@ from baby_sgl.bench.roofline import cpu_description, measure_roofs
 from baby_sgl.bench.workloads import Workload, one_batch_workload, random_workload, shared_prefix_workload
 from baby_sgl.engine import Engine
 from baby_sgl.core.memory_pool import KVPool
-from baby_sgl.server_args import EngineArgs, engine_kwargs
+from baby_sgl.server_args import KV_CACHE_DTYPE_CHOICES, EngineArgs, engine_kwargs
 from baby_sgl.threads import run_in_own_thread
 
 
@@ -99,7 +99,8 @@ def memory_budget(engine: Engine) -> dict[str, float]:
     cfg = engine.model_config
     model = engine.scheduler.runner.model
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    kv = engine.max_total_tokens * KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.dtype)
+    kv = engine.max_total_tokens * KVPool.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                           engine.kv_cache_dtype)
     return {"weights_mb": weights / 1e6, "kv_pool_mb": kv / 1e6, "budget_mb": (weights + kv) / 1e6 + 600}
 
 
@@ -175,13 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=128, help="one-batch: tokens per prompt (default: 128)")
     p.add_argument("--compare", nargs="+", default=[],
                    choices=["hf", "vllm", "llama.cpp", "float32", "bfloat16", "json-schema", "no-speculation",
-                            "request-only-drafts"],
+                            "request-only-drafts", "kv-cache-dtypes"],
                    help="one or more of: hf: transformers on the same prompts; vllm, llama.cpp: that engine on the "
                         "same prompts (scripts/setup_peers.sh installs them; llama.cpp with its prompt-lookup "
                         "decoding when --speculative-algorithm is set); a dtype: baby-sgl in that dtype, with how "
                         "many greedy outputs match; json-schema: every request constrained to a JSON schema; "
                         "no-speculation: baby-sgl without --speculative-algorithm; request-only-drafts: with "
-                        "drafts from each request's own text only"),
+                        "drafts from each request's own text only; kv-cache-dtypes: baby-sgl with each other "
+                        "--kv-cache-dtype (the tokens its pool holds in the same memory, and with --workload "
+                        "one-batch the decode step)"),
     p.add_argument("--model-shape", choices=sorted(SHAPES), default=None,
                    help="instead of --model-path: random weights in that real model's shape, built once into the "
                         "cache (a Q4_0 GGUF for baby-sgl and llama.cpp, the same weights as a Hugging Face "
@@ -217,6 +220,7 @@ def main(argv: list[str]) -> int:
     with Engine(**kwargs) as engine:
         wl = build_workload(args, engine)
         result = run(engine, wl)
+        result["kv_pool_tokens"] = engine.max_total_tokens
         if args.speculative_algorithm:
             result["engine"] = f"baby-sgl {args.speculative_algorithm}"
         # Before the roof measurement and any comparison run, which would raise the high-water mark.
@@ -285,8 +289,19 @@ def compare_with(compare: str, args: argparse.Namespace, kwargs: dict, wl: Workl
             {"speculative_ngram_request_only": True}
         with Engine(**{**kwargs, **other_args}) as other:
             return [variant(run(other, wl), compare, base)]
+    if compare == "kv-cache-dtypes":
+        return [kv_cache_variant(name, kwargs, wl, run, base) for name in KV_CACHE_DTYPE_CHOICES
+                if name not in ("auto", kwargs.get("kv_cache_dtype", "auto"))]
     with Engine(**{**kwargs, "dtype": compare}) as other:
         return [variant(run(other, wl), str(other.dtype).removeprefix("torch."), base)]
+
+
+def kv_cache_variant(name: str, kwargs: dict, wl: Workload, run: Callable[..., dict], base: dict) -> dict:
+    """The workload over a KV pool of another element type, sized in the same bytes."""
+    with Engine(**{**kwargs, "kv_cache_dtype": name}) as other:
+        result = variant(run(other, wl), f"KV {name}", base)
+        result["kv_pool_tokens"] = other.max_total_tokens
+        return result
 
 
 def print_report(report: dict) -> None:
@@ -298,9 +313,11 @@ def print_report(report: dict) -> None:
           f"read {roofs['read_gb_s']:.1f} GB/s -> batch-1 decode step >= {roofs['bandwidth_roof_step_s'] * 1e3:.1f} ms")
     base = report["results"][0]
     for r in report["results"]:
-        fields = [f"{k}={v:.4g}" for k, v in r.items() if isinstance(v, float)]
+        fields = [f"{k}={v:.4g}" for k, v in r.items() if isinstance(v, float | int) and not isinstance(v, bool)]
         ratio = ""
-        if r is not base and r.get("output_tok_s"):
+        if r is not base and r.get("decode_step_median_s"):
+            ratio = f"  (decode step {base['decode_step_median_s'] / r['decode_step_median_s']:.2f}x the first row's speed)"
+        elif r is not base and r.get("output_tok_s"):
             ratio = f"  (baby-sgl is {base['output_tok_s'] / r['output_tok_s']:.2f}x)"
         print(f"  {r['engine']:>28s}: " + " ".join(fields) + ratio)
     mem = report["memory"]

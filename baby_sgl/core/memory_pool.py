@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from baby_sgl.core import kv_cache_dtype
+from baby_sgl.cpu.ops import cpu_ops
 from baby_sgl.errors import MemoryLeakError
 
 
@@ -49,23 +53,61 @@ class ReqToTokenPool:
             self.write(slot, start, torch.tensor(indices, dtype=torch.int64, device=self.req_to_token.device))
 
 
+@dataclass
+class LayerKV:
+    """One layer's K and V buffers as the pool stores them, and a 1-byte pool's scales."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+
 class KVPool:
-    """One K and one V buffer per layer, indexed by KV slot: [num_slots, num_kv_heads, head_dim]."""
+    """One K and one V buffer per layer, indexed by KV slot: [num_slots, num_kv_heads, head_dim] of
+    cache_dtype (--kv-cache-dtype), and for the 1-byte types a float32 scale per slot and head
+    beside each ([num_slots, num_kv_heads], see core/kv_cache_dtype.py). dtype: the model's, in
+    which keys and values are written and read back."""
 
     def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, cache_dtype: torch.dtype | None = None) -> None:
         self.size, self.dtype = size, dtype
+        self.cache_dtype = cache_dtype or dtype
         shape = (size, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffers = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(num_layers)]
+        scaled = kv_cache_dtype.is_scaled(self.cache_dtype)
+        self.k_scales = [torch.ones(shape[:2], device=device) for _ in range(num_layers)] if scaled else []
+        self.v_scales = [torch.ones(shape[:2], device=device) for _ in range(num_layers)] if scaled else []
+        # On CPU a 1-byte pool is written by the kernel that rounds the decode step's writes, so a
+        # slot holds the same bytes whichever pass wrote it; elsewhere by kv_cache_dtype.quantize,
+        # which rounds the same way.
+        self._store_op = cpu_ops() if scaled and torch.device(device).type == "cpu" else None
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
+    def layer(self, layer_id: int) -> LayerKV:
+        if not self.k_scales:
+            return LayerKV(self.k_buffers[layer_id], self.v_buffers[layer_id], None, None)
+        return LayerKV(self.k_buffers[layer_id], self.v_buffers[layer_id], self.k_scales[layer_id],
+                       self.v_scales[layer_id])
+
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer_id].index_copy_(0, loc, k.to(self.k_buffers[layer_id].dtype))
-        self.v_buffers[layer_id].index_copy_(0, loc, v.to(self.v_buffers[layer_id].dtype))
+        if not self.k_scales:
+            self.k_buffers[layer_id].index_copy_(0, loc, k.to(self.cache_dtype))
+            self.v_buffers[layer_id].index_copy_(0, loc, v.to(self.cache_dtype))
+            return
+        for x, buffers, scales in ((k, self.k_buffers, self.k_scales), (v, self.v_buffers, self.v_scales)):
+            if self._store_op is not None:
+                self._store_op.store_kv(x.float().contiguous(), loc.contiguous(), buffers[layer_id], scales[layer_id])
+                continue
+            q, scale = kv_cache_dtype.quantize(x, self.cache_dtype)
+            kv_cache_dtype.as_bytes(buffers[layer_id]).index_copy_(0, loc, kv_cache_dtype.as_bytes(q))
+            scales[layer_id].index_copy_(0, loc, scale)
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype) -> int:
+        """K and V of every layer, scales included: the pool's bytes are its budget over this."""
+        per_head = head_dim * cache_dtype.itemsize + (4 if kv_cache_dtype.is_scaled(cache_dtype) else 0)
+        return 2 * num_layers * num_kv_heads * per_head

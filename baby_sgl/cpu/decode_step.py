@@ -123,7 +123,7 @@ class CpuDecodeStep:
         self.step = ops.DecodeStep(config, [_layer(l, cfg) for l in model.layers], _weight(model.embed_tokens),
                                    _weight(model.lm_head), _norm(model.norm), model.rotary.cos_cache,
                                    model.rotary.sin_cache, local.cos_cache, local.sin_cache,
-                                   kv_pool.k_buffers, kv_pool.v_buffers)
+                                   kv_pool.k_buffers, kv_pool.v_buffers, kv_pool.k_scales, kv_pool.v_scales)
         self.req_to_token = req_to_token_pool.req_to_token
 
     def run(self, input_ids: list[int], positions: torch.Tensor, out_cache_loc: torch.Tensor,

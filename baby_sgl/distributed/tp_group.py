@@ -49,6 +49,7 @@ class InitPool:
     max_total_tokens: int
     max_running_requests: int
     context_len: int
+    kv_cache_dtype: str
 
 
 @dataclass

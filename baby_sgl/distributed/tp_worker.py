@@ -27,7 +27,8 @@ def serve(group: TPGroup, runner: ModelRunner) -> None:
     while True:
         msg = group.recv()
         if isinstance(msg, InitPool):
-            pool = runner.init_memory_pool(msg.max_total_tokens, msg.max_running_requests, msg.context_len)
+            pool = runner.init_memory_pool(msg.max_total_tokens, msg.max_running_requests, msg.context_len,
+                                           msg.kv_cache_dtype)
         elif isinstance(msg, Forward | CheckMemory):
             if pool is None:
                 raise RuntimeError(f"rank 0 sent {type(msg).__name__} before InitPool")

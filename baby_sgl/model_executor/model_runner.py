@@ -14,6 +14,7 @@ from baby_sgl.attention.registry import create_attention_backend
 from baby_sgl.cpu.ops import cpu_ops
 from baby_sgl.distributed import tp_plan
 from baby_sgl.distributed.tp_group import CheckMemory, Forward, GroupBroken, InitPool, TPGroup
+from baby_sgl.core.kv_cache_dtype import resolve as resolve_kv_cache_dtype
 from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBatch
@@ -102,14 +103,17 @@ class ModelRunner:
         """Rank 0 (or no tensor parallelism): the rank that schedules, samples and computes logits."""
         return self.tp is None or self.tp.rank == 0
 
-    def init_memory_pool(self, max_total_tokens: int, max_running_requests: int, context_len: int) -> ReqToTokenPool:
-        """Builds the request-slot and KV pools (on every rank); returns the request-slot pool."""
+    def init_memory_pool(self, max_total_tokens: int, max_running_requests: int, context_len: int,
+                         kv_cache_dtype: str = "auto") -> ReqToTokenPool:
+        """Builds the request-slot and KV pools (on every rank); returns the request-slot pool.
+        kv_cache_dtype: --kv-cache-dtype, the pool's element type."""
         cfg = self.cfg
         if self.tp is not None and self.is_leader:
-            self.tp.send(InitPool(max_total_tokens, max_running_requests, context_len))
+            self.tp.send(InitPool(max_total_tokens, max_running_requests, context_len, kv_cache_dtype))
         self._req_to_token_pool = ReqToTokenPool(max_running_requests, context_len, self.device,
                                                  journal=self.tp is not None and self.is_leader)
-        self._kv_pool = KVPool(max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self._kv_pool = KVPool(max_total_tokens, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
+                               resolve_kv_cache_dtype(kv_cache_dtype, self.dtype))
         if self.step_ops is not None:
             self.step = decode_step.CpuDecodeStep(self.step_ops, self.model, self.kv_pool, self.req_to_token_pool,
                                                self.int8_activations)

@@ -1,7 +1,9 @@
 // Attention of one query row over its request's slots in the paged KV pool: the decode step's
 // attention, and (one call per new token) the prefill's. Scores, softmax and the weighted sum
 // are float32 whatever the pool's dtype; keys go in blocks of 32 with a running maximum and sum
-// per query head (online softmax). Each output depends only on its own row's inputs.
+// per query head (online softmax). Each output depends only on its own row's inputs. A pool of
+// 1-byte elements (kv_elements.h) is widened a vector at a time; a key's scale multiplies its
+// score, a value's its softmax weight, so no value is rescaled one by one.
 #pragma once
 
 #include <algorithm>
@@ -9,16 +11,20 @@
 #include <limits>
 #include <vector>
 
+#include "kv_elements.h"
 #include "vec.h"
 
 namespace bsgl {
 
-// One layer's K and V buffers, [slots, kv_heads, head_dim] each.
+// One layer's K and V buffers, [slots, kv_heads, head_dim] each, and for 1-byte elements their
+// scales, [slots, kv_heads] each (else null).
 template <typename T>
 struct KVPool {
   const T* k;
   const T* v;
   int64_t kv_heads, head_dim;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
   int64_t slot_stride() const { return kv_heads * head_dim; }
 };
 
@@ -28,9 +34,11 @@ struct AttnScratch {
   std::vector<float> scores, mx, sum;
 };
 
+// kLanes stored values as floats (a 1-byte element before its scale).
 template <typename T>
 inline fv load_kv(const T* p) {
   if constexpr (std::is_same_v<T, float>) return loadv(p);
+  else if constexpr (kScaledKV<T>) return load_scaled(p);
   else return load_bf16(reinterpret_cast<const uint16_t*>(p));
 }
 
@@ -81,6 +89,7 @@ void attend_row_v(const KVPool<T>& kv, const float* q_in, float scale, const int
           fv part = q[g * V] * row[0];
           for (int64_t v = 1; v < V; ++v) part += q[g * V + v] * row[v];
           scores[g * kBlock + j] = hsum(part);
+          if constexpr (kScaledKV<T>) scores[g * kBlock + j] *= kv.k_scale[slots[start + j] * kv.kv_heads + kvh0 + h];
         }
       }
     }
@@ -108,7 +117,9 @@ void attend_row_v(const KVPool<T>& kv, const float* q_in, float scale, const int
         }
         for (int64_t j = 0; j < n; ++j) {
           const T* vrow = vp + slots[start + j] * stride + h * D;
-          const fv p = splat(scores[g * kBlock + j]);
+          float weight = scores[g * kBlock + j];
+          if constexpr (kScaledKV<T>) weight *= kv.v_scale[slots[start + j] * kv.kv_heads + kvh0 + h];
+          const fv p = splat(weight);
           for (int64_t v = 0; v < V; ++v) a[v] += p * load_kv(vrow + kLanes * v);
         }
         if constexpr (kV > 0) {
@@ -246,8 +257,18 @@ void attend_prefill_v(const KVPool<T>& kv, const float* q, int64_t q_stride, flo
       if (j < n) {
         const T* kr = kp + slots[start + j] * stride;
         const T* vr = vp + slots[start + j] * stride;
-        for (int64_t d = 0; d < D; ++d) kt[d * kKeyBlock + j] = static_cast<float>(kr[d]);
-        for (int64_t v = 0; v < D; v += kLanes) storev(vf + j * D + v, load_kv(vr + v));
+        if constexpr (kScaledKV<T>) {  // the block's keys and values widened once, scaled
+          const int64_t at = slots[start + j] * kv.kv_heads + kvh;
+          const fv ks = splat(kv.k_scale[at]), vs = splat(kv.v_scale[at]);
+          for (int64_t d = 0; d < D; d += kLanes) {
+            const fv kd = load_kv(kr + d) * ks;
+            for (int l = 0; l < kLanes; ++l) kt[(d + l) * kKeyBlock + j] = kd[l];
+            storev(vf + j * D + d, load_kv(vr + d) * vs);
+          }
+        } else {
+          for (int64_t d = 0; d < D; ++d) kt[d * kKeyBlock + j] = static_cast<float>(kr[d]);
+          for (int64_t v = 0; v < D; v += kLanes) storev(vf + j * D + v, load_kv(vr + v));
+        }
       } else {
         for (int64_t d = 0; d < D; ++d) kt[d * kKeyBlock + j] = 0.f;
       }

@@ -5,7 +5,8 @@
 // each head, KV write, attention over the request's slots in the paged pool — its last `window`
 // ones in a windowed layer —, o_proj, residual, RMSNorm, the MLP (gate/up, SiLU or GELU-tanh,
 // down) or a mixture of experts, residual; Gemma's norms around each sublayer), the final norm and
-// the logits (soft-capped where the model says). Activations stay float32 throughout (the KV pool keeps its dtype). The
+// the logits (soft-capped where the model says). Activations stay float32 throughout (the KV pool keeps its
+// element type: float32, bfloat16, or 1-byte fp8 / int8 with a scale per slot and head). The
 // threads of a StepTeam run all of it: each op splits its outputs among them and a barrier
 // separates it from the next, so they spin between ops instead of being put to sleep and woken
 // hundreds of times a step, and no Python runs between them. Every output element is computed
@@ -73,9 +74,11 @@ class DecodeStep {
  public:
   // Norm weights come as the scale they apply (Gemma's 1 + weight already added); cos/sin: the
   // rope tables [positions, rotated values], local_cos/local_sin the windowed layers' (Gemma).
+  // k_scales/v_scales: a 1-byte pool's scales per layer ([slots, kv_heads] each), else empty.
   DecodeStep(py::dict cfg, py::list layers, py::tuple embed, py::tuple lm_head, const at::Tensor& final_norm,
              const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& local_cos, const at::Tensor& local_sin,
-             std::vector<at::Tensor> k_buffers, std::vector<at::Tensor> v_buffers)
+             std::vector<at::Tensor> k_buffers, std::vector<at::Tensor> v_buffers, std::vector<at::Tensor> k_scales,
+             std::vector<at::Tensor> v_scales)
       : hidden_(cfg["hidden_size"].cast<int64_t>()),
         heads_(cfg["num_heads"].cast<int64_t>()),
         kv_heads_(cfg["num_kv_heads"].cast<int64_t>()),
@@ -98,7 +101,9 @@ class DecodeStep {
         local_cos_(local_cos.contiguous()),
         local_sin_(local_sin.contiguous()),
         k_buffers_(std::move(k_buffers)),
-        v_buffers_(std::move(v_buffers)) {
+        v_buffers_(std::move(v_buffers)),
+        k_scales_(std::move(k_scales)),
+        v_scales_(std::move(v_scales)) {
     for (const auto* t : {&cos_, &sin_, &local_cos_, &local_sin_}) {
       TORCH_CHECK(t->scalar_type() == at::kFloat && t->sizes() == cos_.sizes() && cos_.size(1) <= head_dim_ &&
                       cos_.size(1) % 2 == 0, "rope tables must be float32 [positions, an even count <= head_dim]");
@@ -154,7 +159,14 @@ class DecodeStep {
                         b->scalar_type() == kv_dtype, "KV buffers must be contiguous [slots, kv_heads, head_dim]");
       }
     }
-    TORCH_CHECK(kv_dtype == at::kFloat || kv_dtype == at::kBFloat16, "the KV pool must be float32 or bfloat16");
+    dispatch_kv(kv_dtype, [](auto*) {});  // refuses any other element type
+    const bool scaled = k_buffers_[0].element_size() == 1;
+    TORCH_CHECK(k_scales_.size() == (scaled ? layers_.size() : 0) && v_scales_.size() == k_scales_.size(),
+                "one K and V scale tensor per layer for a 1-byte pool, none otherwise");
+    for (size_t i = 0; i < k_scales_.size(); ++i) {
+      check_kv_scales(k_buffers_[i], k_scales_[i]);
+      check_kv_scales(v_buffers_[i], v_scales_[i]);
+    }
     const int64_t qkv = (heads_ + 2 * kv_heads_) * head_dim_;
     TORCH_CHECK(embed_.k == hidden_ && lm_head_.k == hidden_ && lm_head_.n == vocab_, "embedding/lm_head shapes");
     for (const auto& l : layers_) {
@@ -215,11 +227,9 @@ class DecodeStep {
             req_to_token.size(1), req, lens, logits.data_ptr<float>()};
     {
       py::gil_scoped_release no_gil;
-      if (k_buffers_[0].scalar_type() == at::kBFloat16) {
-        forward<c10::BFloat16>(b, s, static_cast<int>(std::max<int64_t>(1, num_threads)));
-      } else {
-        forward<float>(b, s, static_cast<int>(std::max<int64_t>(1, num_threads)));
-      }
+      dispatch_kv(k_buffers_[0].scalar_type(), [&](auto* tag) {
+        forward<std::remove_pointer_t<decltype(tag)>>(b, s, static_cast<int>(std::max<int64_t>(1, num_threads)));
+      });
     }
     return logits;
   }
@@ -523,7 +533,7 @@ class DecodeStep {
 
   // Rotates each row's queries and keys to its position (rotate-half layout over the tables'
   // first values, the rest passing through; the sine table carries the sign) and writes its key
-  // and value to its KV slot.
+  // and value to its KV slot (a 1-byte pool: each head rounded with its scale).
   template <typename T>
   void rope_and_store(const Batch& b, Scratch& s, size_t layer, int tid, int nt) {
     const int64_t D = head_dim_, R = cos_.size(1), half = R / 2, qk_heads = heads_ + kv_heads_;
@@ -531,13 +541,12 @@ class DecodeStep {
     const float* cos = (l.local_rope ? local_cos_ : cos_).data_ptr<float>();
     const float* sin = (l.local_rope ? local_sin_ : sin_).data_ptr<float>();
     const int64_t qkv_n = (heads_ + 2 * kv_heads_) * D, tasks = b.rows * (qk_heads + kv_heads_);
-    T* kp = k_buffers_[layer].data_ptr<T>();
-    T* vp = v_buffers_[layer].data_ptr<T>();
+    T* kp = static_cast<T*>(k_buffers_[layer].data_ptr());
+    T* vp = static_cast<T*>(v_buffers_[layer].data_ptr());
     float tmp[1024];
     for (int64_t t = tasks * tid / nt; t < tasks * (tid + 1) / nt; ++t) {
       const int64_t m = t / (qk_heads + kv_heads_), h = t % (qk_heads + kv_heads_);
       float* v = s.qkv.data() + m * qkv_n + h * D;
-      const int64_t slot = b.loc[m] * kv_heads_ * D;
       if (h < qk_heads) {
         if (l.q_norm != nullptr) {  // Qwen3, Gemma: this head's RMSNorm before rope
           const float* w = h < heads_ ? l.q_norm : l.k_norm;
@@ -550,14 +559,23 @@ class DecodeStep {
         const float* sn = sin + b.pos[m] * R;
         for (int64_t i = 0; i < R; ++i) tmp[i] = v[i] * c[i] + v[(i + half) % R] * sn[i];
         std::memcpy(v, tmp, R * sizeof(float));
-        if (h >= heads_) {
-          T* dst = kp + slot + (h - heads_) * D;
-          for (int64_t i = 0; i < D; ++i) dst[i] = from_float<T>(v[i]);
-        }
+        if (h >= heads_) store_head<T>(v, kp, k_scales_, layer, b.loc[m], h - heads_);
       } else {
-        T* dst = vp + slot + (h - qk_heads) * D;
-        for (int64_t i = 0; i < D; ++i) dst[i] = from_float<T>(v[i]);
+        store_head<T>(v, vp, v_scales_, layer, b.loc[m], h - qk_heads);
       }
+    }
+  }
+
+  // Head kvh of slot `slot` in a layer's K or V buffer `buf` (and its scale, a 1-byte pool's).
+  template <typename T>
+  void store_head(const float* v, T* buf, const std::vector<at::Tensor>& scales, size_t layer, int64_t slot,
+                  int64_t kvh) const {
+    const int64_t D = head_dim_;
+    T* dst = buf + (slot * kv_heads_ + kvh) * D;
+    if constexpr (kScaledKV<T>) {
+      quantize_head(v, D, dst, scales[layer].data_ptr<float>() + slot * kv_heads_ + kvh);
+    } else {
+      for (int64_t i = 0; i < D; ++i) dst[i] = from_float<T>(v[i]);
     }
   }
 
@@ -569,7 +587,10 @@ class DecodeStep {
   void attend(const Batch& b, Scratch& s, size_t layer, int tid, int nt) {
     const int64_t D = head_dim_, G = heads_ / kv_heads_, qkv_n = (heads_ + 2 * kv_heads_) * D;
     const int64_t H = b.rows >= 4 * nt ? kv_heads_ : 1, groups = kv_heads_ / H, tasks = b.rows * groups;
-    const KVPool<T> kv{k_buffers_[layer].data_ptr<T>(), v_buffers_[layer].data_ptr<T>(), kv_heads_, D};
+    const bool scaled = !k_scales_.empty();
+    const KVPool<T> kv{static_cast<const T*>(k_buffers_[layer].data_ptr()), static_cast<const T*>(v_buffers_[layer].data_ptr()),
+                       kv_heads_, D, scaled ? k_scales_[layer].data_ptr<float>() : nullptr,
+                       scaled ? v_scales_[layer].data_ptr<float>() : nullptr};
     const int64_t window = layers_[layer].window;
     AttnScratch ws;
     for (int64_t t = tasks * tid / nt; t < tasks * (tid + 1) / nt; ++t) {
@@ -594,7 +615,7 @@ class DecodeStep {
   StepTeam team_;
   std::unique_ptr<Scratch> scratch_;  // run() is called by one thread at a time (the scheduler's)
   at::Tensor cos_, sin_, local_cos_, local_sin_;
-  std::vector<at::Tensor> k_buffers_, v_buffers_, keep_;
+  std::vector<at::Tensor> k_buffers_, v_buffers_, k_scales_, v_scales_, keep_;
   Weight embed_, lm_head_;
   const float* final_norm_ = nullptr;
   std::vector<Layer> layers_;
@@ -607,7 +628,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bsgl::register_ops(m);
   py::class_<bsgl::DecodeStep>(m, "DecodeStep")
       .def(py::init<py::dict, py::list, py::tuple, py::tuple, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                    const at::Tensor&, const at::Tensor&, std::vector<at::Tensor>, std::vector<at::Tensor>>())
+                    const at::Tensor&, const at::Tensor&, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("run", &bsgl::DecodeStep::run)
       .def("profile", &bsgl::DecodeStep::profile)
       .def_property_readonly("num_threads", &bsgl::DecodeStep::num_threads);

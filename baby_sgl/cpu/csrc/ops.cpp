@@ -184,11 +184,13 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // position prefix + j) sees its slots 0 .. prefix + j. Returns [T, heads, head_dim] in q's dtype.
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                             const at::Tensor& rows, const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
-                            double scale) {
+                            double scale, const c10::optional<at::Tensor>& k_scale,
+                            const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && k_buf.sizes() == v_buf.sizes() && k_buf.is_contiguous() &&
                   v_buf.is_contiguous() && k_buf.scalar_type() == v_buf.scalar_type() && q.size(2) == k_buf.size(2),
               "q [T, heads, D] and contiguous K/V buffers [slots, kv_heads, D] of one dtype");
-  TORCH_CHECK(k_buf.scalar_type() == at::kFloat || k_buf.scalar_type() == at::kBFloat16, "KV must be float32 or bfloat16");
+  check_kv_scales(k_buf, k_scale);
+  check_kv_scales(v_buf, v_scale);
   const int64_t T = q.size(0), heads = q.size(1), kv_heads = k_buf.size(1), D = q.size(2), slots = k_buf.size(0);
   TORCH_CHECK(heads % kv_heads == 0 && D % 16 == 0 && D <= 1024, "heads must be a multiple of kv_heads, head_dim of 16");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.is_contiguous(), "rows: int64 [B, W]");
@@ -226,7 +228,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   // would load the last thread most. (Which thread computes a token changes nothing in it.)
   auto run = [&](auto* tag) {
     using Elem = std::remove_pointer_t<decltype(tag)>;
-    const KVPool<Elem> kv{k_buf.data_ptr<Elem>(), v_buf.data_ptr<Elem>(), kv_heads, D};
+    const KVPool<Elem> kv{static_cast<const Elem*>(k_buf.data_ptr()), static_cast<const Elem*>(v_buf.data_ptr()),
+                          kv_heads, D, scale_data(k_scale), scale_data(v_scale)};
     at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
       const FlushDenormals flush;
       PrefillScratch ws;
@@ -239,9 +242,38 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
         }
     });
   };
-  if (k_buf.scalar_type() == at::kFloat) run(static_cast<float*>(nullptr));
-  else run(static_cast<c10::BFloat16*>(nullptr));
+  dispatch_kv(k_buf.scalar_type(), run);
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+}
+
+// Keys or values x [N, kv_heads, D] (float32) written to slots loc [N] of a 1-byte pool buf
+// [slots, kv_heads, D] with their scales [slots, kv_heads], each head rounded as the decode step
+// rounds it (kv_elements.h quantize_head): a slot holds the same bytes whichever pass wrote it.
+void store_kv(const at::Tensor& x, const at::Tensor& loc, at::Tensor& buf, at::Tensor& scales) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3 && buf.dim() == 3 &&
+                  buf.is_contiguous() && x.size(1) == buf.size(1) && x.size(2) == buf.size(2),
+              "x: contiguous float32 [N, kv_heads, D] for a contiguous [slots, kv_heads, D] pool");
+  TORCH_CHECK(buf.element_size() == 1, "store_kv writes 1-byte pools");
+  check_kv_scales(buf, scales);
+  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.is_contiguous() && loc.numel() == x.size(0), "loc: int64 [N]");
+  const int64_t N = x.size(0), H = x.size(1), D = x.size(2), slots = buf.size(0);
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i) TORCH_CHECK(lp[i] >= 0 && lp[i] < slots, "KV slot out of range");
+  dispatch_kv(buf.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    if constexpr (kScaledKV<T>) {
+      T* out = static_cast<T*>(buf.data_ptr());
+      const float* xp = x.data_ptr<float>();
+      float* sp = scales.data_ptr<float>();
+      at::parallel_for(0, N * H, 64, [&](int64_t begin, int64_t end) {
+        const FlushDenormals flush;  // as in the decode step
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t row = t / H, h = t % H, at = lp[row] * H + h;
+          quantize_head(xp + t * D, D, out + at * D, sp + at);
+        }
+      });
+    }
+  });
 }
 
 }  // namespace
@@ -253,7 +285,10 @@ void register_ops(pybind11::module& m) {
   m.def("dequantize", &dequantize, "rows of a stored weight as float32 or bfloat16 (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, rounding as transformers does (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of [gate | up] rows (CPU)");
-  m.def("extend_attention", &extend_attention, "prefill attention of new tokens over the paged KV pool (CPU)");
+  m.def("extend_attention", &extend_attention, "prefill attention of new tokens over the paged KV pool (CPU)",
+        py::arg("q"), py::arg("k_buf"), py::arg("v_buf"), py::arg("rows"), py::arg("prefix_lens"),
+        py::arg("extend_lens"), py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+  m.def("store_kv", &store_kv, "keys or values rounded into slots of a 1-byte KV pool, with their scales (CPU)");
 }
 
 }  // namespace bsgl

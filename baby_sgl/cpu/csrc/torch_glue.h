@@ -9,6 +9,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "kv_elements.h"
 #include "weights.h"
 
 namespace bsgl {
@@ -24,6 +25,32 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
   c10::BFloat16 b;
   b.x = float_to_bf16(v);
   return b;
+}
+
+// Calls f with a null pointer of the KV pool's element type: float32, bfloat16 or a 1-byte type.
+template <typename F>
+void dispatch_kv(at::ScalarType type, F&& f) {
+  switch (type) {
+    case at::kFloat: return f(static_cast<float*>(nullptr));
+    case at::kBFloat16: return f(static_cast<c10::BFloat16*>(nullptr));
+    case at::kChar: return f(static_cast<int8_t*>(nullptr));
+    case at::kFloat8_e4m3fn: return f(static_cast<Fp8E4M3*>(nullptr));
+    case at::kFloat8_e5m2: return f(static_cast<Fp8E5M2*>(nullptr));
+    default: TORCH_CHECK(false, "the KV pool must be float32, bfloat16, float8_e4m3fn, float8_e5m2 or int8");
+  }
+}
+
+// A 1-byte pool comes with its float32 scales, one per slot and KV head; the others with none.
+inline void check_kv_scales(const at::Tensor& buf, const c10::optional<at::Tensor>& scale) {
+  const bool scaled = buf.element_size() == 1;
+  TORCH_CHECK(scaled == scale.has_value(), "a 1-byte KV pool needs its scales, a wider one has none");
+  TORCH_CHECK(!scaled || (scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->dim() == 2 &&
+                          scale->size(0) == buf.size(0) && scale->size(1) == buf.size(1)),
+              "KV scales must be contiguous float32 [slots, kv_heads]");
+}
+
+inline const float* scale_data(const c10::optional<at::Tensor>& scale) {
+  return scale ? scale->data_ptr<float>() : nullptr;
 }
 
 // Batches of at least this many rows take the bfloat16 products (weights.h) when the dtype is

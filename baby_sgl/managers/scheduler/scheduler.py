@@ -65,7 +65,7 @@ class Scheduler:
         self.args, self.runner = args, runner
         self.tracer = Tracer(args.trace_file) if args.trace_file else None
         self.activity = Activity()  # recent batches, evictions and counters, for the dashboard
-        pool = runner.init_memory_pool(max_total_tokens, args.max_running_requests, context_len)
+        pool = runner.init_memory_pool(max_total_tokens, args.max_running_requests, context_len, args.kv_cache_dtype)
         allocator = PagedTokenAllocator(max_total_tokens, args.page_size, runner.device)
         tree_cache: BasePrefixCache[Any] = (ChunkCache(pool, allocator) if args.disable_radix_cache else
                                             RadixCache(pool, allocator, self.tracer,

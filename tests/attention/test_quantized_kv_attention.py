@@ -1,0 +1,201 @@
+"""Attention over a pool of 1-byte elements (--kv-cache-dtype fp8_e4m3, fp8_e5m2, int8) reads the
+stored bytes and their scales: the prefill kernel (cpu/csrc/attention.h), the decode kernel
+(decode_attention.cpp) and the portable path each equal float64 attention over the dequantized
+values (element times scale), on every build of the kernels; and the kernels round keys and values
+into the pool as the portable path does, bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from baby_sgl.attention.torch_native import TorchNativeAttnBackend
+from baby_sgl.core import kv_cache_dtype
+from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode
+from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
+from helpers import ARCHS, build_for
+
+HEADS, KV_HEADS = 6, 2
+SCALED = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+# float32 accumulation over a few hundred keys; rounding to 1 byte moves results by ~1e-2
+TIGHT = dict(rtol=1e-4, atol=1e-4)
+
+
+def _pool(cache_dtype: torch.dtype, dim: int, slots: int = 600, seed: int = 0) -> KVPool:
+    """A pool whose every slot holds keys and values written through set_kv_buffer; heads of very
+    different magnitudes (1/16 .. 4), so a scale shared across heads or tokens would lose the small ones."""
+    g = torch.Generator().manual_seed(seed)
+    pool = KVPool(slots, 1, KV_HEADS, dim, torch.float32, torch.device("cpu"), cache_dtype)
+    magnitude = 2.0 ** torch.randint(-4, 3, (slots, KV_HEADS, 1), generator=g)
+    k = torch.randn(slots, KV_HEADS, dim, generator=g) * magnitude
+    v = torch.randn(slots, KV_HEADS, dim, generator=g) * magnitude.flip(0)
+    pool.set_kv_buffer(0, torch.arange(slots), k, v)
+    return pool
+
+
+def _dequantized(pool: KVPool) -> tuple[torch.Tensor, torch.Tensor]:
+    kv = pool.layer(0)
+    assert kv.k_scale is not None and kv.v_scale is not None
+    return (kv.k.double() * kv.k_scale.double()[..., None], kv.v.double() * kv.v_scale.double()[..., None])
+
+
+def _extend_reference(q, k, v, rows, prefix_lens, extend_lens, scale):
+    outs, start = [], 0
+    for r, (pre, ext) in enumerate(zip(prefix_lens, extend_lens)):
+        slots = rows[r, : pre + ext]
+        ki = k[slots].repeat_interleave(HEADS // KV_HEADS, dim=1)
+        vi = v[slots].repeat_interleave(HEADS // KV_HEADS, dim=1)
+        scores = torch.einsum("thd,lhd->htl", q[start : start + ext].double(), ki) * scale
+        visible = torch.arange(pre + ext)[None, :] <= (pre + torch.arange(ext))[:, None]
+        outs.append(torch.einsum("htl,lhd->thd", scores.masked_fill(~visible[None], float("-inf")).softmax(-1), vi))
+        start += ext
+    return torch.cat(outs).float()
+
+
+def _requests(g: torch.Generator, slots: int) -> tuple[torch.Tensor, list[int], list[int]]:
+    """No prefix, a 70-slot cached prefix, one new token after 33; slots scattered, not in order."""
+    prefix_lens, extend_lens = [0, 70, 33], [45, 40, 1]
+    perm = torch.randperm(slots, generator=g)
+    rows = torch.zeros(3, 128, dtype=torch.long)
+    used = 0
+    for r, n in enumerate(p + e for p, e in zip(prefix_lens, extend_lens)):
+        rows[r, :n] = perm[used : used + n]
+        used += n
+    return rows, prefix_lens, extend_lens
+
+
+@pytest.mark.parametrize("cache_dtype", SCALED)
+@pytest.mark.parametrize("dim", [64, 48])  # 48: a head_dim without an unrolled path
+def test_prefill_kernel_reads_the_stored_bytes(ops, cache_dtype, dim):
+    pool = _pool(cache_dtype, dim, seed=dim)
+    g = torch.Generator().manual_seed(1)
+    rows, prefix_lens, extend_lens = _requests(g, pool.size)
+    q = torch.randn(sum(extend_lens), HEADS, dim, generator=g)
+    kv = pool.layer(0)
+    scale = 1 / math.sqrt(dim)
+    out = ops.extend_attention(q, kv.k, kv.v, rows, torch.tensor(prefix_lens), torch.tensor(extend_lens), scale,
+                               kv.k_scale, kv.v_scale)
+    expected = _extend_reference(q, *_dequantized(pool), rows, prefix_lens, extend_lens, scale)
+    torch.testing.assert_close(out, expected, **TIGHT)
+
+
+def test_a_one_byte_pool_without_its_scales_is_refused(ops):
+    kv = _pool(torch.int8, 16).layer(0)
+    q, rows = torch.randn(3, HEADS, 16), torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="needs its scales"):
+        ops.extend_attention(q, kv.k, kv.v, rows, torch.tensor([0]), torch.tensor([3]), 0.25)
+
+
+def _heads_with_ties(cache_dtype: torch.dtype, dim: int = 64) -> torch.Tensor:
+    """Heads whose scale is exactly 1 (each holds the type's largest value) filled with every value
+    halfway between two neighbours of the type (ties, subnormal ones included) and their negatives,
+    then random heads of many magnitudes."""
+    largest = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}[cache_dtype]
+    if cache_dtype == torch.int8:
+        grid = torch.arange(0, 128, dtype=torch.float32)
+    else:
+        grid = torch.arange(0, 256, dtype=torch.uint8).view(cache_dtype).float()
+        grid = grid[grid.isfinite() & (grid >= 0) & (grid <= largest)].unique()
+    halves = (grid[1:] + grid[:-1]) / 2
+    values = torch.cat([halves, -halves, grid, -grid])
+    values = torch.cat([values, values.new_zeros((-len(values)) % (dim - 1))]).view(-1, dim - 1)
+    tied = torch.cat([values.new_full((len(values), 1), largest), values], 1)
+    g = torch.Generator().manual_seed(0)
+    random = torch.randn(64, dim, generator=g) * 10.0 ** torch.randint(-6, 4, (64, 1), generator=g)
+    return torch.cat([tied, random, torch.zeros(1, dim)]).view(-1, 1, dim)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_kernels_rounding_is_the_portable_paths(ops, cache_dtype):
+    """The CPU kernel's writes (the decode step's, and KVPool's on CPU) are kv_cache_dtype.quantize's
+    bit for bit: ties to even, subnormals, zero heads."""
+    x = _heads_with_ties(cache_dtype)
+    q, scale = kv_cache_dtype.quantize(x, cache_dtype)
+    buf, scales = torch.zeros_like(q), torch.zeros_like(scale)
+    ops.store_kv(x, torch.arange(len(x)), buf, scales)
+    assert torch.equal(kv_cache_dtype.as_bytes(buf), kv_cache_dtype.as_bytes(q))
+    assert torch.equal(scales, scale)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def decode_ops(request):
+    """The decode-attention kernel built for each instruction set the tests cover."""
+    with pytest.MonkeyPatch.context() as mp:
+        yield build_for(request.param, mp, "decode_attention")
+
+
+def _decode_reference(q, k, v, table, lens, scale):
+    outs = []
+    for r in range(q.shape[0]):
+        slots = table[r, : lens[r]]
+        scores = torch.einsum("hgd,lhd->hgl", q[r].double(), k[slots]) * scale
+        outs.append(torch.einsum("hgl,lhd->hgd", scores.softmax(-1), v[slots]))
+    return torch.stack(outs).float()
+
+
+@pytest.mark.parametrize("cache_dtype", SCALED)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_reads_the_stored_bytes(decode_ops, cache_dtype, q_dtype):
+    dim = 64
+    pool = _pool(cache_dtype, dim)
+    g = torch.Generator().manual_seed(2)
+    table = torch.randperm(pool.size, generator=g)[:4 * 150].view(4, 150).contiguous()
+    lens = torch.tensor([150, 1, 77, 129])
+    q = torch.randn(4, KV_HEADS, HEADS // KV_HEADS, dim, generator=g).to(q_dtype)
+    kv = pool.layer(0)
+    out, _ = decode_ops.decode_attention(q, kv.k, kv.v, table, lens, 0.125, kv.k_scale, kv.v_scale)
+    assert out.dtype == q_dtype
+    expected = _decode_reference(q, *_dequantized(pool), table, lens, 0.125)
+    tol = TIGHT if q_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)  # the output's rounding
+    torch.testing.assert_close(out.float(), expected, **tol)
+
+
+@pytest.mark.parametrize("cache_dtype", SCALED)
+def test_portable_decode_widens_only_the_gathered_rows(cache_dtype):
+    """No kernel (no compiler, or a GPU): the rows a request reads are gathered and widened."""
+    dim = 32
+    pool = _pool(cache_dtype, dim, slots=300)
+    rows = [list(range(5, 120)), list(range(200, 203))]
+    req_pool = ReqToTokenPool(len(rows), 512, torch.device("cpu"))
+    for i, r in enumerate(rows):
+        req_pool.write(i, 0, torch.tensor(r))
+    backend = TorchNativeAttnBackend(None, HEADS // KV_HEADS)
+    fb = ForwardBatch(
+        mode=ForwardMode.DECODE, input_ids=torch.zeros(len(rows), dtype=torch.long),
+        positions=torch.tensor([len(r) - 1 for r in rows]), out_cache_loc=torch.tensor([r[-1] for r in rows]),
+        req_pool_indices=torch.arange(len(rows)), seq_lens=torch.tensor([len(r) for r in rows]),
+        req_to_token_pool=req_pool, kv_pool=pool, attn_backend=backend, seq_lens_cpu=[len(r) for r in rows],
+    )
+    backend.init_forward_metadata(fb)
+    q = torch.randn(len(rows), HEADS, dim, generator=torch.Generator().manual_seed(3))
+    out = backend.forward(q, 0, 0.2, fb)
+    table = torch.zeros(len(rows), 115, dtype=torch.long)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = torch.tensor(r)
+    expected = _decode_reference(q.view(len(rows), KV_HEADS, -1, dim), *_dequantized(pool), table,
+                                 [len(r) for r in rows], 0.2)
+    torch.testing.assert_close(out, expected.view_as(out), **TIGHT)
+
+
+@pytest.mark.parametrize("cache_dtype", SCALED)
+def test_stored_values_are_within_the_types_step(cache_dtype):
+    """Each head's values come back within half a step of its own scale (int8) or the type's
+    relative precision (fp8), whatever the other heads' magnitudes."""
+    pool = _pool(cache_dtype, 64, slots=200)
+    g = torch.Generator().manual_seed(0)
+    magnitude = 2.0 ** torch.randint(-4, 3, (200, KV_HEADS, 1), generator=g)
+    k = torch.randn(200, KV_HEADS, 64, generator=g) * magnitude
+    k_back, _ = _dequantized(pool)
+    amax = k.abs().amax(-1, keepdim=True).double()
+    err = (k_back - k.double()).abs()
+    if cache_dtype == torch.int8:
+        assert (err <= amax / 127 / 2 * (1 + 1e-5)).all()
+    else:
+        # Relative 2^-(mantissa bits + 1) for normal values; below the type's normal range an absolute step.
+        mantissa, smallest_normal, largest = (3, 2.0 ** -6, 448) if cache_dtype == torch.float8_e4m3fn else \
+            (2, 2.0 ** -14, 57344)
+        step = amax / largest
+        bound = torch.maximum(k.double().abs() * 2.0 ** -(mantissa + 1), smallest_normal * 2.0 ** -mantissa / 2 * step)
+        assert (err <= bound * (1 + 1e-5)).all()
