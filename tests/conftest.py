@@ -161,6 +161,18 @@ def tiny_llama_long(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def wide_llama(tmp_path_factory) -> str:
+    """The tiny Llama with rows of 256 and 512 values: whole K-quant super-blocks."""
+    return _save_tiny(tmp_path_factory.mktemp("wide-llama"), "llama", hidden_size=256, intermediate_size=512)
+
+
+@pytest.fixture(scope="session")
+def wide_qwen2(tmp_path_factory) -> str:
+    """The same shapes with the embedding tied to the output head."""
+    return _save_tiny(tmp_path_factory.mktemp("wide-qwen2"), "qwen2", hidden_size=256, intermediate_size=512)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_head64(tmp_path_factory) -> str:
     """The tiny Llama with heads of 64 values (as SmolLM2's and most small models'), where a KV
     pool of 1-byte elements holds ~2x the tokens of bfloat16 (a 16-value head's scale costs a fifth)."""

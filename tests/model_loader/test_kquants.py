@@ -13,24 +13,11 @@ from transformers import AutoModelForCausalLM
 
 from baby_sgl import Engine
 from baby_sgl.layers.quantization import FusedWeight, QuantizedWeight, WeightType
-from conftest import _save_tiny
 from gguf_writer import write_tiny_gguf
 from helpers import GREEDY, hf_greedy, random_prompts
 
 MAX_NEW = 16
 kernel_only = pytest.mark.cpu_only("quantized weights served by the CPU kernel")
-
-
-@pytest.fixture(scope="module")
-def wide_llama(tmp_path_factory) -> str:
-    """The tiny Llama with rows of 256 and 512 values: whole K-quant super-blocks."""
-    return _save_tiny(tmp_path_factory.mktemp("wide-llama"), "llama", hidden_size=256, intermediate_size=512)
-
-
-@pytest.fixture(scope="module")
-def wide_qwen2(tmp_path_factory) -> str:
-    """The same shapes with the embedding tied to the output head."""
-    return _save_tiny(tmp_path_factory.mktemp("wide-qwen2"), "qwen2", hidden_size=256, intermediate_size=512)
 
 
 def _expected(hf_dir: str, weights: dict[str, torch.Tensor], prompts: list[list[int]]) -> list[list[int]]:
