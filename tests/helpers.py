@@ -143,3 +143,41 @@ def build_for(arch: str, monkeypatch, kernels: str = "ops"):
             pytest.fail(f"the CPU kernels failed to build for {arch} (see the log)")
         pytest.skip("no C++ compiler: the portable path is tested by the engine tests")
     return built
+
+
+def decode_forward_batch(rows: list[list[int]], pool, kernel: bool, group: int):
+    """A decode batch over `pool` whose request i attends to the slots rows[i] (its last is the new
+    token), with the attention backend (our CPU kernel, or the portable path) set up for it."""
+    from baby_sgl.attention.torch_native import TorchNativeAttnBackend
+    from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode
+    from baby_sgl.core.memory_pool import ReqToTokenPool
+
+    cpu = torch.device("cpu")
+    req_pool = ReqToTokenPool(len(rows), max(2048, max(map(len, rows))), cpu)
+    for i, r in enumerate(rows):
+        req_pool.write(i, 0, torch.tensor(r, device=cpu))
+    backend = TorchNativeAttnBackend(cpu if kernel else None, group)
+    lens = [len(r) for r in rows]
+    fb = ForwardBatch(
+        mode=ForwardMode.DECODE, input_ids=torch.zeros(len(rows), dtype=torch.long, device=cpu),
+        positions=torch.tensor([n - 1 for n in lens], device=cpu),
+        out_cache_loc=torch.tensor([r[-1] for r in rows], device=cpu),
+        req_pool_indices=torch.arange(len(rows), device=cpu), seq_lens=torch.tensor(lens, device=cpu),
+        req_to_token_pool=req_pool, kv_pool=pool, attn_backend=backend, seq_lens_cpu=lens,
+    )
+    backend.init_forward_metadata(fb)
+    return backend, fb
+
+
+def scattered_extend_requests(g: torch.Generator, slots: int) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Three prefill requests over a pool of `slots`: no prefix, a 70-slot cached prefix, one new
+    token after 33 (a decode-like row); their slots scattered and not in order. Returns the
+    request-to-slot rows [3, 128], the prefix lengths and the new-token counts."""
+    prefix_lens, extend_lens = [0, 70, 33], [45, 40, 1]
+    perm = torch.randperm(slots, generator=g)
+    rows = torch.zeros(3, 128, dtype=torch.long)
+    used = 0
+    for r, n in enumerate(p + e for p, e in zip(prefix_lens, extend_lens)):
+        rows[r, :n] = perm[used : used + n]
+        used += n
+    return rows, prefix_lens, extend_lens

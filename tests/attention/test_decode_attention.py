@@ -11,8 +11,8 @@ from baby_sgl.attention.shared_prefix import MIN_SHARED_LEN, find_shared_prefixe
 from baby_sgl.attention import torch_native
 from baby_sgl.cpu.decode_attention import decode_kernel
 from baby_sgl.attention.torch_native import TorchNativeAttnBackend, split_by_length
-from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
-from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode
+from baby_sgl.core.memory_pool import KVPool
+from helpers import decode_forward_batch
 
 HEADS, KV_HEADS, DIM = 6, 2, 16
 
@@ -30,17 +30,7 @@ def _batch(rows: list[list[int]], dtype: torch.dtype, seed: int = 0, path: str =
     pool = KVPool(4096, 1, KV_HEADS, DIM, dtype, torch.device("cpu"))
     pool.k_buffers[0].normal_()
     pool.v_buffers[0].normal_()
-    req_pool = ReqToTokenPool(len(rows), 2048, torch.device("cpu"))
-    for i, r in enumerate(rows):
-        req_pool.write(i, 0, torch.tensor(r))
-    backend = TorchNativeAttnBackend(torch.device("cpu") if path == "kernel" else None, HEADS // KV_HEADS)
-    fb = ForwardBatch(
-        mode=ForwardMode.DECODE, input_ids=torch.zeros(len(rows), dtype=torch.long),
-        positions=torch.tensor([len(r) - 1 for r in rows]), out_cache_loc=torch.tensor([r[-1] for r in rows]),
-        req_pool_indices=torch.arange(len(rows)), seq_lens=torch.tensor([len(r) for r in rows]),
-        req_to_token_pool=req_pool, kv_pool=pool, attn_backend=backend, seq_lens_cpu=[len(r) for r in rows],
-    )
-    backend.init_forward_metadata(fb)
+    backend, fb = decode_forward_batch(rows, pool, path == "kernel", HEADS // KV_HEADS)
     return backend, fb, pool
 
 

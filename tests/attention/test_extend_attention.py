@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from helpers import scattered_extend_requests
 
 HEADS, KV_HEADS = 6, 2
 
@@ -35,15 +36,7 @@ def test_extend_attention_equals_float64(ops, dtype, dim):
     pool_slots = 600
     k_buf = torch.randn(pool_slots, KV_HEADS, dim, generator=g).to(dtype)
     v_buf = torch.randn(pool_slots, KV_HEADS, dim, generator=g).to(dtype)
-    # Three requests: no prefix, a 70-slot cached prefix, one new token after 33 (a decode-like row);
-    # slots scattered and not in order.
-    prefix_lens, extend_lens = [0, 70, 33], [45, 40, 1]
-    perm = torch.randperm(pool_slots, generator=g)
-    rows = torch.zeros(3, 128, dtype=torch.long)
-    used = 0
-    for r, n in enumerate(p + e for p, e in zip(prefix_lens, extend_lens)):
-        rows[r, :n] = perm[used : used + n]
-        used += n
+    rows, prefix_lens, extend_lens = scattered_extend_requests(g, pool_slots)
     q = torch.randn(sum(extend_lens), HEADS, dim, generator=g).to(dtype)
     scale = 1 / math.sqrt(dim)
     out = ops.extend_attention(q, k_buf, v_buf, rows, torch.tensor(prefix_lens), torch.tensor(extend_lens), scale)

@@ -11,11 +11,9 @@ import math
 import pytest
 import torch
 
-from baby_sgl.attention.torch_native import TorchNativeAttnBackend
 from baby_sgl.core import kv_cache_dtype
-from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode
-from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
-from helpers import ARCHS, build_for
+from baby_sgl.core.memory_pool import KVPool
+from helpers import ARCHS, build_for, decode_forward_batch, scattered_extend_requests
 
 HEADS, KV_HEADS = 6, 2
 SCALED = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -54,24 +52,12 @@ def _extend_reference(q, k, v, rows, prefix_lens, extend_lens, scale):
     return torch.cat(outs).float()
 
 
-def _requests(g: torch.Generator, slots: int) -> tuple[torch.Tensor, list[int], list[int]]:
-    """No prefix, a 70-slot cached prefix, one new token after 33; slots scattered, not in order."""
-    prefix_lens, extend_lens = [0, 70, 33], [45, 40, 1]
-    perm = torch.randperm(slots, generator=g)
-    rows = torch.zeros(3, 128, dtype=torch.long)
-    used = 0
-    for r, n in enumerate(p + e for p, e in zip(prefix_lens, extend_lens)):
-        rows[r, :n] = perm[used : used + n]
-        used += n
-    return rows, prefix_lens, extend_lens
-
-
 @pytest.mark.parametrize("cache_dtype", SCALED)
 @pytest.mark.parametrize("dim", [64, 48])  # 48: a head_dim without an unrolled path
 def test_prefill_kernel_reads_the_stored_bytes(ops, cache_dtype, dim):
     pool = _pool(cache_dtype, dim, seed=dim)
     g = torch.Generator().manual_seed(1)
-    rows, prefix_lens, extend_lens = _requests(g, pool.size)
+    rows, prefix_lens, extend_lens = scattered_extend_requests(g, pool.size)
     q = torch.randn(sum(extend_lens), HEADS, dim, generator=g)
     kv = pool.layer(0)
     scale = 1 / math.sqrt(dim)
@@ -158,17 +144,7 @@ def test_portable_decode_widens_only_the_gathered_rows(cache_dtype):
     dim = 32
     pool = _pool(cache_dtype, dim, slots=300)
     rows = [list(range(5, 120)), list(range(200, 203))]
-    req_pool = ReqToTokenPool(len(rows), 512, torch.device("cpu"))
-    for i, r in enumerate(rows):
-        req_pool.write(i, 0, torch.tensor(r))
-    backend = TorchNativeAttnBackend(None, HEADS // KV_HEADS)
-    fb = ForwardBatch(
-        mode=ForwardMode.DECODE, input_ids=torch.zeros(len(rows), dtype=torch.long),
-        positions=torch.tensor([len(r) - 1 for r in rows]), out_cache_loc=torch.tensor([r[-1] for r in rows]),
-        req_pool_indices=torch.arange(len(rows)), seq_lens=torch.tensor([len(r) for r in rows]),
-        req_to_token_pool=req_pool, kv_pool=pool, attn_backend=backend, seq_lens_cpu=[len(r) for r in rows],
-    )
-    backend.init_forward_metadata(fb)
+    backend, fb = decode_forward_batch(rows, pool, False, HEADS // KV_HEADS)
     q = torch.randn(len(rows), HEADS, dim, generator=torch.Generator().manual_seed(3))
     out = backend.forward(q, 0, 0.2, fb)
     table = torch.zeros(len(rows), 115, dtype=torch.long)
