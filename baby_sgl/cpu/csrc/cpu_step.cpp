@@ -46,7 +46,6 @@ struct Experts {
 struct RowCopies {
   std::vector<uint16_t> bf16;
   Q8Rows int8;
-  AlignedBuffer<int32_t> int8_offsets;  // int8_gemm.h's per-block offsets of int8
 };
 
 // A fused projection (q/k/v, gate/up): its parts' rows one after another, each part in its own
@@ -314,8 +313,7 @@ class DecodeStep {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if (rows >= kInt8GemmMinRows && has_int8_gemm(w.type)) {
         quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
-        block_offsets(copies.int8, w.type, copies.int8_offsets);
-        product_int8_gemm(w, copies.int8, copies.int8_offsets.data(), out, ldo, n0, n1);
+        product_int8_gemm(w, copies.int8, out, ldo, n0, n1);
         return;
       }
 #endif

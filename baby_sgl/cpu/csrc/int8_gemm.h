@@ -35,21 +35,9 @@ constexpr int64_t kInt8GemmMinRows = 2;
 constexpr bool has_int8_gemm(int type) { return type == kQ8_0 || type == kQ4_0 || type == kQ4_1; }
 
 // What a weight type's unsigned bytes are offset by: value = d * (u - offset) (+ m for Q4_1).
-inline int32_t byte_offset(int type) { return type == kQ8_0 ? 128 : type == kQ4_0 ? 8 : 0; }
-
-// Where each block's integer sum starts for weights of `type`: -offset * sum(q), from Q8Rows'
-// int8 values, so that the sum comes out exact (d * sum(q) is rounded).
-inline void block_offsets(const Q8Rows& a, int type, AlignedBuffer<int32_t>& out) {
-  const int64_t blocks = a.k / 32;
-  out.reserve(a.rows * blocks);
-  for (int64_t m = 0; m < a.rows; ++m)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int8_t* q = a.block(m, b);
-      int32_t s = 0;
-      for (int i = 0; i < 32; ++i) s += q[i];
-      out[m * blocks + b] = -byte_offset(type) * s;
-    }
-}
+// Each block's integer sum starts at -offset * sum(q), so that it comes out exact.
+template <int T>
+constexpr int32_t byte_offset() { return T == kQ8_0 ? 128 : T == kQ4_0 ? 8 : 0; }
 
 struct Int8Panel {
   int64_t groups = 0, blocks = 0;
@@ -62,14 +50,11 @@ struct Int8Panel {
 
 // Dword i (bytes 4i..4i+3) of each of the sixteen 16-byte rows held four to a vector in z.
 inline __m512i dwords_of_rows(const __m512i z[4], int i) {
-  alignas(64) int32_t lo[16], hi[16];
-  for (int l = 0; l < 16; ++l) {
-    lo[l] = (l % 8 < 4 ? 0 : 16) + 4 * (l % 4) + i;  // rows 0..3 from z0, 4..7 from z1
-    hi[l] = lo[l];                                   // rows 8..11 from z2, 12..15 from z3
-  }
-  const __m512i idx = _mm512_load_si512(lo);
-  const __m512i a = _mm512_permutex2var_epi32(z[0], idx, z[1]);
-  const __m512i b = _mm512_permutex2var_epi32(z[2], _mm512_load_si512(hi), z[3]);
+  // Lanes l and 8 + l: row l % 4 of the first (l < 4) or second vector of each pair.
+  const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28),
+                                       _mm512_set1_epi32(i));
+  const __m512i a = _mm512_permutex2var_epi32(z[0], idx, z[1]);  // rows 0..7 in lanes 0..7
+  const __m512i b = _mm512_permutex2var_epi32(z[2], idx, z[3]);  // rows 8..15 in lanes 8..15
   return _mm512_mask_blend_epi32(0xff00, a, b);
 }
 
@@ -132,7 +117,7 @@ inline void store_results(uint16_t* out, __mmask16 keep, __m512 v) {
 }
 
 template <int T, int MR, int NR, typename Out>
-inline void gemm_tile(const Int8Panel& p, int64_t g, const Q8Rows& a, const int32_t* offsets, int64_t m0,
+inline void gemm_tile(const Int8Panel& p, int64_t g, const Q8Rows& a, int64_t m0,
                       const int* valid, const float* bias, Out* out, int64_t ldo) {
   const int64_t blocks = p.blocks;
   __m512 acc[MR][NR];
@@ -141,7 +126,7 @@ inline void gemm_tile(const Int8Panel& p, int64_t g, const Q8Rows& a, const int3
   for (int64_t b = 0; b < blocks; ++b) {
     __m512i dot[MR][NR];
     for (int m = 0; m < MR; ++m) {
-      const __m512i init = _mm512_set1_epi32(offsets[(m0 + m) * blocks + b]);
+      const __m512i init = _mm512_set1_epi32(-byte_offset<T>() * a.sum(m0 + m, b));
       for (int r = 0; r < NR; ++r) dot[m][r] = init;
     }
     for (int q = 0; q < 8; ++q) {
@@ -173,7 +158,7 @@ inline void gemm_tile(const Int8Panel& p, int64_t g, const Q8Rows& a, const int3
 // a (quantize_rows_q8) times w's rows n0..n1-1 into out [rows, n] (row stride ldo); w
 // block-quantized, k a multiple of 32. Panels of about 256 KB of rearranged rows.
 template <typename Out>  // float, or uint16_t for bfloat16 results
-inline void product_int8_gemm(const Weight& w, const Q8Rows& a, const int32_t* offsets, Out* out, int64_t ldo,
+inline void product_int8_gemm(const Weight& w, const Q8Rows& a, Out* out, int64_t ldo,
                               int64_t n0, int64_t n1) {
   with_format(w.type, [&](auto t) {
     constexpr int T = decltype(t)::value;
@@ -199,8 +184,8 @@ inline void product_int8_gemm(const Weight& w, const Q8Rows& a, const int32_t* o
               valid[r] = static_cast<int>(std::min<int64_t>(kGroup, j1 - j0 - (g + r) * kGroup));
             const int64_t j = j0 + g * kGroup;
             const float* bias = w.bias ? w.bias + j : nullptr;
-            if (nr == kGemmNR) gemm_tile<T, MR, kGemmNR>(p, g, a, offsets, m, valid, bias, out + m * ldo + j, ldo);
-            else gemm_tile<T, MR, 1>(p, g, a, offsets, m, valid, bias, out + m * ldo + j, ldo);
+            if (nr == kGemmNR) gemm_tile<T, MR, kGemmNR>(p, g, a, m, valid, bias, out + m * ldo + j, ldo);
+            else gemm_tile<T, MR, 1>(p, g, a, m, valid, bias, out + m * ldo + j, ldo);
           }
         });
       }

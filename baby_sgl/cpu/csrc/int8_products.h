@@ -25,9 +25,11 @@ struct Q8Rows {
   int64_t rows = 0, k = 0;
   AlignedBuffer<int8_t> q;
   AlignedBuffer<float> d, s;
+  AlignedBuffer<int32_t> sum_q;  // sum(q) itself, for the exact offsets of int8_gemm.h
   const int8_t* block(int64_t m, int64_t b) const { return q.data() + m * k + 32 * b; }
   float scale(int64_t m, int64_t b) const { return d.data()[m * (k / 32) + b]; }
   float scaled_sum(int64_t m, int64_t b) const { return s.data()[m * (k / 32) + b]; }
+  int32_t sum(int64_t m, int64_t b) const { return sum_q.data()[m * (k / 32) + b]; }
 };
 
 // round(v[i] * inv) to int8, half to even; returns their sum. The product is rounded to float32
@@ -59,6 +61,7 @@ inline void reserve_q8(int64_t rows, int64_t k, Q8Rows& out) {
   out.q.reserve(rows * k);
   out.d.reserve(rows * (k / 32));
   out.s.reserve(rows * (k / 32));
+  out.sum_q.reserve(rows * (k / 32));
 }
 
 // Row m of out from v [k] (k a multiple of 32): per block d = max|v| / 127.
@@ -74,6 +77,7 @@ inline void quantize_row_q8(const float* v, int64_t m, Q8Rows& out) {
     const int32_t sum = round_block(v + 32 * b, inv, out.q.data() + m * k + 32 * b);
     out.d[m * blocks + b] = d;
     out.s[m * blocks + b] = d * static_cast<float>(sum);
+    out.sum_q[m * blocks + b] = sum;
   }
 }
 
