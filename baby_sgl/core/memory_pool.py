@@ -77,8 +77,8 @@ class KVPool:
         self.k_buffers = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(num_layers)]
         scaled = kv_cache_dtype.is_scaled(self.cache_dtype)
-        self.k_scales = [torch.ones(shape[:2], device=device) for _ in range(num_layers)] if scaled else []
-        self.v_scales = [torch.ones(shape[:2], device=device) for _ in range(num_layers)] if scaled else []
+        self.k_scales = [torch.ones(shape[:2], dtype=torch.float32, device=device) for _ in range(num_layers)] if scaled else []
+        self.v_scales = [torch.ones(shape[:2], dtype=torch.float32, device=device) for _ in range(num_layers)] if scaled else []
         # On CPU a 1-byte pool is written by the kernel that rounds the decode step's writes, so a
         # slot holds the same bytes whichever pass wrote it; elsewhere by kv_cache_dtype.quantize,
         # which rounds the same way.

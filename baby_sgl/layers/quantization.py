@@ -47,6 +47,8 @@ SUPER_BLOCK_TYPES = {WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K, WeightTy
 def block_values(qtype: WeightType) -> int:
     """Values per block: 256 for the super-block formats, else 32."""
     return 256 if qtype in SUPER_BLOCK_TYPES else 32
+
+
 DENSE_WEIGHT_TYPES = {WeightType.F32, WeightType.BF16}
 DENSE_TYPES = {torch.float32: WeightType.F32, torch.bfloat16: WeightType.BF16}
 
@@ -175,8 +177,13 @@ def _nibbles(b: torch.Tensor) -> torch.Tensor:
 
 def _high_bits(qh: torch.Tensor, count: int) -> torch.Tensor:
     """[..., count / 8 bytes] little-endian -> [..., count] bits."""
-    bits = (qh.unsqueeze(-1).int() >> torch.arange(8, dtype=torch.int32)) & 1
+    bits = (qh.unsqueeze(-1).int() >> torch.arange(8, dtype=torch.int32, device=qh.device)) & 1
     return bits.reshape(*qh.shape[:-1], count)
+
+
+def _shifts(b: torch.Tensor, *counts: int) -> torch.Tensor:
+    """Bit shifts as an int32 tensor on b's device."""
+    return torch.tensor(counts, dtype=torch.int32, device=b.device)
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
@@ -204,7 +211,7 @@ _IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25,
 
 
 def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
-    return _halves(b[:, :2]) * _IQ4_VALUES[_nibbles(b[:, 2:]).long()]
+    return _halves(b[:, :2]) * _IQ4_VALUES.to(b.device)[_nibbles(b[:, 2:]).long()]
 
 
 def _k4_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +228,7 @@ def _k_quant(b: torch.Tensor, high: torch.Tensor | None) -> torch.Tensor:
     sc, m = _k4_scales(b[:, 4:16])
     scale = (_halves(b[:, 0:2]) * sc).unsqueeze(-1)
     offset = (_halves(b[:, 2:4]) * m).unsqueeze(-1)
-    packed = b[:, -128:].reshape(-1, 4, 1, 32).int() >> torch.tensor([0, 4], dtype=torch.int32).reshape(2, 1)
+    packed = b[:, -128:].reshape(-1, 4, 1, 32).int() >> _shifts(b, 0, 4).reshape(2, 1)
     q = (packed & 0x0F).reshape(-1, 8, 32)
     if high is not None:
         q = q | (high << 4)
@@ -233,13 +240,13 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
-    qh = b[:, 16:48].int().unsqueeze(1) >> torch.arange(8, dtype=torch.int32).reshape(8, 1)
+    qh = b[:, 16:48].int().unsqueeze(1) >> _shifts(b, *range(8)).reshape(8, 1)
     return _k_quant(b, qh & 1)
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
-    ql = b[:, :128].reshape(-1, 2, 1, 64).int() >> torch.tensor([0, 4], dtype=torch.int32).reshape(2, 1)
-    qh = b[:, 128:192].reshape(-1, 2, 1, 32).int() >> torch.tensor([0, 2, 4, 6], dtype=torch.int32).reshape(4, 1)
+    ql = b[:, :128].reshape(-1, 2, 1, 64).int() >> _shifts(b, 0, 4).reshape(2, 1)
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32).int() >> _shifts(b, 0, 2, 4, 6).reshape(4, 1)
     q = ((ql & 0x0F).reshape(-1, 8, 32) | ((qh & 3).reshape(-1, 8, 32) << 4)) - 32
     scale = _halves(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()
     return (scale.unsqueeze(-1) * q.reshape(-1, 16, 16).float()).reshape(-1, 256)
@@ -247,9 +254,9 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     low = _nibbles(b[:, 4:8]).reshape(-1, 2, 4).transpose(1, 2).reshape(-1, 8)  # byte j: sub-blocks 2j, 2j + 1
-    high = (b[:, 2:4].contiguous().view(torch.int16).int() >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3
+    high = (b[:, 2:4].contiguous().view(torch.int16).int() >> _shifts(b, *range(0, 16, 2))) & 3
     scale = _halves(b[:, :2]) * ((low | high << 4) - 32).float()
-    q = _IQ4_VALUES[_nibbles(b[:, 8:].reshape(-1, 8, 16)).long()]
+    q = _IQ4_VALUES.to(b.device)[_nibbles(b[:, 8:].reshape(-1, 8, 16)).long()]
     return (scale.unsqueeze(-1) * q).reshape(-1, 256)
 
 

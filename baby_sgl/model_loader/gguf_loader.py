@@ -25,7 +25,7 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
 from baby_sgl.cache_dirs import cache_root, write_atomically
-from baby_sgl.layers.quantization import DENSE_WEIGHT_TYPES, QuantizedWeight, WeightType
+from baby_sgl.layers.quantization import BLOCK_BYTES, DENSE_WEIGHT_TYPES, QuantizedWeight, WeightType, block_values
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +141,15 @@ def _convert_weights(path: str, keep_quantized: bool = False) \
             hf_name = hf_name.replace(".mlp.gate.", _MIXTRAL_NAMES[".mlp.gate."])
         weight: torch.Tensor | QuantizedWeight
         if keep_quantized and tensor.tensor_type in _KEPT_QUANTIZED and len(shape) == 2:
+            qtype = _KEPT_QUANTIZED[tensor.tensor_type]
+            per_block = block_values(qtype)
+            if shape[1] % per_block or tensor.data.nbytes != shape[0] * shape[1] // per_block * BLOCK_BYTES[qtype]:
+                raise ValueError(f"GGUF tensor {name}: {qtype.name} rows of {shape[1]} values must be whole blocks of "
+                                 f"{per_block} ({BLOCK_BYTES[qtype]} bytes each); the file holds "
+                                 f"{tensor.data.nbytes} bytes for {shape[0]} rows")
             # One row of blocks per output row; np.array copies it out of the read-only file map.
-            weight = QuantizedWeight(torch.from_numpy(np.array(tensor.data)).reshape(shape[0], -1),
-                                     _KEPT_QUANTIZED[tensor.tensor_type], (shape[0], shape[1]))
+            weight = QuantizedWeight(torch.from_numpy(np.array(tensor.data)).reshape(shape[0], -1), qtype,
+                                     (shape[0], shape[1]))
         else:
             # Copies only what is still a read-only view of the file (F32 tensors); dequantized ones are fresh.
             dense = torch.from_numpy(np.require(dequantize(tensor.data, tensor.tensor_type), np.float32, "W"))
