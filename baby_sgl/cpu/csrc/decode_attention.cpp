@@ -47,7 +47,9 @@ inline float as_float<c10::BFloat16>(c10::BFloat16 x) {
 template <typename T>
 inline void widen(const T* src, float* dst, int64_t n, float scale = 1.f) {
   if constexpr (bsgl::kScaledKV<T>) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = bsgl::scaled_to_float(src[i]) * scale;
+    int64_t i = 0;
+    for (; i + bsgl::kLanes <= n; i += bsgl::kLanes) bsgl::storev(dst + i, bsgl::load_scaled(src + i) * bsgl::splat(scale));
+    for (; i < n; ++i) dst[i] = bsgl::scaled_to_float(src[i]) * scale;
   } else {
     for (int64_t i = 0; i < n; ++i) dst[i] = as_float(src[i]);
   }
