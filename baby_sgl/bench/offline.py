@@ -20,6 +20,7 @@ from baby_sgl.bench.peers import PEERS, run_peer
 from baby_sgl.bench.roofline import cpu_description, measure_roofs
 from baby_sgl.bench.workloads import Workload, one_batch_workload, random_workload, shared_prefix_workload
 from baby_sgl.engine import Engine
+from baby_sgl.core import kv_cache_dtype
 from baby_sgl.core.memory_pool import KVPool
 from baby_sgl.server_args import KV_CACHE_DTYPE_CHOICES, EngineArgs, engine_kwargs
 from baby_sgl.threads import run_in_own_thread
@@ -290,8 +291,9 @@ def compare_with(compare: str, args: argparse.Namespace, kwargs: dict, wl: Workl
         with Engine(**{**kwargs, **other_args}) as other:
             return [variant(run(other, wl), compare, base)]
     if compare == "kv-cache-dtypes":
+        ran = kv_cache_dtype.resolve(kwargs.get("kv_cache_dtype", "auto"), dtype)  # the base row's pool
         return [kv_cache_variant(name, kwargs, wl, run, base) for name in KV_CACHE_DTYPE_CHOICES
-                if name not in ("auto", kwargs.get("kv_cache_dtype", "auto"))]
+                if kv_cache_dtype.resolve(name, dtype) != ran]
     with Engine(**{**kwargs, "dtype": compare}) as other:
         return [variant(run(other, wl), str(other.dtype).removeprefix("torch."), base)]
 
