@@ -106,7 +106,8 @@ class Engine:
         runner = ModelRunner(cfg, loaded.weights, self.dtype, self.device,
                              compile_max_bs=args.torch_compile_max_bs if args.enable_torch_compile else None,
                              tp=self.tp.group if self.tp else None,
-                             int8_activations=decode_step.int8_activations(args.cpu_int8_activations, self.dtype))
+                             int8_activations=decode_step.int8_activations(args.cpu_int8_activations, self.dtype),
+                             deterministic=args.enable_deterministic_inference)
         # The model holds its own copies now: free the checkpoint's tensors before the KV pool
         # is allocated, or both count towards the peak memory.
         loaded.weights = iter(())

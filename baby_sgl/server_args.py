@@ -41,6 +41,11 @@ class EngineArgs:
         "auto", "on CPU, products of quantized GGUF weights (decode steps and prefills) round their "
                 "activations to int8 blocks (integer dot products, as llama.cpp; faster, results move by the "
                 "rounding): on, off, or auto (on unless the dtype is float32, whose results stay transformers')")
+    enable_deterministic_inference: bool = _setting(
+        False, "a request's output ids and logprobs are the same bits whatever it is batched with, however its "
+               "prompt is chunked and whether its prefix comes from the cache (every pass runs the CPU's one-call "
+               "step with kernels chosen by weight format, never by batch size); CPU only, not with --tp-size > 1 "
+               "or --enable-torch-compile")
     kv_cache_dtype: str = _setting(
         "auto", "the KV pool's element type: auto (the dtype), bfloat16, float32, or 1 byte a value with a scale "
                 "per token and head: fp8_e5m2, fp8_e4m3, int8 (about twice the tokens of bfloat16 in the same memory)")
@@ -107,6 +112,9 @@ class EngineArgs:
         if self.quantization == "gguf" and (self.tp_size > 1 or self.enable_torch_compile):
             raise ValueError("--quantization gguf runs on the CPU kernel, which --tp-size > 1 and "
                              "--enable-torch-compile do not use; pass --quantization none with them")
+        if self.enable_deterministic_inference and (self.tp_size > 1 or self.enable_torch_compile):
+            raise ValueError("--enable-deterministic-inference runs every pass in the CPU's one-call step, which "
+                             "--tp-size > 1 and --enable-torch-compile do not use")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         for name in ("max_sessions", "torch_compile_max_bs"):

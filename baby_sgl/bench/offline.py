@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=128, help="one-batch: tokens per prompt (default: 128)")
     p.add_argument("--compare", nargs="+", default=[],
                    choices=["hf", "vllm", "llama.cpp", "float32", "bfloat16", "json-schema", "no-speculation",
-                            "request-only-drafts", "kv-cache-dtypes"],
+                            "request-only-drafts", "kv-cache-dtypes", "deterministic"],
                    help="one or more of: hf: transformers on the same prompts; vllm, llama.cpp: that engine on the "
                         "same prompts (scripts/setup_peers.sh installs them; llama.cpp with its prompt-lookup "
                         "decoding when --speculative-algorithm is set); a dtype: baby-sgl in that dtype, with how "
@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "no-speculation: baby-sgl without --speculative-algorithm; request-only-drafts: with "
                         "drafts from each request's own text only; kv-cache-dtypes: baby-sgl with each other "
                         "--kv-cache-dtype (the tokens its pool holds in the same memory, and with --workload "
-                        "one-batch the decode step)"),
+                        "one-batch the decode step); deterministic: baby-sgl with --enable-deterministic-inference "
+                        "flipped (its cost)"),
     p.add_argument("--model-shape", choices=sorted(SHAPES), default=None,
                    help="instead of --model-path: random weights in that real model's shape, built once into the "
                         "cache (a Q4_0 GGUF for baby-sgl and llama.cpp, the same weights as a Hugging Face "
@@ -290,6 +291,10 @@ def compare_with(compare: str, args: argparse.Namespace, kwargs: dict, wl: Workl
             {"speculative_ngram_request_only": True}
         with Engine(**{**kwargs, **other_args}) as other:
             return [variant(run(other, wl), compare, base)]
+    if compare == "deterministic":
+        flipped = not kwargs.get("enable_deterministic_inference", False)
+        with Engine(**{**kwargs, "enable_deterministic_inference": flipped}) as other:
+            return [variant(run(other, wl), "deterministic" if flipped else "not deterministic", base)]
     if compare == "kv-cache-dtypes":
         ran = kv_cache_dtype.resolve(kwargs.get("kv_cache_dtype", "auto"), dtype)  # the base row's pool
         return [kv_cache_variant(name, kwargs, wl, run, base) for name in KV_CACHE_DTYPE_CHOICES

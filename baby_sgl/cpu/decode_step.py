@@ -6,7 +6,8 @@ It reads the model's weights where they are (quantized blocks, or plain float32 
 matrices) and the runner's KV pool, and returns the logits. It takes every decode batch: measured
 on SmolLM2-135M (Q4_1, 2-core Zen 5, contexts of 200), it was faster than the op-by-op pass from 1
 to 32 requests in float32 and bfloat16 (batch 1: 3.5 vs 6.9 ms, batch 32 in bfloat16: 43 vs 58 ms)
-and level at 64 (bfloat16: 87 vs 83 ms). Prefill and mixed passes run op by op.
+and level at 64 (bfloat16: 87 vs 83 ms). Prefill and mixed passes run op by op, except under
+--enable-deterministic-inference, where every pass runs here, a row per token (model_runner.py).
 """
 
 from __future__ import annotations
@@ -104,9 +105,10 @@ def _parts(module: torch.nn.Module) -> list[tuple]:
 
 class CpuDecodeStep:
     def __init__(self, ops: Any, model: LlamaForCausalLM, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool,
-                 int8_activations: bool = False) -> None:
+                 int8_activations: bool = False, deterministic: bool = False) -> None:
         """int8_activations: products of quantized matrices with a few rows round the activations
-        to int8 blocks (csrc/int8_products.h)."""
+        to int8 blocks (csrc/int8_products.h). deterministic: every product's kernel is chosen by
+        its weight's format alone, not by the number of rows (--enable-deterministic-inference)."""
         cfg = model.config
         self.int8_activations = int8_activations
         # Gemma's embedding scale, rounded to the model's dtype as the op-by-op path rounds it.
@@ -115,6 +117,7 @@ class CpuDecodeStep:
                       head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
                       rms_norm_eps=cfg.rms_norm_eps, num_threads=torch.get_num_threads(),
                       bf16_products=kv_pool.dtype == torch.bfloat16, int8_activations=int8_activations,
+                      deterministic=deterministic,
                       attn_scale=model.layers[0].self_attn.scale,
                       embed_scale=embed_scale, final_logit_softcap=cfg.final_logit_softcap or 0.0,
                       hidden_act=cfg.hidden_act, num_experts_per_tok=cfg.num_experts_per_tok,
@@ -127,12 +130,22 @@ class CpuDecodeStep:
         self.req_to_token = req_to_token_pool.req_to_token
 
     def run(self, input_ids: list[int], positions: torch.Tensor, out_cache_loc: torch.Tensor,
-            req_pool_indices: list[int], seq_lens: list[int]) -> torch.Tensor:
-        """Logits (float32, one row per request) of one decode pass; writes the new tokens' KV."""
+            req_pool_indices: list[int], seq_lens: list[int], logit_rows: list[int] | None = None,
+            hidden_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass, a row per token: row m is token input_ids[m] at positions[m], written to KV
+        slot out_cache_loc[m], of the request in req_to_token row req_pool_indices[m], seeing that
+        row's first seq_lens[m] slots. Returns the float32 logits of logit_rows (default: every
+        row) and the final hidden states of hidden_rows (default: none)."""
         dev = self.req_to_token.device
 
         def ints(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=dev)
 
         return self.step.run(ints(input_ids), positions.contiguous(), out_cache_loc.contiguous(), self.req_to_token,
-                             ints(req_pool_indices), ints(seq_lens), torch.get_num_threads())
+                             ints(req_pool_indices), ints(seq_lens), torch.get_num_threads(),
+                             ints(list(range(len(input_ids))) if logit_rows is None else logit_rows),
+                             ints(hidden_rows or []))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of final hidden states (run's hidden_rows), by the kernels run uses."""
+        return self.step.logits(hidden.float().contiguous(), torch.get_num_threads())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import logging
 from typing import Any
 
@@ -37,9 +38,13 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, weights, dtype: torch.dtype, device: torch.device,
                  attention_backend: str = "torch_native", compile_max_bs: int | None = None,
-                 tp: TPGroup | None = None, int8_activations: bool = False) -> None:
+                 tp: TPGroup | None = None, int8_activations: bool = False, deterministic: bool = False) -> None:
         self.tp = tp
         self.int8_activations = int8_activations  # the decode step's (decode_step.int8_activations)
+        # --enable-deterministic-inference: every pass, prefill included, runs in the one-call step
+        # (a row per token, each row's arithmetic its own), so a request's bits do not depend on
+        # its batch, its prompt's chunks or where its prefix's KV came from.
+        self.deterministic = deterministic
         self.dense = EAGER
         if tp is not None:
             shard = tp_plan.plan(cfg, tp.size)[tp.rank]
@@ -70,6 +75,10 @@ class ModelRunner:
         # graphs) the dense layers run op by op, where oneDNN's prepacked weights are faster.
         self.step_ops = cpu_ops() if (device.type == "cpu" and tp is None and self.compiled is None and
                                       decode_step.can_run(self.model, dtype)) else None
+        if deterministic and self.step_ops is None:
+            raise ValueError("--enable-deterministic-inference needs the CPU's one-call step, which this model does not "
+                             f"run on: device {device.type}, dtype {dtype}, C++ ops "
+                             f"{'built' if cpu_ops() is not None else 'unavailable (no compiler)'}")
         if self.compiled is None and self.step_ops is None:
             self._prepack_linear_weights()
 
@@ -116,7 +125,7 @@ class ModelRunner:
                                resolve_kv_cache_dtype(kv_cache_dtype, self.dtype))
         if self.step_ops is not None:
             self.step = decode_step.CpuDecodeStep(self.step_ops, self.model, self.kv_pool, self.req_to_token_pool,
-                                               self.int8_activations)
+                                               self.int8_activations, self.deterministic)
         return self.req_to_token_pool
 
     def forward(self, b: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -133,8 +142,10 @@ class ModelRunner:
 
     def _forward(self, b: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.step is not None and b.mode == ForwardMode.DECODE:
-            logits = self.step.run(b.input_ids, b.positions, b.out_cache_loc, b.req_pool_indices, b.seq_lens)
+            logits, _ = self.step.run(b.input_ids, b.positions, b.out_cache_loc, b.req_pool_indices, b.seq_lens)
             return logits, None
+        if self.step is not None and self.deterministic:
+            return self._extend_in_step(b)
         dev = self.device
         input_ids, positions, dense = b.input_ids, b.positions, self.dense
         compiled = self.compiled if b.mode == ForwardMode.DECODE else None
@@ -164,8 +175,24 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb, dense, logits=self.is_leader)
 
+    def _extend_in_step(self, b: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """An extend (or mixed) pass in the one-call step: a row per new token, row i of a request
+        whose prefix holds a tokens seeing its first a + i + 1 slots."""
+        assert self.step is not None
+        rows: list[int] = []
+        lens: list[int] = []
+        for req, prefix, n in zip(b.req_pool_indices, b.extend_prefix_lens, b.extend_seq_lens):
+            rows += [req] * n
+            lens += range(prefix + 1, prefix + n + 1)
+        last = list(itertools.accumulate(b.extend_seq_lens))
+        logits, hidden = self.step.run(b.input_ids, b.positions, b.out_cache_loc, rows, lens,
+                                       [end - 1 for end in last], b.input_logprob_rows)
+        return logits, hidden if b.input_logprob_rows else None
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.step is not None and self.deterministic:
+            return self.step.logits(hidden)
         return self.model.compute_logits(hidden)
 
     def check_ranks(self) -> None:

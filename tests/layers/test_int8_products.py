@@ -42,8 +42,9 @@ def _activations(rows: int, k: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", list(TYPES))
 @pytest.mark.parametrize("k", [32, 96, 288])  # one block; odd counts of blocks
-# 1 row: int8_products.h's tiles; from 2, int8_gemm.h where the CPU has AVX-512 VNNI (tiles of 4
-# rows by 2 groups of 16 columns, then the tails: N = 67 is 4 whole groups and one of 3).
+# Where the CPU has AVX-512 VNNI, int8_gemm.h: 1 row by product_int8_row, more by tiles of 4 rows
+# by 2 groups of 16 columns, then the tails (N = 67 is 4 whole groups and one of 3); elsewhere
+# int8_products.h's tiles.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 11])
 def test_int8_products_equal_float64_on_the_rounded_activations(ops, kind, k, rows):
     data, ref = _weight(kind, k)
@@ -59,15 +60,17 @@ def test_int8_products_equal_float64_on_the_rounded_activations(ops, kind, k, ro
 
 
 @pytest.mark.parametrize("kind", list(TYPES))
-def test_a_rows_int8_result_does_not_depend_on_its_batch(ops, kind):
-    """Within each kernel: on CPUs with AVX-512 VNNI, products of 2 or more rows take int8_gemm.h,
-    whose sums round differently from the single-row tiles; elsewhere every count takes the tiles."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_int8_result_does_not_depend_on_its_batch(ops, kind, dtype):
+    """A row alone gives the bits it gets among 22 others: on CPUs with AVX-512 VNNI one row takes
+    product_int8_row, which adds up as the many-row tiles do (it once took int8_products.h's tile,
+    whose sums round differently: int8_gemm.h's products of one row then differed)."""
     data, _ = _weight(kind, 96)
-    x = torch.randn(23, 96, generator=torch.Generator().manual_seed(1))
-    batched = ops.linear_int8(x, data, int(TYPES[kind]), N, 96, None)
-    size = 2 if ops.has_int8_gemm else 1
-    for i in range(0, 23 - size + 1, size):
-        assert torch.equal(ops.linear_int8(x[i : i + size], data, int(TYPES[kind]), N, 96, None), batched[i : i + size])
+    bias = torch.randn(N)
+    x = torch.randn(23, 96, generator=torch.Generator().manual_seed(1)).to(dtype)
+    batched = ops.linear_int8(x, data, int(TYPES[kind]), N, 96, bias)
+    for i in range(23):
+        assert torch.equal(ops.linear_int8(x[i : i + 1], data, int(TYPES[kind]), N, 96, bias), batched[i : i + 1])
 
 
 @pytest.mark.parametrize("rows", [1, 6])

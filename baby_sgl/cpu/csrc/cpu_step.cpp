@@ -94,6 +94,7 @@ class DecodeStep {
         renormalize_(cfg["norm_topk_prob"].cast<bool>()),
         bf16_products_(kHasBF16Products && cfg["bf16_products"].cast<bool>()),
         int8_activations_(cfg["int8_activations"].cast<bool>()),
+        deterministic_(cfg["deterministic"].cast<bool>()),
         team_(cfg["num_threads"].cast<int>()),
         cos_(cos.contiguous()),
         sin_(sin.contiguous()),
@@ -194,10 +195,16 @@ class DecodeStep {
 
   // input_ids, positions, out_cache_loc, req_pool_indices, seq_lens: int64 [M]; req_to_token: the
   // request-to-slot table, int64 [requests, W], whose row req_pool_indices[m] holds row m's KV
-  // slots in its first seq_lens[m] entries (the new token's last). Returns float32 logits [M, vocab].
-  at::Tensor run(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& out_cache_loc,
-                 const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                 int64_t num_threads) {
+  // slots in its first seq_lens[m] entries (its own token's last). A prefill is one row per new
+  // token (row m sees its request's first seq_lens[m] slots, the tokens before it in the pass
+  // included: every row writes its KV before any row attends). logit_rows, hidden_rows: int64
+  // row numbers. Returns float32 logits [logit_rows, vocab] and the final normalised hidden
+  // states [hidden_rows, hidden] (prompt logprobs: logits() turns them into logits).
+  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& input_ids, const at::Tensor& positions,
+                                         const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
+                                         const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
+                                         int64_t num_threads, const at::Tensor& logit_rows,
+                                         const at::Tensor& hidden_rows) {
     const int64_t rows = input_ids.size(0);
     for (const auto* t : {&input_ids, &positions, &out_cache_loc, &req_pool_indices, &seq_lens})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == rows, "int64 inputs, one per row");
@@ -216,21 +223,42 @@ class DecodeStep {
       TORCH_CHECK(out_cache_loc.data_ptr<int64_t>()[m] >= 0 && out_cache_loc.data_ptr<int64_t>()[m] < slots,
                   "KV slot out of range");
     }
-    at::Tensor logits = at::empty({rows, vocab_}, input_ids.options().dtype(at::kFloat));
+    for (const auto* t : {&logit_rows, &hidden_rows}) {
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1, "int64 row numbers");
+      for (int64_t i = 0; i < t->numel(); ++i)
+        TORCH_CHECK(t->data_ptr<int64_t>()[i] >= 0 && t->data_ptr<int64_t>()[i] < rows, "row number out of range");
+    }
+    at::Tensor logits = at::empty({logit_rows.numel(), vocab_}, input_ids.options().dtype(at::kFloat));
+    at::Tensor hidden = at::empty({hidden_rows.numel(), hidden_}, input_ids.options().dtype(at::kFloat));
     if (!scratch_ || scratch_->rows < rows) {  // kept between steps: fresh pages each step cost faults
       scratch_ = std::make_unique<Scratch>(rows, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_,
                                            inter_, num_experts_, top_k_, expert_size_);
     }
     Scratch& s = *scratch_;
     Batch b{rows, ids, positions.data_ptr<int64_t>(), out_cache_loc.data_ptr<int64_t>(), req_to_token.data_ptr<int64_t>(),
-            req_to_token.size(1), req, lens, logits.data_ptr<float>()};
+            req_to_token.size(1), req, lens, logit_rows.data_ptr<int64_t>(), logit_rows.numel(), logits.data_ptr<float>(),
+            hidden_rows.data_ptr<int64_t>(), hidden_rows.numel(), hidden.data_ptr<float>()};
     {
       py::gil_scoped_release no_gil;
       dispatch_kv(k_buffers_[0].scalar_type(), [&](auto* tag) {
         forward<std::remove_pointer_t<decltype(tag)>>(b, s, static_cast<int>(std::max<int64_t>(1, num_threads)));
       });
     }
-    return logits;
+    return {logits, hidden};
+  }
+
+  // Logits of final hidden states [rows, hidden] (from run's hidden_rows), as run computes them.
+  at::Tensor logits(const at::Tensor& hidden, int64_t num_threads) {
+    TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() == 2 &&
+                    hidden.size(1) == hidden_, "float32 hidden states [rows, hidden_size]");
+    at::Tensor out = at::empty({hidden.size(0), vocab_}, hidden.options());
+    py::gil_scoped_release no_gil;
+    team_.run(static_cast<int>(std::max<int64_t>(1, num_threads)), [&](int tid, int nt) {
+      const FlushDenormals flush;
+      RowCopies xb;
+      head(hidden.data_ptr<float>(), hidden.size(0), out.data_ptr<float>(), tid, nt, xb);
+    });
+    return out;
   }
 
  private:
@@ -239,7 +267,12 @@ class DecodeStep {
     const int64_t *ids, *pos, *loc, *table;
     int64_t width;
     const int64_t *req, *lens;
+    const int64_t* logit_rows;
+    int64_t num_logits;
     float* logits;
+    const int64_t* hidden_rows;
+    int64_t num_hidden;
+    float* hidden;
   };
   // Activations (every value is written before it is read in a step).
   using Buffer = AlignedBuffer<float>;
@@ -311,20 +344,21 @@ class DecodeStep {
     split_range(w.n, tid, nt, n0, n1);
     if (int8_activations_ && has_int8_products(w.type)) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      if (rows >= kInt8GemmMinRows && has_int8_gemm(w.type)) {
+      if (has_int8_gemm(w.type)) {  // one row or many, the same bits
         quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
-        product_int8_gemm(w, copies.int8, out, ldo, n0, n1);
+        if (rows == 1) product_int8_row(w, copies.int8, out, n0, n1);
+        else product_int8_gemm(w, copies.int8, out, ldo, n0, n1);
         return;
       }
 #endif
-      if (rows < kInt8MaxRows) {
+      if (rows < kInt8MaxRows || deterministic_) {
         quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
         product_q8(w, copies.int8, out, ldo, n0, n1);
         return;
       }
     }
 #if defined(__AVX512BF16__)
-    if (bf16_products_ && rows >= kBF16MinRows && w.k % 32 == 0) {
+    if (bf16_products_ && (rows >= kBF16MinRows || deterministic_) && w.k % 32 == 0) {
       copies.bf16.resize(rows * w.k);
       to_bf16_rows(x, w.k, rows, w.k, copies.bf16.data());
       product_bf16(w, copies.bf16.data(), rows, out, ldo, n0, n1);
@@ -479,17 +513,29 @@ class DecodeStep {
         team_.barrier();
         mark(kOther);
       }
-      linear(lm_head_, s.h.data(), M, b.logits, tid, nt, xb);
-      if (softcap_ > 0.f) {  // Gemma: this thread's columns squashed into (-cap, cap)
-        int64_t n0, n1;
-        split_range(vocab_, tid, nt, n0, n1);
-        for (int64_t m = 0; m < M; ++m) {
-          float* row = b.logits + m * vocab_;
-          for (int64_t j = n0; j < n1; ++j) row[j] = std::tanh(row[j] / softcap_) * softcap_;
-        }
-      }
+      // The rows that need them: their hidden states out, and gathered for the logits.
+      int64_t i0, i1;
+      split_range(b.num_hidden, tid, nt, i0, i1);
+      for (int64_t i = i0; i < i1; ++i) std::memcpy(b.hidden + i * H, s.h.data() + b.hidden_rows[i] * H, H * sizeof(float));
+      split_range(b.num_logits, tid, nt, i0, i1);
+      for (int64_t i = i0; i < i1; ++i) std::memcpy(s.tmp.data() + i * H, s.h.data() + b.logit_rows[i] * H, H * sizeof(float));
+      team_.barrier();
+      head(s.tmp.data(), b.num_logits, b.logits, tid, nt, xb);
       mark(kLogits);  // thread 0's share: the pool waits for the others before run() returns
     });
+  }
+
+  // Thread tid's columns of the logits of final hidden states h [rows, hidden] into out [rows, vocab].
+  void head(const float* h, int64_t rows, float* out, int tid, int nt, RowCopies& xb) const {
+    linear(lm_head_, h, rows, out, tid, nt, xb);
+    if (softcap_ > 0.f) {  // Gemma: this thread's columns squashed into (-cap, cap)
+      int64_t n0, n1;
+      split_range(vocab_, tid, nt, n0, n1);
+      for (int64_t m = 0; m < rows; ++m) {
+        float* row = out + m * vocab_;
+        for (int64_t j = n0; j < n1; ++j) row[j] = std::tanh(row[j] / softcap_) * softcap_;
+      }
+    }
   }
 
   // A mixture of experts over s.h: the router's logits, each token's top-k experts (every thread
@@ -610,6 +656,9 @@ class DecodeStep {
   double profile_[kKinds] = {};
   bool bf16_products_;  // bfloat16 dtype on a CPU with AVX512_BF16: batches use vdpbf16ps
   bool int8_activations_;  // a few rows times quantized weights go in int8 (int8_products.h)
+  // --enable-deterministic-inference: each product's kernel is chosen by the weight's format
+  // alone, never by the number of rows, so a row's bits do not depend on its batch.
+  bool deterministic_;
   StepTeam team_;
   std::unique_ptr<Scratch> scratch_;  // run() is called by one thread at a time (the scheduler's)
   at::Tensor cos_, sin_, local_cos_, local_sin_;
@@ -629,6 +678,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     const at::Tensor&, const at::Tensor&, std::vector<at::Tensor>, std::vector<at::Tensor>,
                     std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("run", &bsgl::DecodeStep::run)
+      .def("logits", &bsgl::DecodeStep::logits)
       .def("profile", &bsgl::DecodeStep::profile)
       .def_property_readonly("num_threads", &bsgl::DecodeStep::num_threads);
 }

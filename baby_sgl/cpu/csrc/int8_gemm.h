@@ -14,9 +14,10 @@
 // float32 sum per output in block order. The rearranging is what keeps memory as stored: the
 // panel is the only other copy, and it is a few hundred kilobytes.
 //
-// Each output is one row's sum over the blocks in block order whatever the number of rows:
-// a request's result does not depend on the batch it is in (but differs in rounding from
-// int8_products.h's per-row sums).
+// Each output is one row's sum over the blocks in block order whatever the number of rows
+// (one row included: product_int8_row): a request's result does not depend on the batch it is
+// in. (int8_products.h's tiles, for the other formats and for CPUs without VNNI, round
+// differently.)
 #pragma once
 
 #include "int8_products.h"
@@ -27,9 +28,9 @@ namespace bsgl {
 constexpr bool kHasInt8Gemm = true;
 constexpr int kGroup = 16;    // weight rows per group: one per 32-bit lane
 constexpr int kGemmMR = 4, kGemmNR = 2;  // a tile: 4 activation rows by 2 groups (8 integer, 8 float sums)
-// From this many rows: one row ran at 0.8x int8_products.h's tile (the rearranging is not shared),
-// two and three rows at 2.2-2.4x its tiles (2-core Zen 4, Q4_0 2048 -> 2048, 2048 -> 16384, 8192 -> 2048).
-constexpr int64_t kInt8GemmMinRows = 2;
+// Two and three rows ran at 2.2-2.4x int8_products.h's tiles (2-core Zen 4, Q4_0 2048 -> 2048,
+// 2048 -> 16384, 8192 -> 2048); one row at 0.8x (the rearranging is not shared): one row goes by
+// product_int8_row below, with the same arithmetic.
 
 // The formats it takes (the K-quants and the others go one row at a time, int8_products.h).
 constexpr bool has_int8_gemm(int type) { return type == kQ8_0 || type == kQ4_0 || type == kQ4_1; }
@@ -153,6 +154,83 @@ inline void gemm_tile(const Int8Panel& p, int64_t g, const Q8Rows& a, int64_t m0
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + kGroup * r) : _mm512_setzero_ps();
     for (int m = 0; m < MR; ++m) store_results(out + m * ldo + kGroup * r, keep, _mm512_add_ps(acc[m][r], bv));
   }
+}
+
+// One activation row (a batch-1 decode step) with gemm_tile's arithmetic, so that a row's bits
+// do not depend on how many rows its product has. Rearranging a panel for a single row costs
+// more than it saves, so the sixteen weight rows of a group are read where they are, two to a
+// vector (row A's 32 values in the low half, row B's in the high half), each meeting the
+// activation block in one vpdpbusd; the sixteen vectors of partial sums are then added up
+// across lanes into one vector of sixteen exact block sums, and from there it is gemm_tile.
+// The rows of z[i]: (i, i + 4) for i < 4, (i + 4, i + 8) after, which the lane sums below put
+// back in order.
+template <int T>
+inline __m512i row_pair_values(const uint8_t* a, const uint8_t* b) {
+  if constexpr (T == kQ8_0) {  // signed bytes + 128, as the panels hold them
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2))),
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), 1);
+    return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {  // 16 bytes of nibbles: the low halves are values 0..15, the high halves 16..31
+    constexpr int at = T == kQ4_1 ? 4 : 2;
+    __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + at)));
+    v = _mm512_mask_broadcast_i32x4(v, 0xff00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at)));
+    const __m512i shifts = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0,
+                                             0x0004000400040004, 0x0004000400040004);
+    return _mm512_and_si512(_mm512_srlv_epi16(v, shifts), _mm512_set1_epi8(0x0f));
+  }
+}
+
+// The sixteen sums of the row pairs' lanes, rows in order (integers: any order is exact).
+inline __m512i row_sums(const __m512i z[8]) {
+  __m512i pairs[4];
+  for (int i = 0; i < 4; ++i)
+    pairs[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]), _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]));
+  // Per 128-bit lane L: the sums over L of z[0..3] (e) and of z[4..7] (f).
+  const __m512i e = _mm512_add_epi32(_mm512_unpacklo_epi64(pairs[0], pairs[1]), _mm512_unpackhi_epi64(pairs[0], pairs[1]));
+  const __m512i f = _mm512_add_epi32(_mm512_unpacklo_epi64(pairs[2], pairs[3]), _mm512_unpackhi_epi64(pairs[2], pairs[3]));
+  return _mm512_add_epi32(_mm512_shuffle_i64x2(e, f, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_i64x2(e, f, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+template <int T, typename Out>
+inline void row_group(const Weight& w, int64_t j, int valid, const Q8Rows& a, Out* out) {
+  const uint8_t* rows[kGroup];
+  for (int c = 0; c < kGroup; ++c) rows[c] = w.row(c < valid ? j + c : j);
+  alignas(64) int32_t offs[kGroup];
+  for (int c = 0; c < kGroup; ++c) offs[c] = static_cast<int32_t>(rows[c] - rows[0]);
+  const __m512i heads = _mm512_load_si512(offs);
+  constexpr int64_t bb = row_bytes(T, 32);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.k / 32; ++b) {
+    const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block(0, b))));
+    __m512i z[8];
+    for (int i = 0; i < 8; ++i) {
+      const int ra = i < 4 ? i : i + 4;
+      z[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), row_pair_values<T>(rows[ra] + bb * b, rows[ra + 4] + bb * b), x);
+    }
+    const __m512i dot = _mm512_add_epi32(row_sums(z), _mm512_set1_epi32(-byte_offset<T>() * a.sum(0, b)));
+    // Each row's block header: d (and Q4_1's m) as float16.
+    const __m512i head = _mm512_i32gather_epi32(heads, rows[0] + bb * b, 1);
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(head));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a.scale(0, b))), acc);
+    if constexpr (T == kQ4_1)
+      acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16))),
+                            _mm512_set1_ps(a.scaled_sum(0, b)), acc);
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 bv = w.bias ? _mm512_maskz_loadu_ps(keep, w.bias + j) : _mm512_setzero_ps();
+  store_results(out + j, keep, _mm512_add_ps(acc, bv));
+}
+
+// a's one row (quantize_rows_q8) times w's rows n0..n1-1 into out[n0..n1); w as for the gemm.
+template <typename Out>
+inline void product_int8_row(const Weight& w, const Q8Rows& a, Out* out, int64_t n0, int64_t n1) {
+  with_format(w.type, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    if constexpr (T == kQ8_0 || T == kQ4_0 || T == kQ4_1) {
+      for (int64_t j = n0; j < n1; j += kGroup)
+        row_group<T>(w, j, static_cast<int>(std::min<int64_t>(kGroup, n1 - j)), a, out);
+    }
+  });
 }
 
 // a (quantize_rows_q8) times w's rows n0..n1-1 into out [rows, n] (row stride ldo); w

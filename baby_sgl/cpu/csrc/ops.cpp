@@ -64,11 +64,15 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
     }
   });
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (rows >= kInt8GemmMinRows && has_int8_gemm(w.type)) {  // results written in x's dtype: no float32 copy of a prefill's [M, N]
+  if (has_int8_gemm(w.type)) {  // results written in x's dtype: no float32 copy of a prefill's [M, N]
     at::Tensor out = at::empty({rows, n}, x.options());
     at::parallel_for(0, n, kGroup, [&](int64_t begin, int64_t end) {
-      if (x.scalar_type() == at::kFloat) product_int8_gemm(w, a, out.data_ptr<float>(), n, begin, end);
-      else product_int8_gemm(w, a, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, begin, end);
+      auto product = [&](auto* o) {
+        if (rows == 1) product_int8_row(w, a, o, begin, end);  // the gemm's bits for one row
+        else product_int8_gemm(w, a, o, n, begin, end);
+      };
+      if (x.scalar_type() == at::kFloat) product(out.data_ptr<float>());
+      else product(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
     });
     return out;
   }
