@@ -114,6 +114,35 @@ def test_same_bits_in_any_batch_and_setting(model, reference, setting):
         engine.check_memory()
 
 
+def test_a_sessions_context_gives_the_bits_of_the_whole_prompt(model):
+    """A session's second turn attends over KV its first turn computed (the prompt as a prefill,
+    the answer one decode pass at a time); the same text as one fresh prompt gets the same bits."""
+    first, second = PROBE_PROMPTS[0], PROBE_PROMPTS[1][:40]
+    with _engine(model, disable_radix_cache=True) as engine:
+        sid = engine.open_session(1000)
+        turn1 = engine.generate(input_ids=first, sampling_params=GREEDY, session_params={"id": sid})
+        turn2 = _run_one(engine, second, {"id": sid, "rid": turn1["meta_info"]["id"]})
+        engine.close_session(sid)
+        fresh = _run_one(engine, first + turn1["output_ids"] + second, None)
+        assert turn2 == fresh
+        engine.check_memory()
+
+
+def _run_one(engine: Engine, ids: list[int], session: dict | None) -> tuple[list[int], list[float]]:
+    o = engine.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True, session_params=session)
+    return o["output_ids"], [lp[0] for lp in o["meta_info"]["output_token_logprobs"]]
+
+
+def test_float32_too(tiny_llama):
+    params = [GREEDY] * PROBES + [{**GREEDY, "max_new_tokens": 1 + i % OUT} for i in range(len(OTHERS))]
+    with _engine(tiny_llama, dtype="float32") as engine:
+        alone = _alone(engine, [GREEDY] * PROBES)
+    with _engine(tiny_llama, dtype="float32", chunked_prefill_size=16, page_size=16,
+                 speculative_algorithm="NGRAM") as engine:
+        assert _run(engine, PROBE_PROMPTS + OTHERS, params) == alone
+        engine.check_memory()
+
+
 def test_http_clients_at_once_get_what_one_alone_gets(reference, model):
     greedy, _ = reference
     with serve_checked(_engine(model)) as base:

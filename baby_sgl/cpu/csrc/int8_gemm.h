@@ -199,8 +199,15 @@ inline void row_group(const Weight& w, int64_t j, int valid, const Q8Rows& a, Ou
   for (int c = 0; c < kGroup; ++c) offs[c] = static_cast<int32_t>(rows[c] - rows[0]);
   const __m512i heads = _mm512_load_si512(offs);
   constexpr int64_t bb = row_bytes(T, 32);
+  // The next group's rows are asked for while this one is multiplied, a line per row every
+  // `every` blocks: sixteen rows read side by side are sixteen streams, and without it a Q8_0
+  // matrix larger than the caches ran at 20 GB/s against 45 for one row at a time.
+  constexpr int64_t every = std::max<int64_t>(1, 64 / bb);
+  const uint8_t* next = w.row(j) + kGroup * w.stride;
   __m512 acc = _mm512_setzero_ps();
   for (int64_t b = 0; b < w.k / 32; ++b) {
+    if (b % every == 0)
+      for (int c = 0; c < kGroup; ++c) __builtin_prefetch(next + c * w.stride + bb * b);
     const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block(0, b))));
     __m512i z[8];
     for (int i = 0; i < 8; ++i) {
