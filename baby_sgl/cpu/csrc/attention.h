@@ -1,9 +1,11 @@
-// Attention of one query row over its request's slots in the paged KV pool: the decode step's
-// attention, and (one call per new token) the prefill's. Scores, softmax and the weighted sum
-// are float32 whatever the pool's dtype; keys go in blocks of 32 with a running maximum and sum
-// per query head (online softmax). Each output depends only on its own row's inputs. A pool of
-// 1-byte elements (kv_elements.h) is widened a vector at a time; a key's scale multiplies its
-// score, a value's its softmax weight, so no value is rescaled one by one.
+// Attention over a request's slots in the paged KV pool: attend_rows, query rows one at a time
+// (a decode step) or several tokens of one request together (a prefill in the one-call step),
+// each row with the same arithmetic; and attend_prefill, the op-by-op prefill's kernel, blocked
+// differently. Scores, softmax and the weighted sum are float32 whatever the pool's dtype; keys
+// go in blocks of 32 with a running maximum and sum per query head (online softmax). Each output
+// depends only on its own row's inputs. A pool of 1-byte elements (kv_elements.h) is widened a
+// vector at a time; a key's scale multiplies its score, a value's its softmax weight, so no
+// value is rescaled one by one.
 #pragma once
 
 #include <algorithm>
@@ -28,10 +30,11 @@ struct KVPool {
   int64_t slot_stride() const { return kv_heads * head_dim; }
 };
 
-// Working memory of attend_row, reused from call to call.
+// Working memory of attend_rows, reused from call to call.
 struct AttnScratch {
   std::vector<fv> q, acc, row;
-  std::vector<float> scores, mx, sum;
+  AlignedBuffer<float> kf, vf, scores;
+  std::vector<float> mx, sum;
 };
 
 // kLanes stored values as floats (a 1-byte element before its scale).
@@ -52,10 +55,27 @@ inline void prefetch_row(const T* p, int64_t n) {
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
 }
 
-// q: the row's query heads for KV heads kvh0 .. kvh0 + H - 1 (G each, H * G * head_dim floats),
-// scores scaled by `scale`; slots: the row's first len KV slots; out: H * G * head_dim floats.
-// V: vectors per head (head_dim / kLanes) if fixed at compile time (the usual head_dims, whose
-// loops then unroll and keep a key's row in registers), else 0.
+// One 32-score block of a query head into its online softmax: sg's first n scores (the rest
+// padded), its running maximum and sum, and its accumulator a (V vectors) rescaled. Leaves the
+// block's weights in sg (zeros past n).
+inline void softmax_block(float* sg, int64_t n, float& mx, float& sum, fv* a, int64_t V) {
+  constexpr int64_t kBlock = 32;
+  std::fill(sg + n, sg + kBlock, -std::numeric_limits<float>::infinity());
+  fv top = loadv(sg);
+  for (int64_t i = kLanes; i < kBlock; i += kLanes) top = vmax(top, loadv(sg + i));
+  const float block_max = std::max(mx, hmax(top));
+  const float rescale = std::exp(mx - block_max);  // 0 on the first block
+  for (int64_t v = 0; v < V; ++v) a[v] *= splat(rescale);
+  mx = block_max;
+  for (int64_t i = 0; i < kBlock; i += kLanes) storev(sg + i, expv(loadv(sg + i) - block_max));
+  std::fill(sg + n, sg + kBlock, 0.f);
+  fv total = loadv(sg);
+  for (int64_t i = kLanes; i < kBlock; i += kLanes) total += loadv(sg + i);
+  sum = sum * rescale + hsum(total);
+}
+
+// One row (a decode step's): attend_rows' arithmetic, reading each key and value straight from the
+// pool (a key's row widened once for its G query heads, kept in registers where V is fixed).
 template <int kV, typename T>
 void attend_row_v(const KVPool<T>& kv, const float* q_in, float scale, const int64_t* slots, int64_t len, int64_t kvh0,
                   int64_t H, int64_t G, float* out, AttnScratch& ws) {
@@ -64,7 +84,7 @@ void attend_row_v(const KVPool<T>& kv, const float* q_in, float scale, const int
   ws.q.resize(Q * V);
   ws.acc.assign(Q * V, fv{});
   ws.row.resize(V);
-  ws.scores.resize(Q * kBlock);
+  ws.scores.reserve(Q * kBlock);
   ws.mx.assign(Q, -std::numeric_limits<float>::infinity());
   ws.sum.assign(Q, 0.f);
   fv* q = ws.q.data();
@@ -93,21 +113,7 @@ void attend_row_v(const KVPool<T>& kv, const float* q_in, float scale, const int
         }
       }
     }
-    for (int64_t g = 0; g < Q; ++g) {  // whole 32-score blocks; a last short block is padded
-      float* sg = scores + g * kBlock;
-      std::fill(sg + n, sg + kBlock, -std::numeric_limits<float>::infinity());
-      fv top = loadv(sg);
-      for (int64_t i = kLanes; i < kBlock; i += kLanes) top = vmax(top, loadv(sg + i));
-      const float block_max = std::max(ws.mx[g], hmax(top));
-      const float rescale = std::exp(ws.mx[g] - block_max);  // 0 on the first block
-      for (int64_t v = 0; v < V; ++v) acc[g * V + v] *= splat(rescale);
-      ws.mx[g] = block_max;
-      for (int64_t i = 0; i < kBlock; i += kLanes) storev(sg + i, expv(loadv(sg + i) - block_max));
-      std::fill(sg + n, sg + kBlock, 0.f);
-      fv total = loadv(sg);
-      for (int64_t i = kLanes; i < kBlock; i += kLanes) total += loadv(sg + i);
-      ws.sum[g] = ws.sum[g] * rescale + hsum(total);
-    }
+    for (int64_t g = 0; g < Q; ++g) softmax_block(scores + g * kBlock, n, ws.mx[g], ws.sum[g], acc + g * V, V);
     for (int64_t h = 0; h < H; ++h) {  // each query head's sum over the block's values in registers
       for (int64_t g = h * G; g < (h + 1) * G; ++g) {
         fv o[kV > 0 ? kV : 1];
@@ -134,13 +140,123 @@ void attend_row_v(const KVPool<T>& kv, const float* q_in, float scale, const int
   }
 }
 
+// R >= 2 query rows of one request (one row goes by attend_row_v): row r's query heads for KV heads kvh0 .. kvh0 + H - 1 (G each,
+// H * G * head_dim floats) at q_in + r * q_stride, scores scaled by `scale`, seeing the first
+// lens[r] of `slots`; its output (H * G * head_dim floats) at out + r * out_stride. A prefill's
+// new tokens share each block's keys and values, widened once. A row's arithmetic is its own
+// whatever rows come with it, and attend_row_v's: per key, a dot product (FMAs over head_dim,
+// then hsum's order, here sixteen keys at a time by lane_sums), the same online softmax and the
+// same weighted sum, so a token's result is the same bits in a decode step and in any prefill. V: vectors per head (head_dim / kLanes) if fixed at
+// compile time (the usual head_dims, whose loops then unroll), else 0.
+template <int kV, typename T>
+void attend_rows_v(const KVPool<T>& kv, const float* q_in, int64_t q_stride, float scale, const int64_t* slots,
+                   const int64_t* lens, int64_t R, int64_t kvh0, int64_t H, int64_t G, float* out, int64_t out_stride,
+                   AttnScratch& ws) {
+  constexpr int64_t kBlock = 32;
+  const int64_t D = kv.head_dim, V = kV > 0 ? kV : D / kLanes, Q = H * G, stride = kv.slot_stride(), HD = H * D;
+  ws.q.resize(R * Q * V);
+  ws.acc.assign(R * Q * V, fv{});
+  ws.kf.reserve(kBlock * HD);
+  ws.vf.reserve(kBlock * HD);
+  ws.scores.reserve(R * Q * kBlock);
+  ws.mx.assign(R * Q, -std::numeric_limits<float>::infinity());
+  ws.sum.assign(R * Q, 0.f);
+  fv* q = ws.q.data();
+  fv* acc = ws.acc.data();
+  float* kf = ws.kf.data();
+  float* vf = ws.vf.data();
+  int64_t longest = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    longest = std::max(longest, lens[r]);
+    for (int64_t i = 0; i < Q * V; ++i) q[r * Q * V + i] = loadv(q_in + r * q_stride + kLanes * i) * splat(scale);
+  }
+  const T* kp = kv.k + kvh0 * D;
+  const T* vp = kv.v + kvh0 * D;
+  for (int64_t start = 0; start < longest; start += kBlock) {
+    const int64_t n = std::min(kBlock, longest - start);
+    for (int64_t j = 0; j < kBlock; ++j) {  // the block's keys and values as floats (zeros past n)
+      float* kj = kf + j * HD;
+      float* vj = vf + j * HD;
+      if (j >= n) {
+        std::fill(kj, kj + HD, 0.f);
+        continue;
+      }
+      if (start + j + kAhead < longest) {  // read a block later
+        prefetch_row(kp + slots[start + j + kAhead] * stride, H * D);
+        prefetch_row(vp + slots[start + j + kAhead] * stride, H * D);
+      }
+      const T* krow = kp + slots[start + j] * stride;
+      const T* vrow = vp + slots[start + j] * stride;
+      for (int64_t i = 0; i < HD; i += kLanes) {
+        storev(kj + i, load_kv(krow + i));
+        storev(vj + i, load_kv(vrow + i));
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      if (lens[r] <= start) continue;
+      const int64_t nr = std::min(kBlock, lens[r] - start);
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+          const int64_t rg = r * Q + g;
+          const fv* qg = q + rg * V;
+          float* sg = ws.scores.data() + rg * kBlock;
+          for (int64_t j0 = 0; j0 < nr; j0 += kLanes) {
+            fv part[kLanes];
+            for (int jj = 0; jj < kLanes; ++jj) {
+              const float* krow = kf + (j0 + jj) * HD + h * D;
+              fv p = qg[0] * loadv(krow);
+              for (int64_t v = 1; v < V; ++v) p += qg[v] * loadv(krow + kLanes * v);
+              part[jj] = p;
+            }
+            storev(sg + j0, lane_sums(part));
+          }
+          if constexpr (kScaledKV<T>) {
+            for (int64_t j = 0; j < nr; ++j) sg[j] *= kv.k_scale[slots[start + j] * kv.kv_heads + kvh0 + h];
+          }
+          fv* a = acc + rg * V;
+          softmax_block(sg, nr, ws.mx[rg], ws.sum[rg], a, V);
+          // The weighted sum of the block's values, in registers where V is fixed.
+          fv o[kV > 0 ? kV : 1];
+          fv* av = kV > 0 ? o : a;
+          if constexpr (kV > 0) {
+            for (int64_t v = 0; v < V; ++v) av[v] = a[v];
+          }
+          for (int64_t j = 0; j < nr; ++j) {
+            float weight = sg[j];
+            if constexpr (kScaledKV<T>) weight *= kv.v_scale[slots[start + j] * kv.kv_heads + kvh0 + h];
+            const fv p = splat(weight);
+            const float* vrow = vf + j * HD + h * D;
+            for (int64_t v = 0; v < V; ++v) av[v] += p * loadv(vrow + kLanes * v);
+          }
+          if constexpr (kV > 0) {
+            for (int64_t v = 0; v < V; ++v) a[v] = av[v];
+          }
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < Q; ++g) {
+      const fv inv = splat(1.f / ws.sum[r * Q + g]);
+      for (int64_t v = 0; v < V; ++v) storev(out + r * out_stride + g * D + kLanes * v, acc[(r * Q + g) * V + v] * inv);
+    }
+}
+
 template <typename T>
-void attend_row(const KVPool<T>& kv, const float* q, float scale, const int64_t* slots, int64_t len, int64_t kvh0,
-                int64_t H, int64_t G, float* out, AttnScratch& ws) {
+void attend_rows(const KVPool<T>& kv, const float* q, int64_t q_stride, float scale, const int64_t* slots,
+                 const int64_t* lens, int64_t R, int64_t kvh0, int64_t H, int64_t G, float* out, int64_t out_stride,
+                 AttnScratch& ws) {
+  if (R == 1) {
+    switch (kv.head_dim / kLanes) {
+      case 64 / kLanes: return attend_row_v<64 / kLanes>(kv, q, scale, slots, lens[0], kvh0, H, G, out, ws);
+      case 128 / kLanes: return attend_row_v<128 / kLanes>(kv, q, scale, slots, lens[0], kvh0, H, G, out, ws);
+      default: return attend_row_v<0>(kv, q, scale, slots, lens[0], kvh0, H, G, out, ws);
+    }
+  }
   switch (kv.head_dim / kLanes) {
-    case 64 / kLanes: return attend_row_v<64 / kLanes>(kv, q, scale, slots, len, kvh0, H, G, out, ws);
-    case 128 / kLanes: return attend_row_v<128 / kLanes>(kv, q, scale, slots, len, kvh0, H, G, out, ws);
-    default: return attend_row_v<0>(kv, q, scale, slots, len, kvh0, H, G, out, ws);
+    case 64 / kLanes: return attend_rows_v<64 / kLanes>(kv, q, q_stride, scale, slots, lens, R, kvh0, H, G, out, out_stride, ws);
+    case 128 / kLanes: return attend_rows_v<128 / kLanes>(kv, q, q_stride, scale, slots, lens, R, kvh0, H, G, out, out_stride, ws);
+    default: return attend_rows_v<0>(kv, q, q_stride, scale, slots, lens, R, kvh0, H, G, out, out_stride, ws);
   }
 }
 

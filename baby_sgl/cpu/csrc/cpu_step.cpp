@@ -625,25 +625,43 @@ class DecodeStep {
     }
   }
 
-  // A task is a row's KV heads kvh0 .. kvh0 + H - 1: all of them when there are rows enough to
-  // share out (a slot's heads are adjacent in the pool and read as one run: a batch-32 step's
-  // attention took 0.7x the time of head by head), else one (so a single row still splits). In a
-  // windowed layer the new token (position len - 1) sees the last `window` slots of its row.
+  // Rows attend in runs: consecutive rows of one request (a prefill's tokens, a verify pass's
+  // drafts), up to kRunRows, share each block of keys and values (attention.h: attend_rows). In a
+  // windowed layer each row goes alone (its window starts where its own does). A task is a run's
+  // KV heads kvh0 .. kvh0 + H - 1: all of them when the batch is many single rows (a slot's heads
+  // are adjacent in the pool and read as one run: a batch-32 step's attention took 0.7x the time
+  // of head by head), else one. Tasks are dealt round-robin: a prefill's later rows see more keys.
+  static constexpr int64_t kRunRows = 16;
+
   template <typename T>
   void attend(const Batch& b, Scratch& s, size_t layer, int tid, int nt) {
     const int64_t D = head_dim_, G = heads_ / kv_heads_, qkv_n = (heads_ + 2 * kv_heads_) * D;
-    const int64_t H = b.rows >= 4 * nt ? kv_heads_ : 1, groups = kv_heads_ / H, tasks = b.rows * groups;
+    const int64_t window = layers_[layer].window;
+    thread_local std::vector<int64_t> run_start;  // run i: rows run_start[i] .. run_start[i + 1] - 1
+    run_start.assign(1, 0);
+    int64_t longest_run = 1;
+    for (int64_t m = 1; m <= b.rows; ++m) {
+      const int64_t r0 = run_start.back();
+      if (m == b.rows || window > 0 || b.req[m] != b.req[r0] || m - r0 == kRunRows) {
+        run_start.push_back(m);
+        longest_run = std::max(longest_run, m - r0);
+      }
+    }
+    const int64_t runs = static_cast<int64_t>(run_start.size()) - 1;
+    const int64_t H = longest_run == 1 && runs >= 4 * nt ? kv_heads_ : 1, groups = kv_heads_ / H, tasks = runs * groups;
     const bool scaled = !k_scales_.empty();
     const KVPool<T> kv{static_cast<const T*>(k_buffers_[layer].data_ptr()), static_cast<const T*>(v_buffers_[layer].data_ptr()),
                        kv_heads_, D, scaled ? k_scales_[layer].data_ptr<float>() : nullptr,
                        scaled ? v_scales_[layer].data_ptr<float>() : nullptr};
-    const int64_t window = layers_[layer].window;
-    AttnScratch ws;
-    for (int64_t t = tasks * tid / nt; t < tasks * (tid + 1) / nt; ++t) {
-      const int64_t m = t / groups, kvh0 = (t % groups) * H;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, b.lens[m] - window) : 0;
-      attend_row(kv, s.qkv.data() + m * qkv_n + kvh0 * G * D, attn_scale_, b.table + b.req[m] * b.width + first,
-                 b.lens[m] - first, kvh0, H, G, s.att.data() + m * heads_ * D + kvh0 * G * D, ws);
+    thread_local AttnScratch ws;  // the pool's threads live as long as the step
+    int64_t lens[kRunRows];
+    for (int64_t t = tid; t < tasks; t += nt) {
+      const int64_t m0 = run_start[t / groups], R = run_start[t / groups + 1] - m0, kvh0 = (t % groups) * H;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, b.lens[m0] - window) : 0;
+      for (int64_t r = 0; r < R; ++r) lens[r] = b.lens[m0 + r] - first;
+      attend_rows(kv, s.qkv.data() + m0 * qkv_n + kvh0 * G * D, qkv_n, attn_scale_,
+                  b.table + b.req[m0] * b.width + first, lens, R, kvh0, H, G,
+                  s.att.data() + m0 * heads_ * D + kvh0 * G * D, heads_ * D, ws);
     }
   }
 
