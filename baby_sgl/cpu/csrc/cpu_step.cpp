@@ -309,9 +309,9 @@ class DecodeStep {
     if (ldo == 0) ldo = w.n;
     int64_t n0, n1;
     split_range(w.n, tid, nt, n0, n1);
-    if (int8_activations_ && has_int8_products(w.type)) {
+    if (int8_activations_ && (has_int8_products(w.type) || has_int8_gemm(w.type))) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      if (rows >= kInt8GemmMinRows && has_int8_gemm(w.type)) {
+      if (takes_int8_gemm(w.type, rows)) {
         quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
         product_int8_gemm(w, copies.int8, out, ldo, n0, n1);
         return;

@@ -115,23 +115,37 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
-// Weight formats with integer products: all the block formats but Q6_K (whose 16-value scales
-// would split each activation block's dot product in two).
+// Weight formats with one-row integer tiles: all the block formats but Q6_K (whose two scales per
+// 32 values, k6_sub_scales, split each block's dot product in two; int8_gemm.h takes it).
 constexpr bool has_int8_products(int type) { return type != kF32 && type != kBF16 && type != kQ6_K; }
 
 // Formats whose values are signed bytes (through the sign trick); the others' are unsigned.
-constexpr bool signed_values(int type) { return type == kQ8_0 || type == kIQ4_NL || type == kIQ4_XS; }
+constexpr bool signed_values(int type) {
+  return type == kQ8_0 || type == kIQ4_NL || type == kIQ4_XS || type == kQ6_K;
+}
+
+// Q6_K's signed 8-bit scales of values 0..15 and 16..31 of sub-block j of the super-block at p:
+// a block's exact integer sum is lo * sum(values 0..15 x q) + hi * sum(values 16..31 x q).
+inline void k6_sub_scales(const uint8_t* p, int j, int32_t& lo, int32_t& hi) {
+  const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192) + 2 * j;
+  lo = sc[0];
+  hi = sc[1];
+}
 
 // Block b of a row for the integer products: where its 32 values sit (p), the scale d on their
 // integer dot product and the factor offset on the activation block's scaled sum:
-//   Q8_0, IQ4: offset 0;  Q4_0: -8 d;  Q5_0: -16 d;  Q4_1, Q5_1: m;  Q4_K, Q5_K: -dmin * m_j.
-// For the K-quants and IQ4_XS, j is the sub-block and p its super-block.
+//   Q8_0, IQ4, Q6_K: offset 0;  Q4_0: -8 d;  Q5_0: -16 d;  Q4_1, Q5_1: m;  Q4_K, Q5_K: -dmin * m_j.
+// For the K-quants and IQ4_XS, j is the sub-block and p its super-block; Q6_K's d is the
+// super-block's (its sub-block scales are integers, k6_sub_scales).
 template <int T>
 inline const uint8_t* int_block(const uint8_t* row, int64_t b, int& j, float& d, float& offset) {
   j = static_cast<int>(b % 8);
-  if constexpr (T == kQ4_K || T == kQ5_K || T == kIQ4_XS) {
+  if constexpr (T == kQ4_K || T == kQ5_K || T == kQ6_K || T == kIQ4_XS) {
     const uint8_t* p = row + block_bytes(T) * (b / 8);
-    if constexpr (T == kIQ4_XS) {
+    if constexpr (T == kQ6_K) {
+      d = half_to_float(read_u16(p + 208));
+      offset = 0.f;
+    } else if constexpr (T == kIQ4_XS) {
       const int ls = ((p[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | (((read_u16(p + 2) >> (2 * j)) & 3) << 4);
       d = half_to_float(read_u16(p)) * static_cast<float>(ls - 32);
       offset = 0.f;
@@ -168,7 +182,11 @@ inline int32_t int_value(const uint8_t* p, int j, int i) {
   else if constexpr (T == kQ5_1) return nibble(p + 8) | high(p + 4);
   else if constexpr (T == kIQ4_NL) return static_cast<int32_t>(kIQ4Values[nibble(p + 2)]);
   else if constexpr (T == kIQ4_XS) return static_cast<int32_t>(kIQ4Values[nibble(p + 8 + 16 * j)]);
-  else {
+  else if constexpr (T == kQ6_K) {
+    const int h = j / 4, g = j % 4;
+    const int32_t lo = (p[64 * h + 32 * (g % 2) + i] >> (4 * (g / 2))) & 0x0f;
+    return (lo | (((p[128 + 32 * h + i] >> (2 * g)) & 3) << 4)) - 32;
+  } else {
     int32_t v = (p[16 + (T == kQ5_K ? 32 : 0) + 32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0f;
     if constexpr (T == kQ5_K) v |= ((p[16 + i] >> j) & 1) << 4;
     return v;
@@ -204,7 +222,14 @@ inline __m256i int_values(const uint8_t* p, int j) {
     return _mm256_or_si256(unpack_nibbles(p + qh + 4), _mm256_and_si256(bytes_from_bits(p + qh), _mm256_set1_epi8(0x10)));
   } else if constexpr (T == kIQ4_NL) return iq4_bytes(unpack_nibbles(p + 2));
   else if constexpr (T == kIQ4_XS) return iq4_bytes(unpack_nibbles(p + 8 + 16 * j));
-  else {
+  else if constexpr (T == kQ6_K) {
+    const int h = j / 4, g = j % 4;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32 * (g % 2)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (g / 2)), _mm256_set1_epi8(0x0f));
+    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3)), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+  } else {
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + (T == kQ5_K ? 32 : 0) + 32 * (j / 2)));
     __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 4 * (j % 2)), _mm256_set1_epi8(0x0f));
     if constexpr (T == kQ5_K) {

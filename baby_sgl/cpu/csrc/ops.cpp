@@ -45,7 +45,8 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be float32 or bfloat16 [M, ", k, "]");
-  TORCH_CHECK(has_int8_products(static_cast<int>(type)), "int8 activations meet block-quantized weights only (not Q6_K)");
+  TORCH_CHECK(has_int8_products(static_cast<int>(type)) || has_int8_gemm(static_cast<int>(type)),
+              "int8 activations meet block-quantized weights only (Q6_K only with AVX-512 VNNI)");
   const Weight w = make_weight(data, type, n, k, bias);
   const at::Tensor xc = x.contiguous();
   const int64_t rows = x.size(0);
@@ -64,7 +65,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
     }
   });
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (rows >= kInt8GemmMinRows && has_int8_gemm(w.type)) {  // results written in x's dtype: no float32 copy of a prefill's [M, N]
+  if (takes_int8_gemm(w.type, rows)) {  // results written in x's dtype: no float32 copy of a prefill's [M, N]
     at::Tensor out = at::empty({rows, n}, x.options());
     at::parallel_for(0, n, kGroup, [&](int64_t begin, int64_t end) {
       if (x.scalar_type() == at::kFloat) product_int8_gemm(w, a, out.data_ptr<float>(), n, begin, end);
