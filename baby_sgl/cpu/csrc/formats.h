@@ -159,6 +159,32 @@ inline void k4_sub_scales(const uint8_t* p, int j, float& scale, float& offset) 
   offset = dmin * static_cast<float>(m);
 }
 
+// The scales d * sc_j and offsets dmin * m_j of all 8 sub-blocks of a Q4_K / Q5_K super-block at
+// p, as k4_sub_scales computes each: the 6-bit fields unpacked four at a time, as ggml's
+// ggml_vec_dot_q4_K_q8_K does (scales 0..7 in bytes 0..7 of u, mins in bytes 8..15).
+inline void k4_super_scales(const uint8_t* p, float* scale, float* offset) {
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  uint32_t s[3];
+  std::memcpy(s, p + 4, 12);
+  const uint32_t u[4] = {s[0] & low6, (s[2] & low4) | (((s[0] >> 6) & low2) << 4), s[1] & low6,
+                         ((s[2] >> 4) & low4) | (((s[1] >> 6) & low2) << 4)};
+  float d, dmin;
+  half2_to_float(p, d, dmin);
+#if defined(__AVX2__)
+  const __m128i fields = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(fields))));
+  _mm256_storeu_ps(offset, _mm256_mul_ps(_mm256_set1_ps(dmin),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8)))));
+#else
+  uint8_t b[16];
+  std::memcpy(b, u, 16);
+  for (int j = 0; j < 8; ++j) {
+    scale[j] = d * static_cast<float>(b[j]);
+    offset[j] = dmin * static_cast<float>(b[8 + j]);
+  }
+#endif
+}
+
 // Block b of a row as kBlockVecs vectors, values in order.
 template <int T>
 inline void decode_block(const uint8_t* row, int64_t b, fv* w) {
