@@ -127,7 +127,7 @@ constexpr bool signed_values(int type) {
 // Q6_K's signed 8-bit scales of values 0..15 and 16..31 of sub-block j of the super-block at p:
 // a block's exact integer sum is lo * sum(values 0..15 x q) + hi * sum(values 16..31 x q).
 inline void k6_sub_scales(const uint8_t* p, int j, int32_t& lo, int32_t& hi) {
-  const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192) + 2 * j;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(p + kQ6ScalesAt) + 2 * j;
   lo = sc[0];
   hi = sc[1];
 }
@@ -143,11 +143,10 @@ inline const uint8_t* int_block(const uint8_t* row, int64_t b, int& j, float& d,
   if constexpr (T == kQ4_K || T == kQ5_K || T == kQ6_K || T == kIQ4_XS) {
     const uint8_t* p = row + block_bytes(T) * (b / 8);
     if constexpr (T == kQ6_K) {
-      d = half_to_float(read_u16(p + 208));
+      d = half_to_float(read_u16(p + kQ6DAt));
       offset = 0.f;
     } else if constexpr (T == kIQ4_XS) {
-      const int ls = ((p[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | (((read_u16(p + 2) >> (2 * j)) & 3) << 4);
-      d = half_to_float(read_u16(p)) * static_cast<float>(ls - 32);
+      d = iq4_xs_scale(p, j);
       offset = 0.f;
     } else {
       k4_sub_scales(p, j, d, offset);
@@ -175,20 +174,17 @@ inline int32_t int_value(const uint8_t* p, int j, int i) {
     std::memcpy(&h, qh, 4);
     return static_cast<int32_t>((h >> i) & 1) << 4;
   };
-  if constexpr (T == kQ8_0) return reinterpret_cast<const int8_t*>(p + 2)[i];
-  else if constexpr (T == kQ4_0) return nibble(p + 2);
-  else if constexpr (T == kQ4_1) return nibble(p + 4);
-  else if constexpr (T == kQ5_0) return nibble(p + 6) | high(p + 2);
-  else if constexpr (T == kQ5_1) return nibble(p + 8) | high(p + 4);
-  else if constexpr (T == kIQ4_NL) return static_cast<int32_t>(kIQ4Values[nibble(p + 2)]);
-  else if constexpr (T == kIQ4_XS) return static_cast<int32_t>(kIQ4Values[nibble(p + 8 + 16 * j)]);
+  const uint8_t* q = sub_block_values<T>(p, j);
+  if constexpr (T == kQ8_0) return reinterpret_cast<const int8_t*>(q)[i];
+  else if constexpr (T == kQ4_0 || T == kQ4_1) return nibble(q);
+  else if constexpr (T == kQ5_0 || T == kQ5_1) return nibble(q) | high(p + high_bits_at(T));
+  else if constexpr (T == kIQ4_NL || T == kIQ4_XS) return kIQ4Levels[nibble(q)];
   else if constexpr (T == kQ6_K) {
-    const int h = j / 4, g = j % 4;
-    const int32_t lo = (p[64 * h + 32 * (g % 2) + i] >> (4 * (g / 2))) & 0x0f;
-    return (lo | (((p[128 + 32 * h + i] >> (2 * g)) & 3) << 4)) - 32;
+    const int32_t lo = (q[i] >> (4 * (j % 4 / 2))) & 0x0f;
+    return (lo | (((p[high_bits_at(T) + 32 * (j / 4) + i] >> (2 * (j % 4))) & 3) << 4)) - 32;
   } else {
-    int32_t v = (p[16 + (T == kQ5_K ? 32 : 0) + 32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0f;
-    if constexpr (T == kQ5_K) v |= ((p[16 + i] >> j) & 1) << 4;
+    int32_t v = (q[i] >> (4 * (j % 2))) & 0x0f;
+    if constexpr (T == kQ5_K) v |= ((p[high_bits_at(T) + i] >> j) & 1) << 4;
     return v;
   }
 }
@@ -207,36 +203,34 @@ inline __m256i bytes_from_bits(const uint8_t* p) {
 
 // IQ4's levels for 32 nibbles, as signed bytes.
 inline __m256i iq4_bytes(__m256i nibbles) {
-  const __m128i levels = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  const __m128i levels = _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Levels));
   return _mm256_shuffle_epi8(_mm256_set_m128i(levels, levels), nibbles);
 }
 
 // The 32 values of a block from int_block as bytes, in order.
 template <int T>
 inline __m256i int_values(const uint8_t* p, int j) {
-  if constexpr (T == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
-  else if constexpr (T == kQ4_0) return unpack_nibbles(p + 2);
-  else if constexpr (T == kQ4_1) return unpack_nibbles(p + 4);
-  else if constexpr (T == kQ5_0 || T == kQ5_1) {
-    constexpr int qh = T == kQ5_0 ? 2 : 4;
-    return _mm256_or_si256(unpack_nibbles(p + qh + 4), _mm256_and_si256(bytes_from_bits(p + qh), _mm256_set1_epi8(0x10)));
-  } else if constexpr (T == kIQ4_NL) return iq4_bytes(unpack_nibbles(p + 2));
-  else if constexpr (T == kIQ4_XS) return iq4_bytes(unpack_nibbles(p + 8 + 16 * j));
+  const uint8_t* q = sub_block_values<T>(p, j);
+  if constexpr (T == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  else if constexpr (T == kQ4_0 || T == kQ4_1) return unpack_nibbles(q);
+  else if constexpr (T == kQ5_0 || T == kQ5_1)
+    return _mm256_or_si256(unpack_nibbles(q), _mm256_and_si256(bytes_from_bits(p + high_bits_at(T)), _mm256_set1_epi8(0x10)));
+  else if constexpr (T == kIQ4_NL || T == kIQ4_XS) return iq4_bytes(unpack_nibbles(q));
   else if constexpr (T == kQ6_K) {
-    const int h = j / 4, g = j % 4;
-    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * h + 32 * (g % 2)));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
-    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (g / 2)), _mm256_set1_epi8(0x0f));
-    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3)), 4);
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + high_bits_at(T) + 32 * (j / 4)));
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (j % 4 / 2)), _mm256_set1_epi8(0x0f));
+    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * (j % 4)), _mm256_set1_epi8(3)), 4);
     return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
   } else {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + (T == kQ5_K ? 32 : 0) + 32 * (j / 2)));
-    __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 4 * (j % 2)), _mm256_set1_epi8(0x0f));
-    if constexpr (T == kQ5_K) {
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-      v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(v, 4 * (j % 2)), _mm256_set1_epi8(0x0f));
+    if constexpr (T == kQ4_K) {
+      return low;
+    } else {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + high_bits_at(T)));
+      return _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
     }
-    return v;
   }
 }
 #endif
