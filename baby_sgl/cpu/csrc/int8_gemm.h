@@ -38,8 +38,10 @@ constexpr bool has_int8_gemm(int type) { return type != kF32 && type != kBF16; }
 
 // Formats it takes from one row: Q6_K (no one-row tiles), and Q4_K and Q5_K, whose tiles unpack
 // a sub-block's 6-bit scale and min per block and weight row: a single row ran at 1.5x and 1.2x
-// those tiles here (0.37 against 0.57 ms, 0.50 against 0.60; Q4_0 at 0.7x; one thread of a 2-core
-// Zen 4, 1536 -> 4096), the 16 rows' scales of a super-block unpacked at once (k4_super_scales).
+// those tiles on a matrix the cache holds (0.37 against 0.57 ms, 0.50 against 0.60; Q4_0 at 0.7x;
+// one thread of a 2-core Zen 4, 1536 -> 4096), the 16 rows' scales of a super-block unpacked at
+// once (k4_super_scales); streamed from memory (Q4_K 2048 -> 65536, two threads) about level with
+// them, 5.8-6.1 against 6.2-6.6 ms.
 constexpr bool int8_gemm_from_one_row(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
 
 // Whether a product of `rows` activation rows takes it.
@@ -105,6 +107,12 @@ inline void pack_group(const Weight& w, int64_t j, int valid, Int8Panel& p, int6
     const int64_t at = g * p.blocks + b;
     if (k4 && b % 8 == 0)
       for (int c = 0; c < kGroup; ++c) k4_super_scales(rows[c] + block_bytes(T) * (b / 8), k4_scales[c], k4_offsets[c]);
+    if (b % 2 == 0)  // sixteen streams a row apart, which the hardware prefetchers follow poorly
+      for (int c = 0; c < kGroup; ++c) {
+        const char* ahead = reinterpret_cast<const char*>(rows[c]) + row_bytes(T, 32 * (b + 16));
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      }
     __m256i v[kGroup];
     for (int c = 0; c < kGroup; ++c) {
       int sub;
