@@ -3,7 +3,8 @@
 (int8_gemm.h, on CPUs with AVX-512 VNNI, in groups of 16 weight rows: N = 67 leaves a partial
 group), against float64 products of the dequantized weights with the activations rounded to Q8
 blocks. Q6_K's two scales per 32 values are applied to exact integer sums; it has no one-row tile,
-so where the CPU has VNNI every row count of it takes int8_gemm.h, and elsewhere it is refused."""
+so where the CPU has VNNI every row count of it takes int8_gemm.h (as of Q4_K and Q5_K), and
+elsewhere it is refused."""
 
 from __future__ import annotations
 
