@@ -11,7 +11,7 @@ import torch
 
 from baby_sgl.engine import Engine
 from baby_sgl.layers.linear import Linear
-from baby_sgl.layers.quantization import FusedWeight, QuantizedWeight
+from baby_sgl.layers.quantization import StoredWeight
 
 
 def cpu_description() -> str:
@@ -49,7 +49,7 @@ def measure_roofs(engine: Engine) -> dict[str, float]:
     matmul_params = sum(n * k for n, k in shapes)
     # What a decode step must read: every projection once as stored (quantized blocks, or the
     # dtype's bytes), plus the norms (embedding rows are few).
-    weight_bytes = sum(m.weight.nbytes if isinstance(m.weight, QuantizedWeight | FusedWeight) else
+    weight_bytes = sum(m.weight.nbytes if isinstance(m.weight, StoredWeight) else
                        m.weight.numel() * torch.finfo(dtype).bits // 8 for m in linears)
     flop_per_token = 2 * matmul_params
     # Read a buffer as large as the weights (within 64 MB .. 2 GB): a smaller one would be served

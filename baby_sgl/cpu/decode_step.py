@@ -19,7 +19,7 @@ import torch
 from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
 from baby_sgl.layers.layernorm import RMSNorm
 from baby_sgl.layers.moe import SparseMoE
-from baby_sgl.layers.quantization import DENSE_TYPES, FusedWeight, QuantizedWeight, StoredWeight, stored_parts
+from baby_sgl.layers.quantization import DENSE_TYPES, StoredWeight, stored_parts
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.models.llama import SandwichDecoderLayer
 
@@ -45,7 +45,7 @@ def can_run(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
                                                        *_mlp_linears(layer))]
     experts = [t for layer in model.layers if isinstance(layer.mlp, SparseMoE)
                for t in (layer.mlp.experts_gate_up, layer.mlp.experts_down)]
-    return all(isinstance(m.weight, QuantizedWeight | FusedWeight) or _plain(cast(torch.Tensor, m.weight)) for m in linears) and \
+    return all(isinstance(m.weight, StoredWeight) or _plain(cast(torch.Tensor, m.weight)) for m in linears) and \
         all(_plain(t) for t in experts)
 
 

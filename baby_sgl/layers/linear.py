@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baby_sgl.layers.quantization import FusedWeight, QuantizedWeight, StoredWeight, stored_parts
+from baby_sgl.layers.quantization import StoredWeight, stored_parts
 
 SKINNY_ROWS = (2, 128)
 
@@ -29,7 +29,7 @@ def skinny_transposed() -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(weight, QuantizedWeight | FusedWeight):
+    if isinstance(weight, StoredWeight):
         return weight.matmul(x, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -61,12 +61,11 @@ TORCH_GEMM_MIN_ROWS = {torch.float32: 64, torch.bfloat16: 256}
 
 
 # Fewer rows than this take int8 activations on any CPU (cpu/csrc/int8_products.h: every block
-# format but Q6_K); more only in the formats of the kernel's many-row int8 product (int8_gemm.h,
-# on CPUs with AVX-512 VNNI), which beat both our bfloat16 products and torch's GEMM over
-# dequantized weights from 4 rows to 1000 (2-core Zen 4, Q4_0 2048 -> 8192 and 8192 -> 2048).
+# format but Q6_K); any number of rows on CPUs with AVX-512 VNNI (the kernel's many-row int8
+# product, int8_gemm.h, every block format), which beat both our bfloat16 products and torch's
+# GEMM over dequantized weights from 4 rows to 1000 (2-core Zen 4, Q4_0 2048 -> 8192 and 8192 -> 2048).
 INT8_TILE_MAX_ROWS = 4
 INT8_TYPES = set(BLOCK_BYTES) - {WeightType.Q6_K}
-INT8_GEMM_TYPES = {WeightType.Q8_0, WeightType.Q4_0, WeightType.Q4_1}
 
 
 @dataclass
@@ -99,8 +98,9 @@ class QuantizedWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         ops = cpu_ops()
-        if (ops is not None and self.int8_activations and self.qtype in INT8_TYPES
-                and (x.shape[0] < INT8_TILE_MAX_ROWS or (ops.has_int8_gemm and self.qtype in INT8_GEMM_TYPES))):
+        if (ops is not None and self.int8_activations
+                and ((ops.has_int8_gemm and self.qtype in BLOCK_BYTES)
+                     or (self.qtype in INT8_TYPES and x.shape[0] < INT8_TILE_MAX_ROWS))):
             return ops.linear_int8(x if x.dtype == torch.bfloat16 else x.float(), self.data, int(self.qtype),
                                    *self.shape, None if bias is None else bias.float().contiguous())
         if ops is None or x.shape[0] >= TORCH_GEMM_MIN_ROWS.get(x.dtype, 0):

@@ -2,8 +2,8 @@
 IQ4_XS): decoded values bit for bit the `gguf` package's, through the kernel and through the
 portable torch path, on random blocks (any bytes are a valid block once the fp16 scales are
 finite) and on blocks encoded from weights; products equal float64 products over those values
-within float32 rounding, with float32 activations and with int8-rounded ones; a row's result
-does not depend on its batch. Built for this CPU and, on
+within float32 rounding, with float32 activations (int8-rounded ones: test_kquant_products.py);
+a row's result does not depend on its batch. Built for this CPU and, on
 x86, for AVX2 and for no SIMD at all (the `ops` fixture)."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from gguf.quants import dequantize
 
 from baby_sgl.layers.quantization import BLOCK_BYTES, QuantizedWeight, WeightType, block_values, dequantize_blocks
 from kquant_encoder import encode
-from test_int8_products import _activations, q8_dequantized
 
 TYPES = [WeightType.Q4_K, WeightType.Q6_K, WeightType.Q5_0, WeightType.Q5_1, WeightType.Q5_K, WeightType.IQ4_NL,
          WeightType.IQ4_XS]
@@ -86,30 +85,3 @@ def test_rows_of_partial_super_blocks_are_refused(ops):
     qw = _random_blocks(WeightType.Q4_K, k=256)
     with pytest.raises(RuntimeError, match="whole 256-value blocks"):
         ops.linear(torch.randn(1, 288), qw.data, int(qw.qtype), N, 288, None)
-
-
-INT8_TYPES = [t for t in TYPES if t != WeightType.Q6_K]
-
-
-@pytest.mark.parametrize("qtype", INT8_TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3])
-def test_int8_products_equal_float64_on_the_rounded_activations(ops, qtype, rows):
-    """--cpu-int8-activations: the activations rounded to Q8 blocks of 32, each weight block (or
-    sub-block of a super-block) met in one integer dot product."""
-    qw = _random_blocks(qtype, seed=2)
-    ref = _reference(qw.data.numpy(), qtype, N, K).double()
-    x = _activations(rows, K)
-    bias = torch.randn(N)
-    out = ops.linear_int8(x, qw.data, int(qtype), N, K, bias)
-    expected = q8_dequantized(x) @ ref.T + bias.double()
-    scale = (q8_dequantized(x).abs() @ ref.abs().T).max()
-    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6 * scale.item())
-    single = ops.linear_int8(x[:1], qw.data, int(qtype), N, K, None)
-    batched = ops.linear_int8(x.repeat(3, 1), qw.data, int(qtype), N, K, None)  # tiles of 2, then 1
-    assert torch.equal(batched[rows], single[0])
-
-
-def test_int8_products_refuse_q6_k(ops):
-    qw = _random_blocks(WeightType.Q6_K)
-    with pytest.raises(RuntimeError, match="not Q6_K"):
-        ops.linear_int8(torch.randn(1, K), qw.data, int(qw.qtype), N, K, None)

@@ -342,14 +342,11 @@ class DecodeStep {
     if (ldo == 0) ldo = w.n;
     int64_t n0, n1;
     split_range(w.n, tid, nt, n0, n1);
-    if (int8_activations_ && has_int8_products(w.type)) {
+    if (int8_activations_ && (has_int8_products(w.type) || has_int8_gemm(w.type))) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-      // One row: int8_products.h's tile reads the weights faster (5.0 against 6.3 ms a batch-1
-      // step of the default model, Zen 4), product_int8_row gives the gemm's bits.
-      if (has_int8_gemm(w.type) && (rows > 1 || deterministic_)) {
+      if (takes_int8_gemm(w.type, rows, deterministic_)) {
         quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
-        if (rows == 1) product_int8_row(w, copies.int8, out, n0, n1);
-        else product_int8_gemm(w, copies.int8, out, ldo, n0, n1);
+        product_int8(w, copies.int8, out, ldo, n0, n1);
         return;
       }
 #endif

@@ -109,31 +109,60 @@ inline iv five_bits(const uint8_t* p, uint32_t qh, int i) {
   return nibble_ints(p, i) | ((h != 0) & 16);
 }
 
-// IQ4's 16 levels (kvalues_iq4nl in ggml-common.h).
-alignas(64) inline constexpr float kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                                     1,    13,   25,  38,  53,  69,  89,  113};
+// IQ4's 16 levels (kvalues_iq4nl in ggml-common.h), as bytes and as float32.
+alignas(16) inline constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                      1,    13,   25,  38,  53,  69,  89,  113};
+struct IQ4Floats {
+  alignas(64) float v[16];
+};
+inline constexpr IQ4Floats kIQ4Values = [] {
+  IQ4Floats f{};
+  for (int i = 0; i < 16; ++i) f.v[i] = kIQ4Levels[i];
+  return f;
+}();
+
+// Where a block's fields start, in bytes (ggml-common.h's layouts): its values (Q8_0's bytes, the
+// nibbles, Q6_K's low nibbles; IQ4_XS: sub-block 0's), and the 5-bit and 6-bit formats' high bits.
+constexpr int values_at(int type) {
+  return type == kQ4_1 ? 4 : type == kQ5_0 ? 6 : type == kQ5_1 || type == kIQ4_XS ? 8 : type == kQ4_K ? 16
+       : type == kQ5_K ? 48 : type == kQ6_K ? 0 : 2;  // 2: Q8_0, Q4_0, IQ4_NL, after d
+}
+constexpr int high_bits_at(int type) { return type == kQ5_0 ? 2 : type == kQ5_1 ? 4 : type == kQ5_K ? 16 : 128; }
+constexpr int kQ6ScalesAt = 192, kQ6DAt = 208;  // Q6_K's int8 scales and its half d
+
+// The bytes holding (the low bits of) sub-block j's values in the super-block at p, or a 32-value
+// block's values (p the block, j unused). Q4_K / Q5_K: low halves for even j, high halves for odd
+// j; Q6_K: the low nibbles of 32-value groups g = j % 4 of each 128 values, g's 0 and 1 in low
+// halves, 2 and 3 in high halves.
+template <int T>
+inline const uint8_t* sub_block_values(const uint8_t* p, int j) {
+  if constexpr (T == kIQ4_XS) return p + values_at(T) + 16 * j;
+  else if constexpr (T == kQ4_K || T == kQ5_K) return p + values_at(T) + 32 * (j / 2);
+  else if constexpr (T == kQ6_K) return p + values_at(T) + 64 * (j / 4) + 32 * (j % 2);
+  else return p + values_at(T);
+}
 
 // kIQ4Values[q] for each lane's q in 0..15.
 inline fv iq4_levels(iv q) {
 #if defined(__AVX512F__)
   __m512i idx;
   std::memcpy(&idx, &q, 64);
-  const __m512 r = _mm512_permutexvar_ps(idx, _mm512_load_ps(kIQ4Values));
+  const __m512 r = _mm512_permutexvar_ps(idx, _mm512_load_ps(kIQ4Values.v));
   fv out;
   std::memcpy(&out, &r, 64);
   return out;
 #elif defined(__AVX2__)
   __m256i idx;
   std::memcpy(&idx, &q, 32);
-  const __m256 lo = _mm256_permutevar8x32_ps(_mm256_load_ps(kIQ4Values), idx);
-  const __m256 hi = _mm256_permutevar8x32_ps(_mm256_load_ps(kIQ4Values + 8), idx);
+  const __m256 lo = _mm256_permutevar8x32_ps(_mm256_load_ps(kIQ4Values.v), idx);
+  const __m256 hi = _mm256_permutevar8x32_ps(_mm256_load_ps(kIQ4Values.v + 8), idx);
   const __m256 r = _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));  // bit 3 -> sign
   fv out;
   std::memcpy(&out, &r, 32);
   return out;
 #else
   fv r;
-  for (int l = 0; l < kLanes; ++l) r[l] = kIQ4Values[q[l]];
+  for (int l = 0; l < kLanes; ++l) r[l] = kIQ4Values.v[q[l]];
   return r;
 #endif
 }
@@ -159,6 +188,38 @@ inline void k4_sub_scales(const uint8_t* p, int j, float& scale, float& offset) 
   offset = dmin * static_cast<float>(m);
 }
 
+// The scales d * sc_j and offsets dmin * m_j of all 8 sub-blocks of a Q4_K / Q5_K super-block at
+// p, as k4_sub_scales computes each: the 6-bit fields unpacked four at a time, as ggml's
+// ggml_vec_dot_q4_K_q8_K does (scales 0..7 in bytes 0..7 of u, mins in bytes 8..15).
+inline void k4_super_scales(const uint8_t* p, float* scale, float* offset) {
+  constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  uint32_t s[3];
+  std::memcpy(s, p + 4, 12);
+  const uint32_t u[4] = {s[0] & low6, (s[2] & low4) | (((s[0] >> 6) & low2) << 4), s[1] & low6,
+                         ((s[2] >> 4) & low4) | (((s[1] >> 6) & low2) << 4)};
+  float d, dmin;
+  half2_to_float(p, d, dmin);
+#if defined(__AVX2__)
+  const __m128i fields = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(fields))));
+  _mm256_storeu_ps(offset, _mm256_mul_ps(_mm256_set1_ps(dmin),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8)))));
+#else
+  uint8_t b[16];
+  std::memcpy(b, u, 16);
+  for (int j = 0; j < 8; ++j) {
+    scale[j] = d * static_cast<float>(b[j]);
+    offset[j] = dmin * static_cast<float>(b[8 + j]);
+  }
+#endif
+}
+
+// IQ4_XS's scale d * (ls_j - 32) of sub-block j of the super-block at p.
+inline float iq4_xs_scale(const uint8_t* p, int j) {
+  const int ls = ((p[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | (((read_u16(p + 2) >> (2 * j)) & 3) << 4);
+  return half_to_float(read_u16(p)) * static_cast<float>(ls - 32);
+}
+
 // Block b of a row as kBlockVecs vectors, values in order.
 template <int T>
 inline void decode_block(const uint8_t* row, int64_t b, fv* w) {
@@ -171,49 +232,49 @@ inline void decode_block(const uint8_t* row, int64_t b, fv* w) {
   } else if constexpr (T == kQ8_0) {
     const uint8_t* p = row + 34 * b;
     const fv d = splat(half_to_float(read_u16(p)));
-    for (int i = 0; i < kBlockVecs; ++i) w[i] = to_float(widen(reinterpret_cast<const int8_t*>(p + 2) + kLanes * i)) * d;
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = to_float(widen(reinterpret_cast<const int8_t*>(p + values_at(T)) + kLanes * i)) * d;
   } else if constexpr (T == kQ4_0 || T == kIQ4_NL) {
     const uint8_t* p = row + 18 * b;
     const fv d = splat(half_to_float(read_u16(p)));
     for (int i = 0; i < kBlockVecs; ++i)
-      w[i] = (T == kQ4_0 ? nibbles(p + 2, i) - 8.f : iq4_levels(nibble_ints(p + 2, i))) * d;
+      w[i] = (T == kQ4_0 ? nibbles(p + values_at(T), i) - 8.f : iq4_levels(nibble_ints(p + values_at(T), i))) * d;
   } else if constexpr (T == kQ4_1) {
     const uint8_t* p = row + 20 * b;
     float d, m;
     half2_to_float(p, d, m);
-    for (int i = 0; i < kBlockVecs; ++i) w[i] = nibbles(p + 4, i) * splat(d) + splat(m);
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = nibbles(p + values_at(T), i) * splat(d) + splat(m);
   } else if constexpr (T == kQ5_0) {
     const uint8_t* p = row + 22 * b;
     const fv d = splat(half_to_float(read_u16(p)));
     uint32_t qh;
-    std::memcpy(&qh, p + 2, 4);
-    for (int i = 0; i < kBlockVecs; ++i) w[i] = to_float(five_bits(p + 6, qh, i) - 16) * d;
+    std::memcpy(&qh, p + high_bits_at(T), 4);
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = to_float(five_bits(p + values_at(T), qh, i) - 16) * d;
   } else if constexpr (T == kQ5_1) {
     const uint8_t* p = row + 24 * b;
     float d, m;
     half2_to_float(p, d, m);
     uint32_t qh;
-    std::memcpy(&qh, p + 4, 4);
-    for (int i = 0; i < kBlockVecs; ++i) w[i] = to_float(five_bits(p + 8, qh, i)) * splat(d) + splat(m);
+    std::memcpy(&qh, p + high_bits_at(T), 4);
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = to_float(five_bits(p + values_at(T), qh, i)) * splat(d) + splat(m);
   } else if constexpr (T == kQ4_K || T == kQ5_K) {
     const int j = static_cast<int>(b % 8);
     const uint8_t* p = row + block_bytes(T) * (b / 8);
     float scale, offset;
     k4_sub_scales(p, j, scale, offset);
-    const uint8_t* q = p + (T == kQ4_K ? 16 : 48) + 32 * (j / 2);
+    const uint8_t* q = sub_block_values<T>(p, j);
     const int shift = 4 * (j % 2);
     for (int i = 0; i < kBlockVecs; ++i) {
       iv v = (widen(q + kLanes * i) >> shift) & 0x0f;
-      if constexpr (T == kQ5_K) v |= ((widen(p + 16 + kLanes * i) >> j) & 1) << 4;
+      if constexpr (T == kQ5_K) v |= ((widen(p + high_bits_at(T) + kLanes * i) >> j) & 1) << 4;
       w[i] = to_float(v) * splat(scale) - splat(offset);
     }
   } else if constexpr (T == kQ6_K) {
-    const int h = static_cast<int>(b % 8) / 4, g = static_cast<int>(b % 4);
+    const int j = static_cast<int>(b % 8), g = j % 4;
     const uint8_t* p = row + 210 * (b / 8);
-    const uint8_t* ql = p + 64 * h + 32 * (g % 2);
-    const uint8_t* qh = p + 128 + 32 * h;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192) + 2 * (b % 8);
-    const float d = half_to_float(read_u16(p + 208));
+    const uint8_t* ql = sub_block_values<T>(p, j);
+    const uint8_t* qh = p + high_bits_at(T) + 32 * (j / 4);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + kQ6ScalesAt) + 2 * (b % 8);
+    const float d = half_to_float(read_u16(p + kQ6DAt));
     for (int i = 0; i < kBlockVecs; ++i) {
       const iv lo = (widen(ql + kLanes * i) >> (4 * (g / 2))) & 0x0f;
       const iv hi = (widen(qh + kLanes * i) >> (2 * g)) & 3;
@@ -223,9 +284,8 @@ inline void decode_block(const uint8_t* row, int64_t b, fv* w) {
     static_assert(T == kIQ4_XS);
     const int j = static_cast<int>(b % 8);
     const uint8_t* p = row + 136 * (b / 8);
-    const int ls = ((p[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | (((read_u16(p + 2) >> (2 * j)) & 3) << 4);
-    const fv d = splat(half_to_float(read_u16(p)) * static_cast<float>(ls - 32));
-    for (int i = 0; i < kBlockVecs; ++i) w[i] = iq4_levels(nibble_ints(p + 8 + 16 * j, i)) * d;
+    const fv d = splat(iq4_xs_scale(p, j));
+    for (int i = 0; i < kBlockVecs; ++i) w[i] = iq4_levels(nibble_ints(sub_block_values<T>(p, j), i)) * d;
   }
 }
 

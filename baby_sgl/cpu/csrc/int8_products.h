@@ -115,25 +115,38 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
-// Weight formats with integer products: all the block formats but Q6_K (whose 16-value scales
-// would split each activation block's dot product in two).
+// Weight formats with one-row integer tiles: all the block formats but Q6_K (whose two scales per
+// 32 values, k6_sub_scales, split each block's dot product in two; int8_gemm.h takes it).
 constexpr bool has_int8_products(int type) { return type != kF32 && type != kBF16 && type != kQ6_K; }
 
 // Formats whose values are signed bytes (through the sign trick); the others' are unsigned.
-constexpr bool signed_values(int type) { return type == kQ8_0 || type == kIQ4_NL || type == kIQ4_XS; }
+constexpr bool signed_values(int type) {
+  return type == kQ8_0 || type == kIQ4_NL || type == kIQ4_XS || type == kQ6_K;
+}
+
+// Q6_K's signed 8-bit scales of values 0..15 and 16..31 of sub-block j of the super-block at p:
+// a block's exact integer sum is lo * sum(values 0..15 x q) + hi * sum(values 16..31 x q).
+inline void k6_sub_scales(const uint8_t* p, int j, int32_t& lo, int32_t& hi) {
+  const int8_t* sc = reinterpret_cast<const int8_t*>(p + kQ6ScalesAt) + 2 * j;
+  lo = sc[0];
+  hi = sc[1];
+}
 
 // Block b of a row for the integer products: where its 32 values sit (p), the scale d on their
 // integer dot product and the factor offset on the activation block's scaled sum:
-//   Q8_0, IQ4: offset 0;  Q4_0: -8 d;  Q5_0: -16 d;  Q4_1, Q5_1: m;  Q4_K, Q5_K: -dmin * m_j.
-// For the K-quants and IQ4_XS, j is the sub-block and p its super-block.
+//   Q8_0, IQ4, Q6_K: offset 0;  Q4_0: -8 d;  Q5_0: -16 d;  Q4_1, Q5_1: m;  Q4_K, Q5_K: -dmin * m_j.
+// For the K-quants and IQ4_XS, j is the sub-block and p its super-block; Q6_K's d is the
+// super-block's (its sub-block scales are integers, k6_sub_scales).
 template <int T>
 inline const uint8_t* int_block(const uint8_t* row, int64_t b, int& j, float& d, float& offset) {
   j = static_cast<int>(b % 8);
-  if constexpr (T == kQ4_K || T == kQ5_K || T == kIQ4_XS) {
+  if constexpr (T == kQ4_K || T == kQ5_K || T == kQ6_K || T == kIQ4_XS) {
     const uint8_t* p = row + block_bytes(T) * (b / 8);
-    if constexpr (T == kIQ4_XS) {
-      const int ls = ((p[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | (((read_u16(p + 2) >> (2 * j)) & 3) << 4);
-      d = half_to_float(read_u16(p)) * static_cast<float>(ls - 32);
+    if constexpr (T == kQ6_K) {
+      d = half_to_float(read_u16(p + kQ6DAt));
+      offset = 0.f;
+    } else if constexpr (T == kIQ4_XS) {
+      d = iq4_xs_scale(p, j);
       offset = 0.f;
     } else {
       k4_sub_scales(p, j, d, offset);
@@ -161,16 +174,17 @@ inline int32_t int_value(const uint8_t* p, int j, int i) {
     std::memcpy(&h, qh, 4);
     return static_cast<int32_t>((h >> i) & 1) << 4;
   };
-  if constexpr (T == kQ8_0) return reinterpret_cast<const int8_t*>(p + 2)[i];
-  else if constexpr (T == kQ4_0) return nibble(p + 2);
-  else if constexpr (T == kQ4_1) return nibble(p + 4);
-  else if constexpr (T == kQ5_0) return nibble(p + 6) | high(p + 2);
-  else if constexpr (T == kQ5_1) return nibble(p + 8) | high(p + 4);
-  else if constexpr (T == kIQ4_NL) return static_cast<int32_t>(kIQ4Values[nibble(p + 2)]);
-  else if constexpr (T == kIQ4_XS) return static_cast<int32_t>(kIQ4Values[nibble(p + 8 + 16 * j)]);
-  else {
-    int32_t v = (p[16 + (T == kQ5_K ? 32 : 0) + 32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0f;
-    if constexpr (T == kQ5_K) v |= ((p[16 + i] >> j) & 1) << 4;
+  const uint8_t* q = sub_block_values<T>(p, j);
+  if constexpr (T == kQ8_0) return reinterpret_cast<const int8_t*>(q)[i];
+  else if constexpr (T == kQ4_0 || T == kQ4_1) return nibble(q);
+  else if constexpr (T == kQ5_0 || T == kQ5_1) return nibble(q) | high(p + high_bits_at(T));
+  else if constexpr (T == kIQ4_NL || T == kIQ4_XS) return kIQ4Levels[nibble(q)];
+  else if constexpr (T == kQ6_K) {
+    const int32_t lo = (q[i] >> (4 * (j % 4 / 2))) & 0x0f;
+    return (lo | (((p[high_bits_at(T) + 32 * (j / 4) + i] >> (2 * (j % 4))) & 3) << 4)) - 32;
+  } else {
+    int32_t v = (q[i] >> (4 * (j % 2))) & 0x0f;
+    if constexpr (T == kQ5_K) v |= ((p[high_bits_at(T) + i] >> j) & 1) << 4;
     return v;
   }
 }
@@ -189,29 +203,34 @@ inline __m256i bytes_from_bits(const uint8_t* p) {
 
 // IQ4's levels for 32 nibbles, as signed bytes.
 inline __m256i iq4_bytes(__m256i nibbles) {
-  const __m128i levels = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  const __m128i levels = _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Levels));
   return _mm256_shuffle_epi8(_mm256_set_m128i(levels, levels), nibbles);
 }
 
 // The 32 values of a block from int_block as bytes, in order.
 template <int T>
 inline __m256i int_values(const uint8_t* p, int j) {
-  if constexpr (T == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
-  else if constexpr (T == kQ4_0) return unpack_nibbles(p + 2);
-  else if constexpr (T == kQ4_1) return unpack_nibbles(p + 4);
-  else if constexpr (T == kQ5_0 || T == kQ5_1) {
-    constexpr int qh = T == kQ5_0 ? 2 : 4;
-    return _mm256_or_si256(unpack_nibbles(p + qh + 4), _mm256_and_si256(bytes_from_bits(p + qh), _mm256_set1_epi8(0x10)));
-  } else if constexpr (T == kIQ4_NL) return iq4_bytes(unpack_nibbles(p + 2));
-  else if constexpr (T == kIQ4_XS) return iq4_bytes(unpack_nibbles(p + 8 + 16 * j));
-  else {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + (T == kQ5_K ? 32 : 0) + 32 * (j / 2)));
-    __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 4 * (j % 2)), _mm256_set1_epi8(0x0f));
-    if constexpr (T == kQ5_K) {
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-      v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
+  const uint8_t* q = sub_block_values<T>(p, j);
+  if constexpr (T == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  else if constexpr (T == kQ4_0 || T == kQ4_1) return unpack_nibbles(q);
+  else if constexpr (T == kQ5_0 || T == kQ5_1)
+    return _mm256_or_si256(unpack_nibbles(q), _mm256_and_si256(bytes_from_bits(p + high_bits_at(T)), _mm256_set1_epi8(0x10)));
+  else if constexpr (T == kIQ4_NL || T == kIQ4_XS) return iq4_bytes(unpack_nibbles(q));
+  else if constexpr (T == kQ6_K) {
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + high_bits_at(T) + 32 * (j / 4)));
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (j % 4 / 2)), _mm256_set1_epi8(0x0f));
+    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * (j % 4)), _mm256_set1_epi8(3)), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+  } else {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(v, 4 * (j % 2)), _mm256_set1_epi8(0x0f));
+    if constexpr (T == kQ4_K) {
+      return low;
+    } else {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + high_bits_at(T)));
+      return _mm256_or_si256(low, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1)), 4));
     }
-    return v;
   }
 }
 #endif
@@ -273,7 +292,7 @@ constexpr int kQ8MR = 2;
 
 // Products of fewer rows than this take these tiles when the mode is on (from 4 rows they gained
 // nothing on float32 tiles: more go to the float32 or bfloat16 products). Where the CPU has
-// AVX-512 VNNI, only single rows do: int8_gemm.h takes two and more.
+// AVX-512 VNNI, only single rows do (not of Q4_K, Q5_K: int8_gemm.h takes those, and two rows and more).
 constexpr int64_t kInt8MaxRows = 4;
 
 

@@ -45,7 +45,8 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be float32 or bfloat16 [M, ", k, "]");
-  TORCH_CHECK(has_int8_products(static_cast<int>(type)), "int8 activations meet block-quantized weights only (not Q6_K)");
+  TORCH_CHECK(has_int8_products(static_cast<int>(type)) || has_int8_gemm(static_cast<int>(type)),
+              "int8 activations meet block-quantized weights only (Q6_K only with AVX-512 VNNI)");
   const Weight w = make_weight(data, type, n, k, bias);
   const at::Tensor xc = x.contiguous();
   const int64_t rows = x.size(0);
@@ -64,15 +65,12 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
     }
   });
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (has_int8_gemm(w.type)) {  // results written in x's dtype: no float32 copy of a prefill's [M, N]
+  // Every row count with the same bits (a row's result must not depend on its batch).
+  if (takes_int8_gemm(w.type, rows, true)) {  // results written in x's dtype: no float32 copy of a prefill's [M, N]
     at::Tensor out = at::empty({rows, n}, x.options());
     at::parallel_for(0, n, kGroup, [&](int64_t begin, int64_t end) {
-      auto product = [&](auto* o) {
-        if (rows == 1) product_int8_row(w, a, o, begin, end);  // the gemm's bits for one row
-        else product_int8_gemm(w, a, o, n, begin, end);
-      };
-      if (x.scalar_type() == at::kFloat) product(out.data_ptr<float>());
-      else product(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+      if (x.scalar_type() == at::kFloat) product_int8(w, a, out.data_ptr<float>(), n, begin, end);
+      else product_int8(w, a, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, begin, end);
     });
     return out;
   }
