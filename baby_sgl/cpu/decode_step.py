@@ -18,6 +18,8 @@ import torch
 from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
 from baby_sgl.layers.layernorm import RMSNorm
 from baby_sgl.layers.moe import SparseMoE
+from baby_sgl.lora.adapter import MODULES
+from baby_sgl.lora.memory_pool import LoRAMemoryPool
 from baby_sgl.layers.quantization import DENSE_TYPES, FusedWeight, QuantizedWeight, StoredWeight, stored_parts
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.models.llama import SandwichDecoderLayer
@@ -81,6 +83,11 @@ def _layer(layer: DecoderLayer, cfg: ModelConfig) -> dict[str, Any]:
     return out | dict(gate_up=_parts(m.gate_up_proj), down=_weight(m.down_proj))
 
 
+def _lora_stacks(pool: LoRAMemoryPool | None, layer: int) -> dict[str, Any]:
+    """A layer's adapter slots per module: (A [slots, rank, in], B [slots, out, rank]), float32."""
+    return {} if pool is None else {f"lora_{m}": (pool.a[m][layer], pool.b[m][layer]) for m in MODULES}
+
+
 def _matrix(w: torch.Tensor) -> tuple:
     return (w, int(DENSE_TYPES[w.dtype]), w.shape[0], w.shape[1], None)
 
@@ -104,9 +111,10 @@ def _parts(module: torch.nn.Module) -> list[tuple]:
 
 class CpuDecodeStep:
     def __init__(self, ops: Any, model: LlamaForCausalLM, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool,
-                 int8_activations: bool = False) -> None:
+                 int8_activations: bool = False, lora_pool: LoRAMemoryPool | None = None) -> None:
         """int8_activations: products of quantized matrices with a few rows round the activations
-        to int8 blocks (csrc/int8_products.h)."""
+        to int8 blocks (csrc/int8_products.h). lora_pool: the adapters' slots, read in place (each
+        row's slot comes with the pass)."""
         cfg = model.config
         self.int8_activations = int8_activations
         # Gemma's embedding scale, rounded to the model's dtype as the op-by-op path rounds it.
@@ -120,19 +128,21 @@ class CpuDecodeStep:
                       hidden_act=cfg.hidden_act, num_experts_per_tok=cfg.num_experts_per_tok,
                       moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob)
         local = model.rotary_local or model.rotary
-        self.step = ops.DecodeStep(config, [_layer(l, cfg) for l in model.layers], _weight(model.embed_tokens),
+        layers = [_layer(l, cfg) | _lora_stacks(lora_pool, i) for i, l in enumerate(model.layers)]
+        self.step = ops.DecodeStep(config, layers, _weight(model.embed_tokens),
                                    _weight(model.lm_head), _norm(model.norm), model.rotary.cos_cache,
                                    model.rotary.sin_cache, local.cos_cache, local.sin_cache,
                                    kv_pool.k_buffers, kv_pool.v_buffers, kv_pool.k_scales, kv_pool.v_scales)
         self.req_to_token = req_to_token_pool.req_to_token
 
     def run(self, input_ids: list[int], positions: torch.Tensor, out_cache_loc: torch.Tensor,
-            req_pool_indices: list[int], seq_lens: list[int]) -> torch.Tensor:
-        """Logits (float32, one row per request) of one decode pass; writes the new tokens' KV."""
+            req_pool_indices: list[int], seq_lens: list[int], lora_slots: list[int] | None = None) -> torch.Tensor:
+        """Logits (float32, one row per request) of one decode pass; writes the new tokens' KV.
+        lora_slots: each row's adapter slot (memory_pool.NO_ADAPTER: none); None: no adapters."""
         dev = self.req_to_token.device
 
         def ints(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=dev)
 
         return self.step.run(ints(input_ids), positions.contiguous(), out_cache_loc.contiguous(), self.req_to_token,
-                             ints(req_pool_indices), ints(seq_lens), torch.get_num_threads())
+                             ints(req_pool_indices), ints(seq_lens), ints(lora_slots or []), torch.get_num_threads())

@@ -55,9 +55,33 @@ struct Fused {
   int64_t n = 0, k = 0;
 };
 
+// The LoRA adapters' slots of one projection (lora/memory_pool.py): A [slots, rank, k] and
+// B [slots, n, rank], float32, the scale folded into B; a is null when none are served.
+struct LoRAStack {
+  const float* a = nullptr;
+  const float* b = nullptr;
+  int64_t slots = 0, rank = 0, k = 0, n = 0;
+};
+
+// The output columns a thread writes in a projection's product: one run per part of a fused one.
+struct Columns {
+  int64_t begin[4], end[4];
+  int count = 0;
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  fv acc = splat(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += loadv(a + i) * loadv(b + i);
+  float sum = hsum(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
 struct Layer {
   Fused qkv, gate_up;  // gate_up and down: a dense MLP's
   Weight o, down;
+  LoRAStack lora_qkv, lora_o, lora_gate_up, lora_down;
   const float* norm_in;
   const float* norm_post;  // before the MLP; Gemma: on the attention's output, before its residual
   const float* pre_ff_norm = nullptr;  // Gemma: before the MLP, and on its output
@@ -131,6 +155,15 @@ class DecodeStep {
         layer.q_norm = keep_float(l["q_norm"].cast<at::Tensor>(), head_dim_);
         layer.k_norm = keep_float(l["k_norm"].cast<at::Tensor>(), head_dim_);
       }
+      if (l.contains("lora_qkv")) {
+        const int64_t q = heads_ * head_dim_;
+        layer.lora_qkv = lora_stack(l["lora_qkv"].cast<py::tuple>(), hidden_, q + 2 * kv_heads_ * head_dim_);
+        layer.lora_o = lora_stack(l["lora_o"].cast<py::tuple>(), q, hidden_);
+        if (l.contains("gate_up")) {
+          layer.lora_gate_up = lora_stack(l["lora_gate_up"].cast<py::tuple>(), hidden_, 2 * inter_);
+          layer.lora_down = lora_stack(l["lora_down"].cast<py::tuple>(), inter_, hidden_);
+        }
+      }
       layer.window = l["window"].cast<int64_t>();
       layer.local_rope = l["local_rope"].cast<bool>();
       if (l.contains("router")) {
@@ -194,10 +227,11 @@ class DecodeStep {
 
   // input_ids, positions, out_cache_loc, req_pool_indices, seq_lens: int64 [M]; req_to_token: the
   // request-to-slot table, int64 [requests, W], whose row req_pool_indices[m] holds row m's KV
-  // slots in its first seq_lens[m] entries (the new token's last). Returns float32 logits [M, vocab].
+  // slots in its first seq_lens[m] entries (the new token's last). lora_slots: int64 [M], each
+  // row's adapter slot (-1: none), or empty (no adapters). Returns float32 logits [M, vocab].
   at::Tensor run(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& out_cache_loc,
                  const at::Tensor& req_to_token, const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                 int64_t num_threads) {
+                 const at::Tensor& lora_slots, int64_t num_threads) {
     const int64_t rows = input_ids.size(0);
     for (const auto* t : {&input_ids, &positions, &out_cache_loc, &req_pool_indices, &seq_lens})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == rows, "int64 inputs, one per row");
@@ -216,6 +250,15 @@ class DecodeStep {
       TORCH_CHECK(out_cache_loc.data_ptr<int64_t>()[m] >= 0 && out_cache_loc.data_ptr<int64_t>()[m] < slots,
                   "KV slot out of range");
     }
+    const int64_t* lora = nullptr;
+    if (lora_slots.numel() > 0) {
+      TORCH_CHECK(lora_slots.scalar_type() == at::kLong && lora_slots.is_contiguous() && lora_slots.numel() == rows,
+                  "lora_slots: int64, one per row");
+      TORCH_CHECK(layers_[0].lora_qkv.a != nullptr, "lora_slots given to a step built without adapter slots");
+      lora = lora_slots.data_ptr<int64_t>();
+      for (int64_t m = 0; m < rows; ++m)
+        TORCH_CHECK(lora[m] >= -1 && lora[m] < layers_[0].lora_qkv.slots, "LoRA slot out of range");
+    }
     at::Tensor logits = at::empty({rows, vocab_}, input_ids.options().dtype(at::kFloat));
     if (!scratch_ || scratch_->rows < rows) {  // kept between steps: fresh pages each step cost faults
       scratch_ = std::make_unique<Scratch>(rows, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_,
@@ -223,7 +266,7 @@ class DecodeStep {
     }
     Scratch& s = *scratch_;
     Batch b{rows, ids, positions.data_ptr<int64_t>(), out_cache_loc.data_ptr<int64_t>(), req_to_token.data_ptr<int64_t>(),
-            req_to_token.size(1), req, lens, logits.data_ptr<float>()};
+            req_to_token.size(1), req, lens, logits.data_ptr<float>(), lora};
     {
       py::gil_scoped_release no_gil;
       dispatch_kv(k_buffers_[0].scalar_type(), [&](auto* tag) {
@@ -240,6 +283,7 @@ class DecodeStep {
     int64_t width;
     const int64_t *req, *lens;
     float* logits;
+    const int64_t* lora;  // each row's adapter slot (-1: none); null: no adapters
   };
   // Activations (every value is written before it is read in a step).
   using Buffer = AlignedBuffer<float>;
@@ -280,9 +324,61 @@ class DecodeStep {
       f.n += f.parts.back().n;
       TORCH_CHECK(f.parts.back().k == f.parts[0].k, "the parts of a fused projection must have rows of one width");
     }
-    TORCH_CHECK(!f.parts.empty(), "a fused projection needs a part");
+    TORCH_CHECK(!f.parts.empty() && f.parts.size() <= 4, "a fused projection has one to four parts");
     f.k = f.parts[0].k;
     return f;
+  }
+
+  LoRAStack lora_stack(py::tuple t, int64_t k, int64_t n) {
+    const auto a = t[0].cast<at::Tensor>(), b = t[1].cast<at::Tensor>();
+    TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && a.is_contiguous() &&
+                    b.is_contiguous() && a.dim() == 3 && b.dim() == 3 && a.size(2) == k && b.size(1) == n &&
+                    b.size(0) == a.size(0) && b.size(2) == a.size(1),
+                "LoRA slots must be contiguous float32 A [slots, rank, in] and B [slots, out, rank]");
+    keep_.push_back(a);
+    keep_.push_back(b);
+    return {a.data_ptr<float>(), b.data_ptr<float>(), a.size(0), a.size(1), k, n};
+  }
+
+  static Columns columns(const Weight& w, int tid, int nt) {
+    Columns c;
+    split_range(w.n, tid, nt, c.begin[0], c.end[0]);
+    c.count = 1;
+    return c;
+  }
+
+  static Columns columns(const Fused& f, int tid, int nt) {
+    Columns c;
+    int64_t first = 0;
+    for (const Weight& w : f.parts) {
+      split_range(w.n, tid, nt, c.begin[c.count], c.end[c.count]);
+      c.begin[c.count] += first;
+      c.end[c.count++] += first;
+      first += w.n;
+    }
+    return c;
+  }
+
+  // Adds each row's adapter delta (x A^T) B^T to the columns of out [rows, ldo] this thread
+  // computed (so no barrier is needed); x's rows are l.k wide. Every thread computes x A^T whole:
+  // a rank's worth of values per row.
+  template <typename W>
+  void lora_add(const LoRAStack& l, const W& w, const Batch& b, const float* x, float* out, int64_t ldo, int tid,
+                int nt) const {
+    if (b.lora == nullptr || l.a == nullptr) return;
+    const Columns c = columns(w, tid, nt);
+    thread_local std::vector<float> t;
+    t.resize(l.rank);
+    for (int64_t m = 0; m < b.rows; ++m) {
+      const int64_t slot = b.lora[m];
+      if (slot < 0) continue;
+      const float* a = l.a + slot * l.rank * l.k;
+      for (int64_t j = 0; j < l.rank; ++j) t[j] = dot(a + j * l.k, x + m * l.k, l.k);
+      const float* bs = l.b + slot * l.n * l.rank;
+      float* o = out + m * ldo;
+      for (int i = 0; i < c.count; ++i)
+        for (int64_t j = c.begin[i]; j < c.end[i]; ++j) o[j] += dot(bs + j * l.rank, t.data(), l.rank);
+    }
   }
 
   const float* keep_float(const at::Tensor& t, int64_t n = -1) {
@@ -425,6 +521,7 @@ class DecodeStep {
       for (size_t li = 0; li < layers_.size(); ++li) {
         const Layer& l = layers_[li];
         linear(l.qkv, s.h.data(), M, s.qkv.data(), tid, nt, xb);
+        lora_add(l.lora_qkv, l.qkv, b, s.h.data(), s.qkv.data(), l.qkv.n, tid, nt);
         team_.barrier();
         mark(kMatmul);
         rope_and_store<T>(b, s, li, tid, nt);
@@ -434,6 +531,7 @@ class DecodeStep {
         team_.barrier();
         mark(kAttention);
         linear(l.o, s.att.data(), M, s.tmp.data(), tid, nt, xb);
+        lora_add(l.lora_o, l.o, b, s.att.data(), s.tmp.data(), H, tid, nt);
         team_.barrier();
         mark(kMatmul);
         for (int64_t m = r0; m < r1; ++m) {
@@ -449,6 +547,7 @@ class DecodeStep {
           experts(*l.experts, s, M, tid, nt, xb, mark);
         } else {
           linear(l.gate_up, s.h.data(), M, s.gate_up.data(), tid, nt, xb);
+          lora_add(l.lora_gate_up, l.gate_up, b, s.h.data(), s.gate_up.data(), 2 * inter_, tid, nt);
           team_.barrier();
           mark(kMatmul);
           int64_t i0, i1;
@@ -457,6 +556,7 @@ class DecodeStep {
           team_.barrier();
           mark(kOther);
           linear(l.down, s.act.data(), M, s.tmp.data(), tid, nt, xb);
+          lora_add(l.lora_down, l.down, b, s.act.data(), s.tmp.data(), H, tid, nt);
           team_.barrier();
           mark(kMatmul);
         }

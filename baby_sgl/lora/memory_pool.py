@@ -1,0 +1,116 @@
+"""The adapters a pass can use, as SGLang's LoRA memory pool: --max-loras-per-batch slots on the
+model's device, each holding one adapter's matrices for every layer and module, zero-padded to
+the slot's rank (padding adds nothing to a product). An adapter a batch needs is copied into a
+free slot, or into the slot of one the batch does not use (--lora-eviction-policy: the least
+recently used, or the first loaded); pinned adapters keep theirs. The buffers never move, so
+the one-call decode step reads them in place (cpu/decode_step.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from baby_sgl.lora.adapter import MODULES, RANK_SLOTS, LoRAAdapter, module_shapes
+from baby_sgl.model_config import ModelConfig
+
+NO_ADAPTER = -1  # a row's slot when it uses the base model alone
+
+
+class LoRAMemoryPool:
+    def __init__(self, cfg: ModelConfig, max_loras_per_batch: int, max_lora_rank: int, device: torch.device,
+                 eviction_policy: str = "lru") -> None:
+        self.num_slots, self.eviction_policy = max_loras_per_batch, eviction_policy
+        shapes = module_shapes(cfg)
+        # Per module: A [layers, slots, rank capacity, in] and B [layers, slots, out, rank capacity].
+        self.a = {m: torch.zeros(cfg.num_layers, self.num_slots, RANK_SLOTS[m] * max_lora_rank, shapes[m][0],
+                                 device=device) for m in MODULES}
+        self.b = {m: torch.zeros(cfg.num_layers, self.num_slots, sum(shapes[m][1]), RANK_SLOTS[m] * max_lora_rank,
+                                 device=device) for m in MODULES}
+        self.adapters: dict[str, LoRAAdapter] = {}  # loaded (host copies), by name
+        self.pinned: set[str] = set()
+        self.slot_of: dict[str, int] = {}
+        self._uses: dict[str, int] = {}  # per slotted adapter: the pass it was last used in (lru) or loaded (fifo)
+        self._clock = 0
+
+    # ---- loading and unloading -----------------------------------------------------------
+    def add(self, adapter: LoRAAdapter, pinned: bool = False) -> None:
+        if pinned and len(self.pinned) + 1 >= self.num_slots:
+            raise ValueError(f"pinning {adapter.name!r} would leave no --max-loras-per-batch slot for other adapters")
+        self.adapters[adapter.name] = adapter
+        if pinned:
+            self.pinned.add(adapter.name)
+            self._assign([adapter.name], {adapter.name})
+
+    def remove(self, name: str) -> None:
+        self.adapters.pop(name)
+        self.pinned.discard(name)
+        slot = self.slot_of.pop(name, None)
+        self._uses.pop(name, None)
+        if slot is not None:
+            for m in MODULES:
+                self.a[m][:, slot].zero_()
+                self.b[m][:, slot].zero_()
+
+    def fits(self, names: set[str]) -> bool:
+        """Whether one pass may use all these adapters (pinned ones keep their slots)."""
+        return len(names | self.pinned) <= self.num_slots
+
+    # ---- a pass --------------------------------------------------------------------------
+    def prepare(self, names: list[str | None]) -> list[int]:
+        """Each row's slot (NO_ADAPTER for the base model), copying in the adapters not slotted."""
+        self._clock += 1
+        wanted = {n for n in names if n is not None}
+        assert self.fits(wanted), f"{len(wanted)} adapters in one pass, {self.num_slots} slots"
+        self._assign(sorted(wanted), wanted)
+        if self.eviction_policy == "lru":
+            self._uses.update({n: self._clock for n in wanted})
+        return [NO_ADAPTER if n is None else self.slot_of[n] for n in names]
+
+    def _assign(self, names: list[str], keep: set[str]) -> None:
+        for name in names:
+            if name in self.slot_of:
+                continue
+            used = set(self.slot_of.values())
+            free = [s for s in range(self.num_slots) if s not in used]
+            if not free:
+                victim = min((n for n in self.slot_of if n not in keep and n not in self.pinned), key=self._uses.__getitem__)
+                free = [self.slot_of.pop(victim)]
+                del self._uses[victim]
+            self._copy_in(self.adapters[name], free[0])
+            self.slot_of[name], self._uses[name] = free[0], self._clock
+
+    def _copy_in(self, adapter: LoRAAdapter, slot: int) -> None:
+        for m in MODULES:
+            self.a[m][:, slot].zero_()
+            self.b[m][:, slot].zero_()
+        for (layer, m), lora in adapter.modules.items():
+            rank = lora.a.shape[0]
+            self.a[m][layer, slot, :rank].copy_(lora.a)
+            self.b[m][layer, slot, :, :rank].copy_(lora.b)
+
+    def batch(self, slots: torch.Tensor) -> LoRABatch | None:
+        """The pass's deltas for rows whose slots are given ([T] on the device); None if no row
+        uses an adapter."""
+        present = [int(s) for s in torch.unique(slots).tolist() if s != NO_ADAPTER]
+        if not present:
+            return None
+        return LoRABatch(self, [(s, torch.nonzero(slots == s).flatten()) for s in present])
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """A pass's adapters: each slot with the rows that use it. A projection's delta is computed
+    per slot over its rows (gathered, then scattered back): one product pair per adapter present,
+    whatever the mix of rows."""
+
+    pool: LoRAMemoryPool
+    segments: list[tuple[int, torch.Tensor]]  # (slot, its rows)
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (x's product with the base weight) plus each row's adapter delta."""
+        a, b = self.pool.a[module][layer], self.pool.b[module][layer]
+        for slot, rows in self.segments:
+            delta = (x.index_select(0, rows).float() @ a[slot].T) @ b[slot].T
+            y = y.index_add(0, rows, delta.to(y.dtype))
+        return y
