@@ -72,6 +72,11 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int,
     naming the problem for a missing file, a rank above max_rank, a target module the decoder (or
     --lora-target-modules) does not take, or a matrix of the wrong shape."""
     config = _read_config(name, path)
+    listed = config.get("target_modules")
+    unknown = sorted(set(listed) - set(TARGETS)) if isinstance(listed, list) else []
+    if unknown:
+        raise LoRAError(f"LoRA adapter {name!r}: target module {unknown[0]!r} is not supported (supported: "
+                        f"{', '.join(TARGETS)} of the decoder layers)")
     from safetensors.torch import load_file
 
     weights_path = os.path.join(path, _WEIGHTS)
