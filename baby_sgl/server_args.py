@@ -142,8 +142,8 @@ class EngineArgs:
                              "parts have no all-reduce inside); leave one of them out")
 
     def _check_lora(self) -> None:
-        object.__setattr__(self, "lora_paths", tuple(self.lora_paths))
-        object.__setattr__(self, "lora_target_modules", tuple(split_list(self.lora_target_modules)))
+        object.__setattr__(self, "lora_paths", tuple(self.lora_paths or ()))  # None: the flag not given
+        object.__setattr__(self, "lora_target_modules", tuple(split_list(self.lora_target_modules or ())))
         if self.lora_paths:
             object.__setattr__(self, "enable_lora", True)
         if self.lora_eviction_policy not in LORA_EVICTION_POLICIES:

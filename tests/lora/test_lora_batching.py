@@ -63,7 +63,8 @@ def test_kv_is_shared_within_an_adapter_and_never_across(tiny_llama, adapters):
 def test_a_session_keeps_its_adapter(tiny_llama, adapters):
     """A streaming session's second turn, naming no adapter, continues with the first turn's (its
     KV was computed with it): its ids are PEFT's over the whole context. Naming another adapter is
-    refused by name."""
+    refused by name. Before (managers/session_controller.py:attach left the turn's adapter as
+    given) the second turn ran with the base model over l0's KV."""
     first, second = random_prompts(2, 512, 10, 20, seed=11)
     with Engine(tiny_llama, dtype="float32", lora_paths=[f"{n}={adapters[n]}" for n in ("l0", "l1")]) as engine:
         params = {**GREEDY, "max_new_tokens": MAX_NEW}
