@@ -46,8 +46,9 @@ def load_random_adapters(engine: Engine, count: int, rank: int) -> dict:
     """Loads `count` random adapters into the engine; their names, the mean load time and size."""
     cfg = engine.model_config
     root = cache_root() / "lora" / f"{cfg.architecture}-{cfg.hidden_size}x{cfg.num_layers}-r{rank}"
-    answers = [engine.load_lora_adapter(f"bench{i}", str(random_adapter(cfg, rank, i, root / f"bench{i}")))
-               for i in range(count)]
-    return {"names": [f"bench{i}" for i in range(count)],
+    paths = [str(random_adapter(cfg, rank, i, root / f"bench{i}")) for i in range(count)]
+    answers = [engine.load_lora_adapter(f"bench{i}", path) for i, path in enumerate(paths)]
+    return {"names": [f"bench{i}" for i in range(count)], "paths": paths,
             "adapter_load_s": sum(a["load_time_s"] for a in answers) / count,
-            "adapter_mb": sum(a["adapter_bytes"] for a in answers) / count / 1e6}
+            "adapter_mb": sum(a["adapter_bytes"] for a in answers) / count / 1e6,
+            "adapter_slot_mb": engine.runner.lora_pool.slot_bytes() / 1e6 if engine.runner.lora_pool else 0.0}

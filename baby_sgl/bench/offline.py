@@ -239,8 +239,10 @@ def main(argv: list[str]) -> int:
         if "json-schema" in args.compare:
             report_constrained = run(engine, wl, {"json_schema": json.dumps(BENCH_SCHEMA)})
         neighbours = run_beside_neighbours(args, kwargs, engine, wl, run, result)
+        lora_paths = None
         if args.lora:
-            neighbours.append(run_with_adapters(engine, wl, run, args.lora_adapters, args.lora_rank))
+            lora_row, lora_paths = run_with_adapters(engine, wl, run, args.lora_adapters, args.lora_rank)
+            neighbours.append(lora_row)
         roofs = run_in_own_thread(lambda: measure_roofs(engine))  # see threads.py
         model_path, dtype = engine.model_path, engine.dtype
         memory = memory_budget(engine)
@@ -259,6 +261,9 @@ def main(argv: list[str]) -> int:
     for compare in args.compare:
         report["results"] += compare_with(compare, args, kwargs, wl, run, result, (model_path, hf_dir), dtype,
                                           report_constrained if compare == "json-schema" else None)
+        if compare == "vllm" and lora_paths is not None:  # the same adapters, against the LoRA row
+            report["results"].append(run_peer("vllm", model_path, dtype, wl, args.workload == "one-batch",
+                                              torch.get_num_threads(), lora_row, hf_dir=hf_dir, lora_paths=lora_paths))
     print_report(report)
     if args.output_file:
         for r in report["results"]:
@@ -281,14 +286,16 @@ def run_beside_neighbours(args: argparse.Namespace, kwargs: dict, engine: Engine
     return rows
 
 
-def run_with_adapters(engine: Engine, wl: Workload, run: Callable[..., dict], count: int, rank: int) -> dict:
-    """The workload with prompt i under adapter i mod count, every batch mixing them."""
+def run_with_adapters(engine: Engine, wl: Workload, run: Callable[..., dict], count: int,
+                      rank: int) -> tuple[dict, list[str]]:
+    """The workload with prompt i under adapter i mod count, every batch mixing them; the result
+    row and each prompt's adapter directory."""
     from baby_sgl.bench.lora_adapters import load_random_adapters
 
     loaded = load_random_adapters(engine, count, rank)
-    names = loaded.pop("names")
+    names, paths = loaded.pop("names"), loaded.pop("paths")
     result = run(engine, wl, lora_path=[names[i % count] for i in range(len(wl.prompts))])
-    return result | loaded | {"engine": f"baby-sgl {count} LoRA r{rank}"}
+    return result | loaded | {"engine": f"baby-sgl {count} LoRA r{rank}"}, [paths[i % count] for i in range(len(wl.prompts))]
 
 
 def compare_with(compare: str, args: argparse.Namespace, kwargs: dict, wl: Workload, run: Callable[..., dict],

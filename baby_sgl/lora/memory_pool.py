@@ -7,6 +7,7 @@ the one-call decode step reads them in place (cpu/decode_step.py)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -22,11 +23,18 @@ class LoRAMemoryPool:
                  eviction_policy: str = "lru") -> None:
         self.num_slots, self.eviction_policy = max_loras_per_batch, eviction_policy
         shapes = module_shapes(cfg)
-        # Per module: A [layers, slots, rank capacity, in] and B [layers, slots, out, rank capacity].
+        # Per module: A [layers, slots, rank capacity, in] and B transposed, [layers, slots, rank
+        # capacity, out] (the decode step adds B's rows scaled, a vector at a time).
         self.a = {m: torch.zeros(cfg.num_layers, self.num_slots, RANK_SLOTS[m] * max_lora_rank, shapes[m][0],
                                  device=device) for m in MODULES}
-        self.b = {m: torch.zeros(cfg.num_layers, self.num_slots, sum(shapes[m][1]), RANK_SLOTS[m] * max_lora_rank,
+        self.b = {m: torch.zeros(cfg.num_layers, self.num_slots, RANK_SLOTS[m] * max_lora_rank, sum(shapes[m][1]),
                                  device=device) for m in MODULES}
+        # Where each module's parts (q, k, v; gate, up) end among its outputs, and which rows of B^T
+        # are not zero over each part, [layers, slots, rank capacity, parts]: a fused adapter's
+        # parts each have ranks of their own, and the decode step skips the zeros.
+        self.part_ends = {m: list(itertools.accumulate(shapes[m][1])) for m in MODULES}
+        self.used = {m: torch.zeros(cfg.num_layers, self.num_slots, RANK_SLOTS[m] * max_lora_rank,
+                                    len(shapes[m][1]), dtype=torch.uint8, device=device) for m in MODULES}
         self.adapters: dict[str, LoRAAdapter] = {}  # loaded (host copies), by name
         self.pinned: set[str] = set()
         self.slot_of: dict[str, int] = {}
@@ -48,9 +56,7 @@ class LoRAMemoryPool:
         slot = self.slot_of.pop(name, None)
         self._uses.pop(name, None)
         if slot is not None:
-            for m in MODULES:
-                self.a[m][:, slot].zero_()
-                self.b[m][:, slot].zero_()
+            self._clear(slot)
 
     def fits(self, names: set[str]) -> bool:
         """Whether one pass may use all these adapters (pinned ones keep their slots)."""
@@ -81,13 +87,23 @@ class LoRAMemoryPool:
             self.slot_of[name], self._uses[name] = free[0], self._clock
 
     def _copy_in(self, adapter: LoRAAdapter, slot: int) -> None:
-        for m in MODULES:
-            self.a[m][:, slot].zero_()
-            self.b[m][:, slot].zero_()
+        self._clear(slot)
         for (layer, m), lora in adapter.modules.items():
             rank = lora.a.shape[0]
             self.a[m][layer, slot, :rank].copy_(lora.a)
-            self.b[m][layer, slot, :, :rank].copy_(lora.b)
+            self.b[m][layer, slot, :rank].copy_(lora.b.T)
+            parts = lora.b.T.tensor_split(self.part_ends[m][:-1], dim=1)
+            self.used[m][layer, slot, :rank] = torch.stack([p.ne(0).any(dim=1) for p in parts], dim=1).to(torch.uint8)
+
+    def _clear(self, slot: int) -> None:
+        for m in MODULES:
+            self.a[m][:, slot].zero_()
+            self.b[m][:, slot].zero_()
+            self.used[m][:, slot].zero_()
+
+    def slot_bytes(self) -> int:
+        """The device memory one slot takes (an adapter's matrices at the slots' rank)."""
+        return sum((self.a[m][:, 0].nbytes + self.b[m][:, 0].nbytes) for m in MODULES)
 
     def batch(self, slots: torch.Tensor) -> LoRABatch | None:
         """The pass's deltas for rows whose slots are given ([T] on the device); None if no row
@@ -111,6 +127,6 @@ class LoRABatch:
         """y (x's product with the base weight) plus each row's adapter delta."""
         a, b = self.pool.a[module][layer], self.pool.b[module][layer]
         for slot, rows in self.segments:
-            delta = (x.index_select(0, rows).float() @ a[slot].T) @ b[slot].T
+            delta = (x.index_select(0, rows).float() @ a[slot].T) @ b[slot]
             y = y.index_add(0, rows, delta.to(y.dtype))
         return y

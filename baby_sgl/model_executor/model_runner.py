@@ -23,7 +23,7 @@ from baby_sgl.layers.linear import Linear, can_prepack
 from baby_sgl.layers.moe import SparseMoE
 from baby_sgl.model_executor.compile import CompiledDense, device_needs_cxx
 from baby_sgl.cpu import decode_step
-from baby_sgl.lora.memory_pool import LoRAMemoryPool
+from baby_sgl.lora.memory_pool import LoRABatch, LoRAMemoryPool
 from baby_sgl.models.llama import (EAGER, DenseFns, LlamaForCausalLM, attention_in, attention_out_mlp,
                                    attention_out_moe, attention_out_sandwich)
 from baby_sgl.models.registry import get_model_class
@@ -177,7 +177,7 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb, dense, logits=self.is_leader)
 
-    def _lora_batch(self, slots: list[int], extend_seq_lens: list[int]):
+    def _lora_batch(self, slots: list[int], extend_seq_lens: list[int]) -> LoRABatch | None:
         """The pass's adapters, each token row with its request's slot."""
         assert self.lora_pool is not None
         per_token = torch.tensor(slots, device=self.device).repeat_interleave(

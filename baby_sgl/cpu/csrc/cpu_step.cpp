@@ -5,7 +5,8 @@
 // each head, KV write, attention over the request's slots in the paged pool — its last `window`
 // ones in a windowed layer —, o_proj, residual, RMSNorm, the MLP (gate/up, SiLU or GELU-tanh,
 // down) or a mixture of experts, residual; Gemma's norms around each sublayer), the final norm and
-// the logits (soft-capped where the model says). Activations stay float32 throughout (the KV pool keeps its
+// the logits (soft-capped where the model says). Each row may add its own LoRA adapter's deltas to
+// the projections (lora_add). Activations stay float32 throughout (the KV pool keeps its
 // element type: float32, bfloat16, or 1-byte fp8 / int8 with a scale per slot and head). The
 // threads of a StepTeam run all of it: each op splits its outputs among them and a barrier
 // separates it from the next, so they spin between ops instead of being put to sleep and woken
@@ -55,12 +56,17 @@ struct Fused {
   int64_t n = 0, k = 0;
 };
 
-// The LoRA adapters' slots of one projection (lora/memory_pool.py): A [slots, rank, k] and
-// B [slots, n, rank], float32, the scale folded into B; a is null when none are served.
+// The LoRA adapters' slots of one projection (lora/memory_pool.py): A [slots, rank, k] and B
+// transposed, [slots, rank, n], float32, the scale folded into B; a is null when none are served.
+// The projection's outputs are parts (q, k, v; gate, up) ending at part_end; used [slots, rank,
+// parts] says which rows of B^T are not zero over which part (a fused adapter's parts each have
+// ranks of their own), so the zeros are skipped.
 struct LoRAStack {
   const float* a = nullptr;
   const float* b = nullptr;
+  const uint8_t* used = nullptr;
   int64_t slots = 0, rank = 0, k = 0, n = 0;
+  std::vector<int64_t> part_end;
 };
 
 // The output columns a thread writes in a projection's product: one run per part of a fused one.
@@ -76,6 +82,34 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float sum = hsum(acc);
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
+}
+
+// out[r] = a . x[r] for four rows x[r] at once (each as dot computes it): a is read once, and the
+// four sums are independent chains.
+inline void dot4(const float* a, const float* const* x, int64_t n, float* out) {
+  fv acc[4] = {splat(0.f), splat(0.f), splat(0.f), splat(0.f)};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const fv av = loadv(a + i);
+    for (int r = 0; r < 4; ++r) acc[r] += av * loadv(x[r] + i);
+  }
+  for (int r = 0; r < 4; ++r) {
+    out[r] = hsum(acc[r]);
+    for (int64_t k = i; k < n; ++k) out[r] += a[k] * x[r][k];
+  }
+}
+
+// y[i] += sum over q of a[q] x[q][i], for i in [0, n), the q in order (a row's outputs of B^T's
+// rows x): each y vector is read and written once.
+inline void axpy_rows(const float* a, const float* const* x, int count, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    fv acc = loadv(y + i);
+    for (int q = 0; q < count; ++q) acc += splat(a[q]) * loadv(x[q] + i);
+    storev(y + i, acc);
+  }
+  for (; i < n; ++i)
+    for (int q = 0; q < count; ++q) y[i] += a[q] * x[q][i];
 }
 
 struct Layer {
@@ -256,8 +290,14 @@ class DecodeStep {
                   "lora_slots: int64, one per row");
       TORCH_CHECK(layers_[0].lora_qkv.a != nullptr, "lora_slots given to a step built without adapter slots");
       lora = lora_slots.data_ptr<int64_t>();
-      for (int64_t m = 0; m < rows; ++m)
+      lora_rows_.assign(layers_[0].lora_qkv.slots, {});
+      for (int64_t m = 0; m < rows; ++m) {
         TORCH_CHECK(lora[m] >= -1 && lora[m] < layers_[0].lora_qkv.slots, "LoRA slot out of range");
+        if (lora[m] >= 0) lora_rows_[lora[m]].push_back(m);
+      }
+      int64_t rank = 0;
+      for (const Layer& l : layers_) rank = std::max({rank, l.lora_qkv.rank, l.lora_o.rank, l.lora_gate_up.rank, l.lora_down.rank});
+      lora_t_.resize(rows * rank);
     }
     at::Tensor logits = at::empty({rows, vocab_}, input_ids.options().dtype(at::kFloat));
     if (!scratch_ || scratch_->rows < rows) {  // kept between steps: fresh pages each step cost faults
@@ -266,7 +306,7 @@ class DecodeStep {
     }
     Scratch& s = *scratch_;
     Batch b{rows, ids, positions.data_ptr<int64_t>(), out_cache_loc.data_ptr<int64_t>(), req_to_token.data_ptr<int64_t>(),
-            req_to_token.size(1), req, lens, logits.data_ptr<float>(), lora};
+            req_to_token.size(1), req, lens, logits.data_ptr<float>(), lora != nullptr ? &lora_rows_ : nullptr};
     {
       py::gil_scoped_release no_gil;
       dispatch_kv(k_buffers_[0].scalar_type(), [&](auto* tag) {
@@ -283,7 +323,7 @@ class DecodeStep {
     int64_t width;
     const int64_t *req, *lens;
     float* logits;
-    const int64_t* lora;  // each row's adapter slot (-1: none); null: no adapters
+    const std::vector<std::vector<int64_t>>* lora;  // the rows of each adapter slot; null: no adapters
   };
   // Activations (every value is written before it is read in a step).
   using Buffer = AlignedBuffer<float>;
@@ -330,14 +370,20 @@ class DecodeStep {
   }
 
   LoRAStack lora_stack(py::tuple t, int64_t k, int64_t n) {
-    const auto a = t[0].cast<at::Tensor>(), b = t[1].cast<at::Tensor>();
+    const auto a = t[0].cast<at::Tensor>(), b = t[1].cast<at::Tensor>(), used = t[2].cast<at::Tensor>();
+    const auto part_end = t[3].cast<std::vector<int64_t>>();
+    TORCH_CHECK(used.scalar_type() == at::kByte && used.is_contiguous() && used.dim() == 3 &&
+                    used.size(0) == a.size(0) && used.size(1) == a.size(1) &&
+                    used.size(2) == static_cast<int64_t>(part_end.size()) && !part_end.empty() && part_end.back() == n,
+                "LoRA slots' used rows must be uint8 [slots, rank, parts], the parts ending at the outputs' end");
+    keep_.push_back(used);
     TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && a.is_contiguous() &&
-                    b.is_contiguous() && a.dim() == 3 && b.dim() == 3 && a.size(2) == k && b.size(1) == n &&
-                    b.size(0) == a.size(0) && b.size(2) == a.size(1),
-                "LoRA slots must be contiguous float32 A [slots, rank, in] and B [slots, out, rank]");
+                    b.is_contiguous() && a.dim() == 3 && b.dim() == 3 && a.size(2) == k && b.size(2) == n &&
+                    b.size(0) == a.size(0) && b.size(1) == a.size(1),
+                "LoRA slots must be contiguous float32 A [slots, rank, in] and B^T [slots, rank, out]");
     keep_.push_back(a);
     keep_.push_back(b);
-    return {a.data_ptr<float>(), b.data_ptr<float>(), a.size(0), a.size(1), k, n};
+    return {a.data_ptr<float>(), b.data_ptr<float>(), used.data_ptr<uint8_t>(), a.size(0), a.size(1), k, n, part_end};
   }
 
   static Columns columns(const Weight& w, int tid, int nt) {
@@ -359,26 +405,68 @@ class DecodeStep {
     return c;
   }
 
-  // Adds each row's adapter delta (x A^T) B^T to the columns of out [rows, ldo] this thread
-  // computed (so no barrier is needed); x's rows are l.k wide. Every thread computes x A^T whole:
-  // a rank's worth of values per row.
+  // The first half of each row's adapter delta (x A^T) B^T: t = x A^T into lora_t_ [rows, rank]
+  // (x's rows l.k wide), this thread's share of each adapter's rank rows, so that its matrices are
+  // read once per pass: then a barrier, then lora_expand. An adapter's rows go together.
+  void lora_shrink(const LoRAStack& l, const Batch& b, const float* x, int tid, int nt) {
+    for (size_t slot = 0; slot < b.lora->size(); ++slot) {
+      const std::vector<int64_t>& rows = (*b.lora)[slot];
+      if (rows.empty()) continue;
+      int64_t j0, j1;
+      split_range(l.rank, tid, nt, j0, j1);
+      const float* a = l.a + slot * l.rank * l.k;
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* aj = a + j * l.k;
+        size_t r = 0;
+        for (; r + 4 <= rows.size(); r += 4) {
+          const float* xs[4] = {x + rows[r] * l.k, x + rows[r + 1] * l.k, x + rows[r + 2] * l.k, x + rows[r + 3] * l.k};
+          float t[4];
+          dot4(aj, xs, l.k, t);
+          for (int q = 0; q < 4; ++q) lora_t_[rows[r + q] * l.rank + j] = t[q];
+        }
+        for (; r < rows.size(); ++r) lora_t_[rows[r] * l.rank + j] = dot(aj, x + rows[r] * l.k, l.k);
+      }
+    }
+  }
+
+  // The second half: adds t_j times row j of B^T to the columns of out [rows, ldo] this thread
+  // computed in the projection (no barrier before the next op's), j in order, skipping the rows of
+  // B^T that are zero over a part.
+  template <typename W>
+  void lora_expand(const LoRAStack& l, const W& w, const Batch& b, float* out, int64_t ldo, int tid, int nt) const {
+    const Columns c = columns(w, tid, nt);
+    std::vector<const float*> bj(l.rank);
+    std::vector<float> tj(l.rank);
+    for (size_t slot = 0; slot < b.lora->size(); ++slot) {
+      const std::vector<int64_t>& rows = (*b.lora)[slot];
+      const float* bt = l.b + slot * l.rank * l.n;
+      const uint8_t* used = l.used + slot * l.rank * l.part_end.size();
+      for (int i = 0; i < c.count && !rows.empty(); ++i) {
+        for (size_t p = 0, p0 = 0; p < l.part_end.size(); p0 = l.part_end[p++]) {
+          const int64_t c0 = std::max<int64_t>(c.begin[i], p0), c1 = std::min(c.end[i], l.part_end[p]);
+          std::vector<int64_t> js;
+          for (int64_t j = 0; j < l.rank && c0 < c1; ++j)
+            if (used[j * l.part_end.size() + p]) js.push_back(j);
+          for (size_t q = 0; q < js.size(); ++q) bj[q] = bt + js[q] * l.n + c0;
+          for (const int64_t m : rows) {
+            if (js.empty()) break;
+            for (size_t q = 0; q < js.size(); ++q) tj[q] = lora_t_[m * l.rank + js[q]];
+            axpy_rows(tj.data(), bj.data(), static_cast<int>(js.size()), out + m * ldo + c0, c1 - c0);
+          }
+        }
+      }
+    }
+  }
+
+  // Each row's adapter delta added to out (a projection's product, w's, of x), if the pass has
+  // adapters: lora_shrink, a barrier, lora_expand.
   template <typename W>
   void lora_add(const LoRAStack& l, const W& w, const Batch& b, const float* x, float* out, int64_t ldo, int tid,
-                int nt) const {
+                int nt) {
     if (b.lora == nullptr || l.a == nullptr) return;
-    const Columns c = columns(w, tid, nt);
-    thread_local std::vector<float> t;
-    t.resize(l.rank);
-    for (int64_t m = 0; m < b.rows; ++m) {
-      const int64_t slot = b.lora[m];
-      if (slot < 0) continue;
-      const float* a = l.a + slot * l.rank * l.k;
-      for (int64_t j = 0; j < l.rank; ++j) t[j] = dot(a + j * l.k, x + m * l.k, l.k);
-      const float* bs = l.b + slot * l.n * l.rank;
-      float* o = out + m * ldo;
-      for (int i = 0; i < c.count; ++i)
-        for (int64_t j = c.begin[i]; j < c.end[i]; ++j) o[j] += dot(bs + j * l.rank, t.data(), l.rank);
-    }
+    lora_shrink(l, b, x, tid, nt);
+    team_.barrier();
+    lora_expand(l, w, b, out, ldo, tid, nt);
   }
 
   const float* keep_float(const at::Tensor& t, int64_t n = -1) {
@@ -712,6 +800,8 @@ class DecodeStep {
   bool int8_activations_;  // a few rows times quantized weights go in int8 (int8_products.h)
   StepTeam team_;
   std::unique_ptr<Scratch> scratch_;  // run() is called by one thread at a time (the scheduler's)
+  std::vector<std::vector<int64_t>> lora_rows_;  // this pass's rows of each adapter slot
+  std::vector<float> lora_t_;  // x A^T of the current projection, [rows, rank] (lora_shrink)
   at::Tensor cos_, sin_, local_cos_, local_sin_;
   std::vector<at::Tensor> k_buffers_, v_buffers_, k_scales_, v_scales_, keep_;
   Weight embed_, lm_head_;
