@@ -128,5 +128,5 @@ class LoRABatch:
         a, b = self.pool.a[module][layer], self.pool.b[module][layer]
         for slot, rows in self.segments:
             delta = (x.index_select(0, rows).float() @ a[slot].T) @ b[slot]
-            y = y.index_add(0, rows, delta.to(y.dtype))
+            y.index_add_(0, rows, delta.to(y.dtype))  # y is the projection's own fresh output
         return y
