@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from baby_sgl import Engine
 from baby_sgl.cpu import toolchain
 from peft_adapters import ATTENTION, EVERY, PHI3_EVERY, AdapterSpec, make_adapter, peft_greedy
-from helpers import CONFIGS, GREEDY, random_prompts, shared_prefix_prompts
+from helpers import ARCHS, CONFIGS, GREEDY, build_for, random_prompts, shared_prefix_prompts
 
 MAX_NEW = 10
 NAMES = ("a", "b", "c")
@@ -109,3 +109,17 @@ def test_fused_parts_land_in_their_rows(tiny_llama, tmp_path):
     assert torch.count_nonzero(qkv_b[:q]) == 0 and torch.count_nonzero(qkv_b[q + kv :]) == 0
     assert torch.count_nonzero(qkv_b[q : q + kv]) > 0
     assert torch.count_nonzero(gate_up_b[: cfg.intermediate_size]) == 0
+
+
+@pytest.mark.cpu_only("the CPU's one-call decode step")
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "native"])
+def test_every_instruction_set_gives_peft_ids(cases, arch, monkeypatch):
+    """The one-call step's adapter deltas built for AVX2 (x86-64-v3) and for no SIMD (x86-64)."""
+    base, lora_paths, prompts, expected = cases("tiny_llama")
+    build_for(arch, monkeypatch)
+    with Engine(base, dtype="float32", lora_paths=lora_paths, page_size=4) as engine:
+        assert engine.runner.step is not None
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW},
+                               lora_path=MIXES)
+        assert [o["output_ids"] for o in outs] == expected
+        engine.check_memory()
