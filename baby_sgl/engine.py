@@ -365,10 +365,10 @@ class Engine:
 
     def _add_lora(self, ref: LoRARef, adapter: LoRAAdapter) -> None:
         registry = self._lora_registry()
-        registry.begin_load(ref)
+        ref = registry.begin_load(ref)
         ok = False
         try:
-            self.scheduler.call(lambda: self.lora_pool.add(adapter, ref.pinned))
+            self.scheduler.call(lambda: self.lora_pool.add(ref.lora_id, adapter, ref.pinned))
             ok = True
         finally:
             registry.finish_load(ref, ok)
@@ -377,10 +377,10 @@ class Engine:
         """Stops serving the adapter: new requests naming it are refused at once, and it is
         unloaded when the requests running with it have finished (this call waits for them)."""
         registry = self._lora_registry()
-        registry.remove(lora_name)
-        while self.scheduler.call(lambda: self.scheduler.uses_lora(lora_name)):
+        lora_id = registry.remove(lora_name).lora_id
+        while self.scheduler.call(lambda: self.scheduler.uses_lora(lora_id)):
             time.sleep(_LORA_UNLOAD_POLL_S)
-        self.scheduler.call(lambda: self.lora_pool.remove(lora_name))
+        self.scheduler.call(lambda: self.lora_pool.remove(lora_id))
         return {"success": True, "loaded_adapters": {r.lora_name: r.lora_path for r in registry.refs()}}
 
     def lora_adapters(self) -> list[LoRARef]:

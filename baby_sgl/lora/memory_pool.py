@@ -35,26 +35,26 @@ class LoRAMemoryPool:
         self.part_ends = {m: list(itertools.accumulate(shapes[m][1])) for m in MODULES}
         self.used = {m: torch.zeros(cfg.num_layers, self.num_slots, RANK_SLOTS[m] * max_lora_rank,
                                     len(shapes[m][1]), dtype=torch.uint8, device=device) for m in MODULES}
-        self.adapters: dict[str, LoRAAdapter] = {}  # loaded (host copies), by name
+        self.adapters: dict[str, LoRAAdapter] = {}  # loaded (host copies), by id (registry.py)
         self.pinned: set[str] = set()
         self.slot_of: dict[str, int] = {}
         self._uses: dict[str, int] = {}  # per slotted adapter: the pass it was last used in (lru) or loaded (fifo)
         self._clock = 0
 
     # ---- loading and unloading -----------------------------------------------------------
-    def add(self, adapter: LoRAAdapter, pinned: bool = False) -> None:
+    def add(self, lora_id: str, adapter: LoRAAdapter, pinned: bool = False) -> None:
         if pinned and len(self.pinned) + 1 >= self.num_slots:
             raise ValueError(f"pinning {adapter.name!r} would leave no --max-loras-per-batch slot for other adapters")
-        self.adapters[adapter.name] = adapter
+        self.adapters[lora_id] = adapter
         if pinned:
-            self.pinned.add(adapter.name)
-            self._assign([adapter.name], {adapter.name})
+            self.pinned.add(lora_id)
+            self._assign([lora_id], {lora_id})
 
-    def remove(self, name: str) -> None:
-        self.adapters.pop(name)
-        self.pinned.discard(name)
-        slot = self.slot_of.pop(name, None)
-        self._uses.pop(name, None)
+    def remove(self, lora_id: str) -> None:
+        self.adapters.pop(lora_id)
+        self.pinned.discard(lora_id)
+        slot = self.slot_of.pop(lora_id, None)
+        self._uses.pop(lora_id, None)
         if slot is not None:
             self._clear(slot)
 
@@ -64,7 +64,8 @@ class LoRAMemoryPool:
 
     # ---- a pass --------------------------------------------------------------------------
     def prepare(self, names: list[str | None]) -> list[int]:
-        """Each row's slot (NO_ADAPTER for the base model), copying in the adapters not slotted."""
+        """Each row's slot (NO_ADAPTER for the base model), given its adapter's id, copying in
+        the adapters not slotted."""
         self._clock += 1
         wanted = {n for n in names if n is not None}
         assert self.fits(wanted), f"{len(wanted)} adapters in one pass, {self.num_slots} slots"

@@ -1,10 +1,13 @@
 """The adapters clients may name, as SGLang's LoRA registry in its tokenizer manager: filled by
 --lora-paths and /load_lora_adapter, emptied by /unload_lora_adapter. A request's lora_path is
-checked here before it reaches the scheduler (an unknown name is the client's error); an
-adapter being unloaded is no longer given out, so its requests run out."""
+checked here before it reaches the scheduler (an unknown name is the client's error) and becomes
+the adapter's id: unique to each load (as SGLang's lora_id), so an adapter loaded again under
+its name, maybe from other files, never finds the KV its predecessor computed in the radix
+cache. An adapter being unloaded is no longer given out, so its requests run out."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ class LoRARef:
     lora_name: str
     lora_path: str
     pinned: bool = False
+    lora_id: str = ""  # given by the registry at load: the name and the load's number
 
 
 def parse_lora_path(item: str | dict) -> LoRARef:
@@ -46,9 +50,11 @@ class LoRARegistry:
         self._lock = threading.Lock()
         self._refs: dict[str, LoRARef] = {}
         self._loading: set[str] = set()
+        self._loads = itertools.count(1)
 
-    def begin_load(self, ref: LoRARef) -> None:
-        """Reserves the name for an adapter being loaded (not given out until finish_load)."""
+    def begin_load(self, ref: LoRARef) -> LoRARef:
+        """Reserves the name for an adapter being loaded (not given out until finish_load);
+        returns the ref with its id."""
         with self._lock:
             if not ref.lora_name or ref.lora_name in self._refs or ref.lora_name in self._loading:
                 raise LoRAError(f"LoRA adapter name {ref.lora_name!r} is empty or already loaded")
@@ -56,6 +62,7 @@ class LoRARegistry:
                 raise LoRAError(f"cannot load LoRA adapter {ref.lora_name!r}: --max-loaded-loras "
                                 f"{self.max_loaded_loras} adapters are loaded; unload one first")
             self._loading.add(ref.lora_name)
+            return LoRARef(ref.lora_name, ref.lora_path, ref.pinned, f"{ref.lora_name}#{next(self._loads)}")
 
     def finish_load(self, ref: LoRARef, ok: bool) -> None:
         with self._lock:
@@ -71,12 +78,12 @@ class LoRARegistry:
             return self._refs.pop(name)
 
     def resolve(self, name: str) -> str:
-        """The adapter a request names (its lora_path, or the model's adapter part)."""
+        """The id of the adapter a request names (its lora_path, or the model's adapter part)."""
         with self._lock:
             if name not in self._refs:
                 known = ", ".join(sorted(self._refs)) or "none"
                 raise LoRAError(f"unknown LoRA adapter {name!r} (loaded: {known})")
-            return name
+            return self._refs[name].lora_id
 
     def refs(self) -> list[LoRARef]:
         with self._lock:

@@ -44,7 +44,7 @@ def test_a_pass_evicts_by_policy_and_never_a_pinned_adapter(policy, evicted):
     pool = LoRAMemoryPool(CFG, max_loras_per_batch=3, max_lora_rank=1, device=torch.device("cpu"),
                           eviction_policy=policy)
     for name, pinned in (("p", True), ("a", False), ("bb", False), ("ccc", False)):
-        pool.add(adapter(name), pinned)
+        pool.add(name, adapter(name), pinned)
     assert pool.prepare(["a", None]) == [pool.slot_of["a"], NO_ADAPTER]
     pool.prepare(["bb"])
     pool.prepare(["a"])  # a used last: lru evicts bb; fifo evicts a, slotted first
