@@ -96,7 +96,8 @@ class EngineArgs:
         "help": "LoRA adapters (PEFT directories) loaded at start: PATH, NAME=PATH, or JSON "
                 "{\"lora_name\": ..., \"lora_path\": ..., \"pinned\": true}", "whole_items": True})
     max_loras_per_batch: int = _setting(8, "distinct LoRA adapters in one batch at most (the adapter slots)")
-    max_loaded_loras: int | None = _setting(None, "LoRA adapters loaded at once at most (default: no limit)")
+    max_loaded_loras: int | None = _setting(None, "LoRA adapters loaded at once at most, >= --max-loras-per-batch "
+                                                  "(default: no limit)")
     max_lora_rank: int | None = _setting(None, "largest LoRA rank served (default: the largest of --lora-paths, "
                                                "else 16); sizes the adapter slots")
     lora_target_modules: tuple[str, ...] = _setting(
@@ -156,6 +157,8 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError("max_loaded_loras must be >= max_loras_per_batch (as SGLang)")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

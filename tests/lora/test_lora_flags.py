@@ -27,6 +27,21 @@ def test_lora_paths_take_sglangs_three_forms():
         parse_lora_path('{"lora_name": "x"}')
     with pytest.raises(ValueError, match="lora_eviction_policy"):
         EngineArgs(lora_eviction_policy="random")
+    with pytest.raises(ValueError, match="max_loaded_loras must be >= max_loras_per_batch"):
+        EngineArgs(max_loaded_loras=2, max_loras_per_batch=4)
+
+
+def test_lora_target_modules_bound_what_an_adapter_may_change(tiny_llama, tmp_path):
+    from baby_sgl.lora.adapter import LoRAError, load_adapter
+    from transformers import AutoConfig
+
+    from peft_adapters import AdapterSpec, make_adapter
+
+    path = make_adapter(tiny_llama, tmp_path / "qo", AdapterSpec(4, 8, ("q_proj", "o_proj")), 3)
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(tiny_llama).to_dict())
+    assert load_adapter("qo", path, cfg, 8, frozenset({"q_proj", "o_proj"})).targets == {"q_proj", "o_proj"}
+    with pytest.raises(LoRAError, match="'qo': target module 'o_proj' is not in --lora-target-modules"):
+        load_adapter("qo", path, cfg, 8, frozenset({"q_proj", "k_proj"}))
 
 
 CFG = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 16, "hidden_size": 8,
