@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import queue
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,6 +38,8 @@ from baby_sgl.core.sampling_params import SamplingParams, ServerGrammar
 from baby_sgl.server_args import SERVER_ONLY, EngineArgs
 from baby_sgl.threads import fit_threads_to_cores, run_in_own_thread
 from baby_sgl.validation import validate
+from baby_sgl.lora.adapter import LoRAAdapter, load_adapter
+from baby_sgl.lora.registry import LoRARef, LoRARegistry, parse_lora_path
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ _CPU_MAX_TOTAL_TOKENS = 32768  # KV pool cap on CPU when max_total_tokens is not
 CPU_MIXED_CHUNK_SIZE = 64  # default prefill chunk on CPU with --enable-mixed-chunk (see Engine._chunk_size)
 _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _OUTPUT_POLL_S = 0.5  # how often a caller waiting for outputs checks that the engine still runs
+_LORA_UNLOAD_POLL_S = 0.02  # how often an unload looks whether the adapter's requests have finished
+DEFAULT_MAX_LORA_RANK = 16  # the adapter slots' rank without --max-lora-rank or --lora-paths
 
 
 class Engine:
@@ -119,8 +124,25 @@ class Engine:
         self.tokenizer_manager = TokenizerManager(self.tokenizer, cfg.vocab_size, self.sampling_defaults, self.grammars,
                                                   self.context_len, self.max_total_tokens, self.max_input_len)
         self.runner = runner  # the engine's own: what it serves with (its step, compiled graphs, model)
+        initial_loras = self._enable_lora(cfg) if args.enable_lora else []
         self.scheduler = Scheduler(args, runner, self.tokenizer, self.eos_token_ids, self.max_total_tokens,
                                    self.context_len, self.max_input_len)
+        for ref, adapter in initial_loras:
+            self._add_lora(ref, adapter)
+
+    def _enable_lora(self, cfg: ModelConfig) -> list[tuple[LoRARef, LoRAAdapter]]:
+        """The adapter slots and registry; the --lora-paths adapters read and checked (the slots'
+        rank is the largest of theirs unless --max-lora-rank says)."""
+        args = self.engine_args
+        refs = [parse_lora_path(item) for item in args.lora_paths]
+        targets = set(args.lora_target_modules)
+        self.lora_targets = None if not targets or "all" in targets else frozenset(targets)
+        loaded = [(ref, load_adapter(ref.lora_name, ref.lora_path, cfg, args.max_lora_rank or 1 << 16,
+                                     self.lora_targets)) for ref in refs]
+        self.max_lora_rank = args.max_lora_rank or max((a.rank for _, a in loaded), default=DEFAULT_MAX_LORA_RANK)
+        self.lora_pool = self.runner.enable_lora(args.max_loras_per_batch, self.max_lora_rank, args.lora_eviction_policy)
+        self.tokenizer_manager.lora_registry = LoRARegistry(args.max_loaded_loras)
+        return loaded
 
     def _serve_quantized(self) -> bool:
         """Whether a GGUF's quantized matrices stay as they are (see layers/quantization.py)."""
@@ -211,7 +233,7 @@ class Engine:
                input_ids: list[int] | None = None, rid: str | None = None, stream: bool = False,
                on_output: Callable[[dict], None] | None = None, session_params: dict | None = None,
                partial_logprobs: bool = True, server_grammar: ServerGrammar | None = None,
-               **logprob_options: Any) -> list[Req]:
+               lora_path: str | None = None, **logprob_options: Any) -> list[Req]:
         """Starts one request (n of them if sampling_params has n > 1) and returns at once.
         on_output(chunk) is called from the scheduler thread with each new piece (stream) or
         only the final result; chunk["finished"] tells which. Each piece's logprob lists hold only
@@ -219,10 +241,10 @@ class Engine:
         output does; partial_logprobs=False leaves them out of every piece but the last, which then
         holds them all (for a consumer that only keeps the end). logprob_options: as `generate`.
         server_grammar: the constraint a server front end built for the request (chat tools).
-        Raises ValueError on bad input."""
+        lora_path: the name of the LoRA adapter to run with. Raises ValueError on bad input."""
         self.tokenizer_manager.check_session_logprobs(session_params, logprob_options)
-        made, _ = self.tokenizer_manager.make_reqs(prompt, input_ids, sampling_params, rid,
-                                                   server_grammar=server_grammar, **logprob_options)
+        made, _ = self.tokenizer_manager.make_reqs(prompt, input_ids, sampling_params, rid, server_grammar=server_grammar,
+                                                   lora_path=lora_path, **logprob_options)
         reqs = [r for r in made if isinstance(r, Req)]
         if len(reqs) < len(made):
             raise next(e for e in made if isinstance(e, ValueError))
@@ -256,18 +278,22 @@ class Engine:
                  rid: str | list[str] | None = None, return_logprob: bool = False,
                  top_logprobs_num: int = 0, session_params: dict | None = None, logprob_start_len: int = -1,
                  token_ids_logprob: list[int] | None = None,
-                 return_text_in_logprobs: bool = False) -> dict | list[dict] | Iterator[dict]:
+                 return_text_in_logprobs: bool = False,
+                 lora_path: str | list[str | None] | None = None) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> a dict; several -> a list. A bad request raises ValueError when alone;
         inside a batch it gets an `error` result and the others still run. With session_params
         ({"id", "rid", "offset", "replace", "drop_previous_output"}) the prompt is a turn of an
         open session (see open_session). Logprobs as SGLang: return_logprob adds the output
         tokens' to meta_info, logprob_start_len >= 0 the prompt's from that position,
-        top_logprobs_num the k best of each, token_ids_logprob those of the given ids."""
+        top_logprobs_num the k best of each, token_ids_logprob those of the given ids. lora_path:
+        the LoRA adapter (its name) of every prompt, or a list with each prompt's (None: the base
+        model)."""
         options: dict[str, Any] = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
                                    "logprob_start_len": logprob_start_len, "token_ids_logprob": token_ids_logprob,
                                    "return_text_in_logprobs": return_text_in_logprobs}
         self.tokenizer_manager.check_session_logprobs(session_params, options)
-        reqs, single = self.tokenizer_manager.make_reqs(prompt, input_ids, sampling_params, rid, **options)
+        reqs, single = self.tokenizer_manager.make_reqs(prompt, input_ids, sampling_params, rid, lora_path=lora_path,
+                                                        **options)
         if single and len(reqs) == 1 and isinstance(reqs[0], ValueError):
             raise reqs[0]
         outputs: queue.Queue[ReqOutput] = queue.Queue()
@@ -325,6 +351,47 @@ class Engine:
     def token_text(self, token: int) -> str:
         """One token's text, special tokens included."""
         return self.tokenizer_manager.token_text(token)
+
+    # ---- LoRA adapters ---------------------------------------------------------------------
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict[str, Any]:
+        """Reads, checks and serves a PEFT adapter under lora_name (LoRAError, a ValueError, naming
+        the problem); pinned keeps it in its batch slot. Returns SGLang's answer plus the load time."""
+        registry = self._lora_registry()
+        ref = LoRARef(lora_name, lora_path, pinned)
+        t0 = time.perf_counter()
+        adapter = load_adapter(lora_name, lora_path, self.model_config, self.max_lora_rank, self.lora_targets)
+        self._add_lora(ref, adapter)
+        return {"success": True, "loaded_adapters": {r.lora_name: r.lora_path for r in registry.refs()},
+                "load_time_s": time.perf_counter() - t0, "adapter_bytes": adapter.nbytes()}
+
+    def _add_lora(self, ref: LoRARef, adapter: LoRAAdapter) -> None:
+        registry = self._lora_registry()
+        ref = registry.begin_load(ref)
+        ok = False
+        try:
+            self.scheduler.call(lambda: self.lora_pool.add(ref.lora_id, adapter, ref.pinned))
+            ok = True
+        finally:
+            registry.finish_load(ref, ok)
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Stops serving the adapter: new requests naming it are refused at once, and it is
+        unloaded when the requests running with it have finished (this call waits for them)."""
+        registry = self._lora_registry()
+        lora_id = registry.remove(lora_name).lora_id
+        while self.scheduler.call(lambda: self.scheduler.uses_lora(lora_id)):
+            time.sleep(_LORA_UNLOAD_POLL_S)
+        self.scheduler.call(lambda: self.lora_pool.remove(lora_id))
+        return {"success": True, "loaded_adapters": {r.lora_name: r.lora_path for r in registry.refs()}}
+
+    def lora_adapters(self) -> list[LoRARef]:
+        """The adapters served now."""
+        return [] if self.tokenizer_manager.lora_registry is None else self.tokenizer_manager.lora_registry.refs()
+
+    def _lora_registry(self) -> LoRARegistry:
+        if self.tokenizer_manager.lora_registry is None:
+            raise ValueError("LoRA adapters are not served: start the engine with enable_lora=True or lora_paths")
+        return self.tokenizer_manager.lora_registry
 
     # ---- sessions ------------------------------------------------------------------------
     def open_session(self, capacity_of_str_len: int, session_id: str | None = None, streaming: bool = False,

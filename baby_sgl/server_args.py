@@ -21,6 +21,10 @@ TOOL_CALL_PARSER_NAMES = ("qwen25", "qwen", "hermes", "llama3", "mistral", "pyth
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 CPU_INT8_ACTIVATIONS_CHOICES = ("auto", "on", "off")
 KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float32", "fp8_e5m2", "fp8_e4m3", "int8")  # core/kv_cache_dtype.py
+LORA_EVICTION_POLICIES = ("lru", "fifo")
+# PEFT's names of the projections an adapter may change (lora/adapter.py), and "all".
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj",
+                       "gate_up_proj", "all")
 
 
 def _setting(default: Any, help: str) -> Any:
@@ -92,6 +96,18 @@ class EngineArgs:
     speculative_ngram_capacity: int = _setting(
         50_000, "tokens of the prefix cache's text indexed for drafts, the oldest dropped first (about 2 KB "
                 "of memory each with the default windows)")
+    enable_lora: bool = _setting(False, "serve LoRA adapters (on with --lora-paths)")
+    lora_paths: tuple[Any, ...] = field(default=(), metadata={
+        "help": "LoRA adapters (PEFT directories) loaded at start: PATH, NAME=PATH, or JSON "
+                "{\"lora_name\": ..., \"lora_path\": ..., \"pinned\": true}", "whole_items": True})
+    max_loras_per_batch: int = _setting(8, "distinct LoRA adapters in one batch at most (the adapter slots)")
+    max_loaded_loras: int | None = _setting(None, "LoRA adapters loaded at once at most, >= --max-loras-per-batch "
+                                                  "(default: no limit)")
+    max_lora_rank: int | None = _setting(None, "largest LoRA rank served (default: the largest of --lora-paths, "
+                                               "else 16); sizes the adapter slots")
+    lora_target_modules: tuple[str, ...] = _setting(
+        (), "projections adapters may change: " + ", ".join(LORA_TARGET_MODULES) + " (default: all)")
+    lora_eviction_policy: str = _setting("lru", "which adapter leaves its slot for one a batch needs: lru or fifo")
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -129,9 +145,28 @@ class EngineArgs:
         if not 1 <= self.speculative_ngram_min_match_window_size <= self.speculative_ngram_max_match_window_size:
             raise ValueError("need 1 <= speculative_ngram_min_match_window_size <= "
                              "speculative_ngram_max_match_window_size")
+        self._check_lora()
         if self.tp_size > 1 and self.enable_torch_compile:
             raise ValueError("--enable-torch-compile does not work with --tp-size > 1 yet (the compiled layer "
                              "parts have no all-reduce inside); leave one of them out")
+
+    def _check_lora(self) -> None:
+        object.__setattr__(self, "lora_paths", tuple(self.lora_paths or ()))  # None: the flag not given
+        object.__setattr__(self, "lora_target_modules", tuple(split_list(self.lora_target_modules or ())))
+        if self.lora_paths:
+            object.__setattr__(self, "enable_lora", True)
+        if self.lora_eviction_policy not in LORA_EVICTION_POLICIES:
+            raise ValueError(f"lora_eviction_policy must be lru or fifo, got {self.lora_eviction_policy!r}")
+        unknown = set(self.lora_target_modules) - set(LORA_TARGET_MODULES)
+        if unknown:
+            raise ValueError(f"lora_target_modules: unknown module {sorted(unknown)[0]!r} (choose from "
+                             f"{', '.join(LORA_TARGET_MODULES)})")
+        for name in ("max_loras_per_batch", "max_loaded_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError("max_loaded_loras must be >= max_loras_per_batch (as SGLang)")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -142,6 +177,8 @@ class EngineArgs:
             help_ = f.metadata["help"] + (f" (default: {f.default})" if shown else "")
             if f.type == "bool":
                 parser.add_argument(flag, action="store_true", default=f.default, help=help_)
+            elif f.metadata.get("whole_items"):  # a list of items that may hold commas and spaces (JSON)
+                parser.add_argument(flag, nargs="+", action="extend", default=None, help=help_)
             elif f.type.startswith("tuple"):  # a list: comma or space separated, or the flag repeated
                 parser.add_argument(flag, action="extend", type=split_list, default=None, help=help_)
             else:

@@ -18,7 +18,7 @@ ROOT = pathlib.Path(baby_sgl.__file__).parent
 # Lowest first: a top-level module or a subpackage of baby_sgl may import only what comes before it.
 LAYERS = [
     "native_env", "errors", "validation", "cache_dirs", "trace", "threads", "model_config", "server_args", "cpu",
-    "constrained", "core", "layers", "model_loader", "distributed", "mem_cache", "sampling", "speculative", "attention",
+    "constrained", "core", "layers", "lora", "model_loader", "distributed", "mem_cache", "sampling", "speculative", "attention",
     "models", "cpu.decode_step",
     "model_executor", "distributed.tp_worker", "managers", "engine", "demo", "entrypoints", "launch_server", "cli",
     "bench", "__init__",

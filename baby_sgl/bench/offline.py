@@ -39,7 +39,8 @@ BENCH_SCHEMA = {"type": "array", "minItems": 1000, "items": {
                                      "ok": {"type": "boolean"}}, "required": ["id", "name", "ok"]}}
 
 
-def run_engine(engine: Engine, wl: Workload, constraint: dict | None = None) -> dict:
+def run_engine(engine: Engine, wl: Workload, constraint: dict | None = None,
+               lora_path: list[str | None] | None = None) -> dict:
     params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **(constraint or {})}
               for n in wl.output_lens]
     # Warm-up (and, with a constraint, its one compile, which is then cached).
@@ -49,7 +50,7 @@ def run_engine(engine: Engine, wl: Workload, constraint: dict | None = None) -> 
     engine.flush_cache()
     before = engine.get_server_info()
     t0 = time.perf_counter()
-    outs = cast(list[dict], engine.generate(input_ids=wl.prompts, sampling_params=params))
+    outs = cast(list[dict], engine.generate(input_ids=wl.prompts, sampling_params=params, lora_path=lora_path))
     dt = time.perf_counter() - t0
     extra = speculation_stats(before, engine.get_server_info())
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
@@ -80,13 +81,13 @@ def speculation_stats(before: dict, after: dict) -> dict:
             "spec_draft_accept_rate": accepted / max(after["spec_draft_tokens"] - before["spec_draft_tokens"], 1)}
 
 
-def run_one_batch(engine: Engine, wl: Workload) -> dict:
+def run_one_batch(engine: Engine, wl: Workload, lora_path: list[str | None] | None = None) -> dict:
     """Prefill latency of the whole batch, then the median decode step (streamed timestamps)."""
     params = {"max_new_tokens": wl.output_lens[0], "temperature": 0, "ignore_eos": True}
     engine.generate(input_ids=wl.prompts[:1], sampling_params={"max_new_tokens": 2})
     engine.flush_cache()
     stamps, t0 = [], time.perf_counter()
-    for chunk in engine.generate(input_ids=wl.prompts, sampling_params=params, stream=True):
+    for chunk in engine.generate(input_ids=wl.prompts, sampling_params=params, stream=True, lora_path=lora_path):
         if chunk["index"] == 0:
             stamps.append(time.perf_counter())
     steps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
@@ -196,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beside-engine", action="store_true",
                    help="run the workload again beside a second engine process on the same cores that serves the "
                         "same workload without pause; print the slowdown")
+    p.add_argument("--lora", action="store_true",
+                   help="run the workload again with its prompts spread over --lora-adapters random LoRA adapters "
+                        "of rank --lora-rank (mixed in every batch): the speed against the base model's, each "
+                        "adapter's load time and size")
+    p.add_argument("--lora-adapters", type=int, default=8, help="--lora: adapters (default: 8)")
+    p.add_argument("--lora-rank", type=int, default=16, help="--lora: their rank (default: 16)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     p.add_argument("--output-file", default=None, help="append the results as one JSON line")
     EngineArgs.add_cli_args(p)
@@ -219,6 +226,9 @@ def main(argv: list[str]) -> int:
         checkpoint = ensure_checkpoint(SHAPES[args.model_shape])
         kwargs["model_path"], hf_dir = checkpoint.gguf, checkpoint.hf_dir
     run: Callable[..., dict] = run_one_batch if args.workload == "one-batch" else run_engine
+    if args.lora:
+        kwargs |= {"enable_lora": True, "max_lora_rank": max(args.lora_rank, kwargs.get("max_lora_rank") or 0),
+                   "max_loras_per_batch": max(args.lora_adapters, kwargs["max_loras_per_batch"])}
     with Engine(**kwargs) as engine:
         wl = build_workload(args, engine)
         result = run(engine, wl)
@@ -230,6 +240,10 @@ def main(argv: list[str]) -> int:
         if "json-schema" in args.compare:
             report_constrained = run(engine, wl, {"json_schema": json.dumps(BENCH_SCHEMA)})
         neighbours = run_beside_neighbours(args, kwargs, engine, wl, run, result)
+        lora_paths = None
+        if args.lora:
+            lora_row, lora_paths = run_with_adapters(engine, wl, run, args.lora_adapters, args.lora_rank)
+            neighbours.append(lora_row)
         roofs = run_in_own_thread(lambda: measure_roofs(engine))  # see threads.py
         model_path, dtype = engine.model_path, engine.dtype
         memory = memory_budget(engine)
@@ -248,6 +262,9 @@ def main(argv: list[str]) -> int:
     for compare in args.compare:
         report["results"] += compare_with(compare, args, kwargs, wl, run, result, (model_path, hf_dir), dtype,
                                           report_constrained if compare == "json-schema" else None)
+        if compare == "vllm" and lora_paths is not None:  # the same adapters, against the LoRA row
+            report["results"].append(run_peer("vllm", model_path, dtype, wl, args.workload == "one-batch",
+                                              torch.get_num_threads(), lora_row, hf_dir=hf_dir, lora_paths=lora_paths))
     print_report(report)
     if args.output_file:
         for r in report["results"]:
@@ -268,6 +285,18 @@ def run_beside_neighbours(args: argparse.Namespace, kwargs: dict, engine: Engine
         with second_engine(kwargs, wl):
             rows.append(beside(run(engine, wl), "beside a second engine", base))
     return rows
+
+
+def run_with_adapters(engine: Engine, wl: Workload, run: Callable[..., dict], count: int,
+                      rank: int) -> tuple[dict, list[str]]:
+    """The workload with prompt i under adapter i mod count, every batch mixing them; the result
+    row and each prompt's adapter directory."""
+    from baby_sgl.bench.lora_adapters import load_random_adapters
+
+    loaded = load_random_adapters(engine, count, rank)
+    names, paths = loaded.pop("names"), loaded.pop("paths")
+    result = run(engine, wl, lora_path=[names[i % count] for i in range(len(wl.prompts))])
+    return result | loaded | {"engine": f"baby-sgl {count} LoRA r{rank}"}, [paths[i % count] for i in range(len(wl.prompts))]
 
 
 def compare_with(compare: str, args: argparse.Namespace, kwargs: dict, wl: Workload, run: Callable[..., dict],

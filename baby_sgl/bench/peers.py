@@ -58,18 +58,22 @@ def hf_dir_for(model_source: str) -> str:
 
 
 def run_peer(name: str, model_source: str, dtype: torch.dtype, wl: Workload, one_batch: bool, threads: int,
-             base: dict, prompt_lookup: int = 0, hf_dir: str | None = None) -> dict:
+             base: dict, prompt_lookup: int = 0, hf_dir: str | None = None,
+             lora_paths: list[str] | None = None) -> dict:
     """Runs the peer on wl; returns a result row shaped like baby-sgl's, with the ratio inputs
     and how many greedy outputs equal baby-sgl's (base). prompt_lookup > 0: llama.cpp drafts that
     many tokens by prompt lookup (LlamaPromptLookupDecoding). hf_dir: a Hugging Face directory of
-    the same weights for vLLM, instead of the GGUF file dequantized."""
+    the same weights for vLLM, instead of the GGUF file dequantized. lora_paths: each prompt's
+    LoRA adapter (vLLM with --enable-lora)."""
     spec = {"prompts": wl.prompts, "output_lens": wl.output_lens, "one_batch": one_batch, "threads": threads,
             "max_model_len": max(map(len, wl.prompts)) + max(wl.output_lens) + 16, "prompt_lookup": prompt_lookup}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if name == "vllm":
         spec.update(model=hf_dir or hf_dir_for(model_source), dtype=str(dtype).removeprefix("torch."))
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"  # unbound, it stalls on small machines
-        label = f"vLLM CPU {spec['dtype']}"
+        label = f"vLLM CPU {spec['dtype']}" + (f" {len(set(lora_paths))} LoRA" if lora_paths else "")
+        if lora_paths:
+            spec.update(lora_paths=lora_paths, max_lora_rank=_vllm_rank(lora_paths))
     else:
         if not model_source.endswith(".gguf"):
             raise SystemExit("--compare llama.cpp needs a GGUF model (the default model is one)")
@@ -83,6 +87,12 @@ def run_peer(name: str, model_source: str, dtype: torch.dtype, wl: Workload, one
                        env=env, check=True)
         result = json.loads(out_path.read_text())
     return _as_row(label, result, wl, base)
+
+
+def _vllm_rank(lora_paths: list[str]) -> int:
+    """The smallest of vLLM's allowed --max-lora-rank values that holds every adapter's rank."""
+    rank = max(json.loads((Path(p) / "adapter_config.json").read_text())["r"] for p in lora_paths)
+    return next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= rank)
 
 
 def _as_row(label: str, result: dict, wl: Workload, base: dict) -> dict:

@@ -34,6 +34,15 @@ class ModelWorkerBatch:
     extend_seq_lens: list[int]
     num_decode_reqs: int = 0  # MIXED: requests at the end of the batch that decode one token
     input_logprob_rows: list[int] | None = None  # token rows whose logits give prompt logprobs
+    # Each entry of seq_lens's LoRA adapter (None: the base model); empty: none at all.
+    lora_ids: list[str | None] = field(default_factory=list)
+
+
+class LoRADelta(Protocol):
+    """A pass's LoRA adapters (lora/memory_pool.py's LoRABatch), as the model applies them."""
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y, the product of x with the module's base weight, plus each row's adapter delta."""
 
 
 class AttentionBackend(Protocol):
@@ -66,6 +75,7 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
     num_decode_reqs: int = 0  # MIXED: how many requests at the end of the batch decode
     input_logprob_rows: torch.Tensor | None = None  # token rows whose hidden states give prompt logprobs
+    lora: LoRADelta | None = None  # the rows' LoRA adapters, if any row has one
     # Filled by the attention backend once per pass, shared by all layers.
     attn_metadata: Any = None
     attn_metadata_window: Any = None  # the same, for layers attending over a sliding window

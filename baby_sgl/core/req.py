@@ -156,6 +156,8 @@ class Req:
         self.text = ""  # the output's text so far
         self.detok = DetokenizeState()
         self.kv = KVPosition()
+        # The LoRA adapter it runs with (None: the base model); also its radix cache namespace.
+        self.lora_id: str | None = None
 
     @property
     def fill_ids(self) -> list[int]:

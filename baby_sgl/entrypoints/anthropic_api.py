@@ -18,6 +18,7 @@ from pydantic import Field
 
 from baby_sgl.core.finish_reason import FinishLength, FinishMatched, FinishReason
 from baby_sgl.engine import Engine
+from baby_sgl.entrypoints.lora_api import adapter_of_model
 from baby_sgl.entrypoints.chat import ChatEvent, ChatReader, ChatRequest, NamedTool, Reasoning, ToolChoice, prepare
 from baby_sgl.entrypoints.protocol import MAX_MESSAGES, MAX_TOOLS, JsonObject
 from baby_sgl.entrypoints.responses import Chunks, first_item, sse_stream
@@ -204,7 +205,7 @@ def add_anthropic_routes(app: FastAPI) -> None:
     async def messages(body: MessagesRequest, request: Request):
         turn = await aengine.off_loop(1, lambda: prepare(engine, app.state.server_settings, body.chat_request()))
         item = {"input_ids": turn.input_ids, "sampling_params": body.sampling_params() | turn.constraint,
-                "server_grammar": turn.server_grammar}
+                "server_grammar": turn.server_grammar, "lora_path": adapter_of_model(engine, body.model)}
         chunks = app.state.async_engine.generate([item], body.stream, request.is_disconnected)
         head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": body.model}
         stops = set(body.stop_sequences or [])

@@ -19,6 +19,7 @@ from baby_sgl.entrypoints.async_bridge import AsyncEngine
 from baby_sgl.entrypoints.dashboard import add_dashboard_routes
 from baby_sgl.entrypoints.graceful_stop import StopGuard, StopState
 from baby_sgl.entrypoints.metrics import Metrics
+from baby_sgl.entrypoints.lora_api import add_lora_routes
 from baby_sgl.entrypoints.native_api import add_native_routes
 from baby_sgl.entrypoints.openai_api import add_openai_routes
 from baby_sgl.entrypoints.prompt_bound import PromptBoundRoute
@@ -56,6 +57,7 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
     add_native_routes(app, args.incremental_streaming_output)
     add_openai_routes(app)
     add_anthropic_routes(app)
+    add_lora_routes(app)
     if not args.disable_dashboard:
         add_dashboard_routes(app, full_rids=bool(args.api_key))
     return app

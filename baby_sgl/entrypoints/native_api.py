@@ -32,6 +32,11 @@ def _native_items(body: GenerateRequest) -> tuple[list[dict], bool]:
     key = "prompt" if body.text is not None else "input_ids"
     logprobs = {name: getattr(body, name) for name in LogprobOptions.model_fields}
     items = [{key: p, "sampling_params": sp, "rid": r, **logprobs} for p, sp, r in zip(prompts, params, rids)]
+    if body.lora_path is not None:
+        if isinstance(body.lora_path, list) and len(body.lora_path) != len(items):
+            raise ValueError(f"lora_path: {len(body.lora_path)} adapters for {len(items)} prompts")
+        for i, item in enumerate(items):
+            item["lora_path"] = body.lora_path[i] if isinstance(body.lora_path, list) else body.lora_path
     if body.session_params is not None:
         if len(items) != 1:
             raise ValueError("a session turn is one request: give one text or one input_ids list")

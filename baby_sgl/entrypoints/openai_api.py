@@ -14,6 +14,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from baby_sgl.core.finish_reason import FinishAbort, FinishLength, FinishReason
 from baby_sgl.engine import Engine
+from baby_sgl.entrypoints.lora_api import adapter_of_model
 from baby_sgl.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from baby_sgl.core.sampling_params import GRAMMAR_KINDS
 from baby_sgl.entrypoints.chat import ChatReader, Reasoning, prepare
@@ -93,8 +94,11 @@ def add_openai_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": app.state.model_name, "object": "model", "created": created,
-                                            "owned_by": "baby-sgl", "max_model_len": engine.context_len}]}
+        base = {"id": app.state.model_name, "object": "model", "created": created, "owned_by": "baby-sgl",
+                "max_model_len": engine.context_len}
+        adapters = [base | {"id": r.lora_name, "root": r.lora_path, "parent": app.state.model_name}
+                    for r in engine.lora_adapters()]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -104,7 +108,7 @@ def add_openai_routes(app: FastAPI) -> None:
         items = [item for p in prompts for item in _copies({
             ("prompt" if isinstance(p, str) else "input_ids"): p, "sampling_params": body.sampling_params(max_tokens),
             "return_logprob": body.logprobs is not None, "top_logprobs_num": body.logprobs or 0,
-            "logprob_start_len": 0 if echo_logprobs else -1}, body.n)]
+            "logprob_start_len": 0 if echo_logprobs else -1, "lora_path": adapter_of_model(engine, body.model)}, body.n)]
         logprobs = _CompletionLogprobs(engine, body.echo) if body.logprobs is not None else _no_logprobs
         echoed = None
         if body.echo:  # each choice's text starts with its prompt
@@ -121,7 +125,7 @@ def add_openai_routes(app: FastAPI) -> None:
         turn = await app.state.async_engine.off_loop(
             1, lambda: prepare(engine, app.state.server_settings, body.chat_request(constraint)))
         item = {"input_ids": turn.input_ids, "sampling_params": params | turn.constraint,
-                "server_grammar": turn.server_grammar,
+                "server_grammar": turn.server_grammar, "lora_path": adapter_of_model(engine, body.model),
                 "return_logprob": body.logprobs, "top_logprobs_num": body.top_logprobs or 0}
         logprobs = (lambda _, meta: _chat_logprobs(engine, meta)) if body.logprobs else _no_logprobs
         reader = turn.reader if turn.starts_inside is not None or turn.tool_format else None

@@ -35,7 +35,7 @@ CloseSessionRequest = CloseSessionReqInput
 # listed), anything else is refused by name.
 _GENERATE_DEFAULT_ONLY = {
     name: None for name in (
-        "input_embeds", "image_data", "video_data", "audio_data", "modalities", "lora_path", "lora_id",
+        "input_embeds", "image_data", "video_data", "audio_data", "modalities", "lora_id",
         "custom_logit_processor", "session_id", "bootstrap_host", "bootstrap_port", "bootstrap_room",
         "bootstrap_pair_key", "decode_tp_size", "data_parallel_rank", "routed_dp_rank", "disagg_prefill_dp_rank",
         "routing_key", "conversation_id", "max_thinking_tokens", "priority", "extra_key", "cache_salt",
@@ -65,6 +65,8 @@ class GenerateRequest(SGLangInput, LogprobOptions):
     log_metrics: bool = True  # false: the request is left out of /metrics (health probes)
     no_logs: bool = False  # nothing of a request is logged anyway
     model: Annotated[Text, Field(max_length=MAX_ID_LEN)] | None = None  # sent by routers; one model is served
+    # The LoRA adapter of every prompt, or of each (null: the base model).
+    lora_path: Id | Annotated[list[Id | None], Field(max_length=MAX_BATCH)] | None = None
 
 
 class AbortRequest(StrictModel):

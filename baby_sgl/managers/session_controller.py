@@ -43,10 +43,11 @@ class FinishedTurn:
 
     tokens: array[int]  # its input, then its output
     input_len: int
+    lora_id: str | None = None  # the LoRA adapter it ran with
 
     @staticmethod
     def of(req: Req) -> FinishedTurn:
-        return FinishedTurn(array("i", req.origin_input_ids + req.output_ids), len(req.origin_input_ids))
+        return FinishedTurn(array("i", req.origin_input_ids + req.output_ids), len(req.origin_input_ids), req.lora_id)
 
     def context(self, with_output: bool) -> list[int]:
         return (self.tokens if with_output else self.tokens[: self.input_len]).tolist()
@@ -165,6 +166,7 @@ class SessionController:
         if isinstance(prev, Req) and not prev.finished and not replace:
             raise ValueError(f"request {rid!r} is still running; a turn can only continue a finished request "
                              f"(or replace it)")
+        lora_id = self._turn_adapter(session.id, prev, req)
         input_ids = self._turn_input(prev, req.origin_input_ids, offset, drop_output)
         if not input_ids:
             raise ValueError("the session turn's input is empty (offset 0 and a new input that is only BOS)")
@@ -176,7 +178,7 @@ class SessionController:
         if replace:
             self._drop_continuations(session, rid)
         req.origin_input_ids = input_ids
-        req.session = session
+        req.session, req.lora_id = session, lora_id
         if session.streaming:  # append-only: only the last turn can be continued, keep just it
             session.reqs.clear()
             session.children.clear()
@@ -213,6 +215,15 @@ class SessionController:
         session.children[rid] = []
 
     # ---- the KV of streaming sessions ----------------------------------------------------
+    @staticmethod
+    def _turn_adapter(session_id: str, prev: Req | FinishedTurn | None, req: Req) -> str | None:
+        """A turn runs with the LoRA adapter of the turn it continues (its context was computed
+        with it): naming none keeps it, naming another is refused."""
+        if prev is None or prev.lora_id == req.lora_id or req.lora_id is None:
+            return req.lora_id if prev is None else prev.lora_id
+        raise ValueError(f"session {session_id!r} continues a turn run with LoRA adapter {prev.lora_id!r}; "
+                         f"a turn cannot change it (got {req.lora_id!r})")
+
     def held_prefix(self, req: Req) -> torch.Tensor | None:
         """For a streaming turn whose session holds the previous turn's row: the KV slots of
         that row (its prefix), else None."""

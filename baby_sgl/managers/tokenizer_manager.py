@@ -17,6 +17,7 @@ from baby_sgl.constrained.grammar import GrammarCache
 from baby_sgl.managers.io_struct import MAX_TOKEN_IDS_LOGPROB, ReqOptions
 from baby_sgl.core.finish_reason import FinishAbort
 from baby_sgl.core.req import LogprobState, Req, ReqOutput
+from baby_sgl.lora.registry import LoRARegistry
 from baby_sgl.sampling.logprobs import with_texts
 from baby_sgl.core.sampling_params import SamplingParams, ServerGrammar, check_copies_budget
 from baby_sgl.validation import validate, validate_text
@@ -67,23 +68,42 @@ class TokenizerManager:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.sampling_defaults, self.grammars = sampling_defaults, grammars
         self.context_len, self.max_total_tokens, self.max_input_len = context_len, max_total_tokens, max_input_len
+        self.lora_registry: LoRARegistry | None = None  # set when LoRA adapters are served
         # No token is longer than this many characters, so a longer text is refused untokenized.
         self.max_prompt_chars = max_input_len * max(map(len, tokenizer.get_vocab()), default=1)
         self._token_texts: dict[int, str] = {}
 
     def make_reqs(self, prompt: Any, input_ids: Any, sampling_params: Any, rid: Any,
-                  *, server_grammar: ServerGrammar | None = None, **options: Any) -> tuple[list[Req | ValueError], bool]:
+                  *, server_grammar: ServerGrammar | None = None, lora_path: str | list[str | None] | None = None,
+                  **options: Any) -> tuple[list[Req | ValueError], bool]:
         """One Req per prompt (n per prompt sampled n times), or the ValueError that refused it.
-        server_grammar: the constraint the server built (SamplingParams.server_grammar); options:
-        the ReqOptions fields besides rid (logprobs)."""
+        server_grammar: the constraint the server built (SamplingParams.server_grammar); lora_path:
+        the LoRA adapter of all prompts or of each; options: the ReqOptions fields besides rid
+        (logprobs)."""
         items, params, rids, single = split_batch(prompt, input_ids, sampling_params, rid)
+        if isinstance(lora_path, list) and len(lora_path) != len(items):
+            raise ValueError(f"lora_path: {len(lora_path)} adapters for {len(items)} prompts")
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(items)
         reqs: list[Req | ValueError] = []
         for i, (item, sp, r) in enumerate(zip(items, params, rids)):
             try:
-                reqs.extend(self.make_req(item, sp, r, options, server_grammar))
+                lora_id = self.resolve_lora(loras[i])
+                made = self.make_req(item, sp, r, options, server_grammar)
+                for req in made:
+                    req.lora_id = lora_id
+                reqs.extend(made)
             except ValueError as e:
                 reqs.append(ValueError(f"request {i}: {e}" if not single else str(e)))
         return reqs, single
+
+    def resolve_lora(self, name: str | None) -> str | None:
+        """The adapter a request names, checked: ValueError for one not loaded."""
+        if name is None:
+            return None
+        if self.lora_registry is None:
+            raise ValueError("lora_path: LoRA adapters are not supported by this server (start it with "
+                             "--enable-lora or --lora-paths)")
+        return self.lora_registry.resolve(name)
 
     def make_req(self, item: str | list[int], sampling_params: dict[str, Any] | SamplingParams | None, rid: str | None,
                  options: dict[str, Any], server_grammar: ServerGrammar | None = None) -> list[Req]:

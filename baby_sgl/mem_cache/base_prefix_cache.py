@@ -50,8 +50,9 @@ class BasePrefixCache(ABC, Generic[H]):
 
     # ---- lookup and locks ----------------------------------------------------------------
     @abstractmethod
-    def match_prefix(self, key: list[int]) -> PrefixMatch[H]:
-        """The longest cached page-aligned prefix of key."""
+    def match_prefix(self, key: list[int], extra_key: str | None = None) -> PrefixMatch[H]:
+        """The longest cached page-aligned prefix of key, among the keys cached with the same
+        extra_key (a request's LoRA adapter)."""
 
     @abstractmethod
     def inc_lock_ref(self, node: H) -> None: ...

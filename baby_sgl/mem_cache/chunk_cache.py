@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 class ChunkCache(BasePrefixCache[None]):
     root = None
 
-    def match_prefix(self, key: list[int]) -> PrefixMatch[None]:
+    def match_prefix(self, key: list[int], extra_key: str | None = None) -> PrefixMatch[None]:
         return PrefixMatch(self.no_slots(), None)
 
     def inc_lock_ref(self, node: None) -> None:

@@ -3,6 +3,10 @@
 The tree only owns whole pages (invariant 3): keys are cut to multiples of page_size and a
 child is found by its first page. Nodes with lock_ref > 0 are in use by running requests
 (protected); unlocked leaves are evicted in LRU order.
+
+As SGLang's extra key, a key may come with a namespace (the request's LoRA adapter): K/V computed
+with one adapter is never found by a request with another. Each node keeps its namespace and a
+child is found by (namespace, first page), so namespaces split at the root and never mix below.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ _counter = itertools.count()
 
 
 class TreeNode:
-    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> None:
+    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None,
+                 extra_key: str | None = None) -> None:
         self.key = key
+        self.extra_key = extra_key
         self.value = value
         self.parent = parent
-        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.children: dict[tuple[str | None, tuple[int, ...]], TreeNode] = {}
         self.lock_ref = 0
         self.last_access_time = time.monotonic()
         self.id = next(_counter)
@@ -70,14 +76,15 @@ class RadixCache(BasePrefixCache[TreeNode]):
         self.protected_size_ = 0
 
     # ---- lookup and insertion -------------------------------------------------------------
-    def _child_key(self, key: list[int]) -> tuple[int, ...]:
-        return tuple(key[: self.page_size])
+    def _child_key(self, key: list[int], extra_key: str | None) -> tuple[str | None, tuple[int, ...]]:
+        return extra_key, tuple(key[: self.page_size])
 
-    def match_prefix(self, key: list[int]) -> PrefixMatch[TreeNode]:
-        """The longest cached page-aligned prefix of key; its handle is the node where it ends."""
+    def match_prefix(self, key: list[int], extra_key: str | None = None) -> PrefixMatch[TreeNode]:
+        """The longest cached page-aligned prefix of key (in extra_key's namespace); its handle
+        is the node where it ends."""
         key = key[: len(key) // self.page_size * self.page_size]
         node, values, now = self.root, [], time.monotonic()
-        while key and (child := node.children.get(self._child_key(key))) is not None:
+        while key and (child := node.children.get(self._child_key(key, extra_key))) is not None:
             n = _match_len(child.key, key, self.page_size)
             if n < len(child.key):
                 child = self._split(child, n)
@@ -86,20 +93,20 @@ class RadixCache(BasePrefixCache[TreeNode]):
             node, key = child, key[n:]
         return PrefixMatch(torch.cat(values) if values else self.no_slots(), node)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
-        """Adds key -> value (page-aligned). Returns how much of key was already cached: the
-        caller owns value[:that] as duplicates and must free what it does not keep."""
+    def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
+        """Adds key -> value (page-aligned, in extra_key's namespace). Returns how much of key was
+        already cached: the caller owns value[:that] as duplicates and must free what it does not keep."""
         assert len(key) % self.page_size == 0 and len(key) == len(value)
         node, done, now = self.root, 0, time.monotonic()
-        while done < len(key) and (child := node.children.get(self._child_key(key[done:]))) is not None:
+        while done < len(key) and (child := node.children.get(self._child_key(key[done:], extra_key))) is not None:
             n = _match_len(child.key, key[done:], self.page_size)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = now
             node, done = child, done + n
         if done < len(key):
-            leaf = TreeNode(key[done:], value[done:].clone().cpu(), node)
-            node.children[self._child_key(leaf.key)] = leaf
+            leaf = TreeNode(key[done:], value[done:].clone().cpu(), node, extra_key)
+            node.children[self._child_key(leaf.key, extra_key)] = leaf
             self.evictable_size_ += len(leaf.key)
             self.version += 1
             if self.tracer:
@@ -109,11 +116,11 @@ class RadixCache(BasePrefixCache[TreeNode]):
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cuts child after n tokens; returns the new upper node, which keeps child's locks."""
         parent = child.up()
-        upper = TreeNode(child.key[:n], child.value[:n], parent)
+        upper = TreeNode(child.key[:n], child.value[:n], parent, child.extra_key)
         upper.lock_ref, upper.last_access_time = child.lock_ref, child.last_access_time
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
-        upper.children[self._child_key(child.key)] = child
-        parent.children[self._child_key(upper.key)] = upper
+        upper.children[self._child_key(child.key, child.extra_key)] = child
+        parent.children[self._child_key(upper.key, upper.extra_key)] = upper
         return upper
 
     # ---- locks and eviction ---------------------------------------------------------------
@@ -146,7 +153,7 @@ class RadixCache(BasePrefixCache[TreeNode]):
             freed += len(leaf.key)
             self.evictable_size_ -= len(leaf.key)
             parent = leaf.up()
-            del parent.children[self._child_key(leaf.key)]
+            del parent.children[self._child_key(leaf.key, leaf.extra_key)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         if freed:
@@ -212,9 +219,9 @@ class RadixCache(BasePrefixCache[TreeNode]):
         if aligned <= req.kv.cache_protected_len:
             return
         tokens, slots = req.fill_ids[:aligned], self._row(req)[:aligned]
-        known = self.insert(tokens, slots)
+        known = self.insert(tokens, slots, req.lora_id)
         self.allocator.free(slots[req.kv.cache_protected_len : known])
-        new_slots, node = self.match_prefix(tokens)
+        new_slots, node = self.match_prefix(tokens, req.lora_id)
         assert len(new_slots) == aligned
         self.req_to_token_pool.write(req.row(), 0, new_slots.to(self.req_to_token_pool.req_to_token.device))
         self.inc_lock_ref(node)
@@ -224,6 +231,6 @@ class RadixCache(BasePrefixCache[TreeNode]):
     def _keep_pages(self, req: Req, row: torch.Tensor) -> int:
         """Whole computed pages go to the tree; slots the tree already had are duplicates."""
         aligned = req.kv.kv_len // self.page_size * self.page_size
-        known = self.insert(req.fill_ids[:aligned], row[:aligned]) if aligned else 0
+        known = self.insert(req.fill_ids[:aligned], row[:aligned], req.lora_id) if aligned else 0
         self.allocator.free(row[req.kv.cache_protected_len : known])
         return aligned

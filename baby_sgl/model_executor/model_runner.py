@@ -24,6 +24,7 @@ from baby_sgl.layers.linear import Linear, can_prepack
 from baby_sgl.layers.moe import SparseMoE
 from baby_sgl.model_executor.compile import CompiledDense, device_needs_cxx
 from baby_sgl.cpu import decode_step
+from baby_sgl.lora.memory_pool import LoRABatch, LoRAMemoryPool
 from baby_sgl.models.llama import (EAGER, DenseFns, LlamaForCausalLM, attention_in, attention_out_mlp,
                                    attention_out_moe, attention_out_sandwich)
 from baby_sgl.models.registry import get_model_class
@@ -69,6 +70,7 @@ class ModelRunner:
         self._kv_pool: KVPool | None = None
         self.compiled: CompiledDense | None = None
         self.step: decode_step.CpuDecodeStep | None = None
+        self.lora_pool: LoRAMemoryPool | None = None  # set by enable_lora
         if compile_max_bs:
             self._enable_compile(compile_max_bs)
         # The one-call decode step reads plain or quantized weights; without it (or with compiled
@@ -96,6 +98,13 @@ class ModelRunner:
         self.compiled = CompiledDense(self.model, max_bs)
         logger.info("torch.compile warm-up: %.1f s for decode batch sizes %s", self.compiled.warmup_s,
                     self.compiled.buckets)
+
+    def enable_lora(self, max_loras_per_batch: int, max_lora_rank: int, eviction_policy: str) -> LoRAMemoryPool:
+        """Serves LoRA adapters (before init_memory_pool, whose decode step reads their slots)."""
+        if self.tp is not None:
+            raise ValueError("--enable-lora does not support tensor parallelism (--tp-size > 1)")
+        self.lora_pool = LoRAMemoryPool(self.cfg, max_loras_per_batch, max_lora_rank, self.device, eviction_policy)
+        return self.lora_pool
 
     @property
     def req_to_token_pool(self) -> ReqToTokenPool:
@@ -125,7 +134,8 @@ class ModelRunner:
                                resolve_kv_cache_dtype(kv_cache_dtype, self.dtype))
         if self.step_ops is not None:
             self.step = decode_step.CpuDecodeStep(self.step_ops, self.model, self.kv_pool, self.req_to_token_pool,
-                                               self.int8_activations, self.deterministic)
+                                               self.int8_activations, self.deterministic,
+                                               self.lora_pool)
         return self.req_to_token_pool
 
     def forward(self, b: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -141,14 +151,17 @@ class ModelRunner:
             raise GroupBroken(f"tensor-parallel rank {self.tp.rank}: a pass failed: {e!r}") from e
 
     def _forward(self, b: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        lora_slots = None if self.lora_pool is None or not any(b.lora_ids) else self.lora_pool.prepare(b.lora_ids)
         if self.step is not None and b.mode == ForwardMode.DECODE:
-            logits, _ = self.step.run(b.input_ids, b.positions, b.out_cache_loc, b.req_pool_indices, b.seq_lens)
+            logits, _ = self.step.run(b.input_ids, b.positions, b.out_cache_loc, b.req_pool_indices, b.seq_lens,
+                                      lora_slots)
             return logits, None
         if self.step is not None and self.deterministic:
-            return self._extend_in_step(b)
+            return self._extend_in_step(b, lora_slots)
         dev = self.device
         input_ids, positions, dense = b.input_ids, b.positions, self.dense
-        compiled = self.compiled if b.mode == ForwardMode.DECODE else None
+        # The compiled graphs take no adapters: a pass with some runs eager.
+        compiled = self.compiled if b.mode == ForwardMode.DECODE and lora_slots is None else None
         bucket = compiled.bucket(len(input_ids)) if compiled is not None else None
         if compiled is not None and bucket is not None:
             # Padded to the bucket's static shape; the padding never leaves the model.
@@ -171,23 +184,34 @@ class ModelRunner:
             num_decode_reqs=b.num_decode_reqs,
             input_logprob_rows=None if b.input_logprob_rows is None else
             torch.tensor(b.input_logprob_rows, dtype=torch.long, device=dev),
+            lora=None if lora_slots is None else self._lora_batch(lora_slots, b.extend_seq_lens),
         )
         self.attn_backend.init_forward_metadata(fb)
         return self.model(fb, dense, logits=self.is_leader)
 
-    def _extend_in_step(self, b: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _extend_in_step(self, b: ModelWorkerBatch,
+                        lora_slots: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """An extend (or mixed) pass in the one-call step: a row per new token, row i of a request
-        whose prefix holds a tokens seeing its first a + i + 1 slots."""
+        whose prefix holds a tokens seeing its first a + i + 1 slots (with the request's adapter)."""
         assert self.step is not None
         rows: list[int] = []
         lens: list[int] = []
         for req, prefix, n in zip(b.req_pool_indices, b.extend_prefix_lens, b.extend_seq_lens):
             rows += [req] * n
             lens += range(prefix + 1, prefix + n + 1)
+        row_slots = None if lora_slots is None else \
+            [slot for slot, n in zip(lora_slots, b.extend_seq_lens) for _ in range(n)]
         last = list(itertools.accumulate(b.extend_seq_lens))
-        logits, hidden = self.step.run(b.input_ids, b.positions, b.out_cache_loc, rows, lens,
+        logits, hidden = self.step.run(b.input_ids, b.positions, b.out_cache_loc, rows, lens, row_slots,
                                        [end - 1 for end in last], b.input_logprob_rows)
         return logits, hidden if b.input_logprob_rows else None
+
+    def _lora_batch(self, slots: list[int], extend_seq_lens: list[int]) -> LoRABatch | None:
+        """The pass's adapters, each token row with its request's slot."""
+        assert self.lora_pool is not None
+        per_token = torch.tensor(slots, device=self.device).repeat_interleave(
+            torch.tensor(extend_seq_lens, device=self.device))
+        return self.lora_pool.batch(per_token)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

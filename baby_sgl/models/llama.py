@@ -12,6 +12,7 @@ expert parameters of layers/moe.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+import functools
 import re
 from dataclasses import dataclass
 from typing import cast
@@ -29,15 +30,25 @@ from baby_sgl.layers.rotary_embedding import RotaryEmbedding
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.core.forward_batch import ForwardBatch
 
+# A pass's LoRA deltas bound to one layer: (module, input, base product) -> product plus delta.
+LayerLoRA = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def project(lin: Callable, x: torch.Tensor, w: torch.Tensor, lora: LayerLoRA | None, module: str,
+            b: torch.Tensor | None = None) -> torch.Tensor:
+    """x's product with a projection's weight (and bias), plus the rows' LoRA deltas if any."""
+    y = lin(x, w) if b is None else lin(x, w, b)
+    return y if lora is None else lora(module, x, y)
+
 
 def attention_in(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch.Tensor, qkv_b: torch.Tensor | None,
                  cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
                  lin: Callable = linear, qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 norm: Callable = rms_norm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 norm: Callable = rms_norm, lora: LayerLoRA | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's work before attention: norm, fused q/k/v projection, (Qwen3, Gemma) each head's q
     and k normalised, rope. Row-wise, and a function of tensors only, so one compiled graph serves
     every layer."""
-    qkv = lin(norm(x, norm_w, eps), qkv_w, qkv_b)
+    qkv = project(lin, norm(x, norm_w, eps), qkv_w, lora, "qkv", qkv_b)
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     qk = qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, head_dim)
     if qk_norm is not None:
@@ -52,20 +63,23 @@ def attention_in(x: torch.Tensor, norm_w: torch.Tensor, eps: float, qkv_w: torch
 
 def attention_out_mlp(attn: torch.Tensor, x: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
                       gate_up_w: torch.Tensor, down_w: torch.Tensor,
-                      lin: Callable = linear, reduce: Callable | None = None) -> torch.Tensor:
+                      lin: Callable = linear, reduce: Callable | None = None,
+                      lora: LayerLoRA | None = None) -> torch.Tensor:
     """A layer's work after attention: output projection, residual, norm, MLP, residual. With
     tensor parallelism o_proj and down_proj give partial sums, which reduce completes."""
-    o = lin(attn.reshape(attn.shape[0], -1), o_w)
+    o = project(lin, attn.reshape(attn.shape[0], -1), o_w, lora, "o")
     x = x + (o if reduce is None else reduce(o))
-    down = lin(silu_and_mul(lin(rms_norm(x, norm_w, eps), gate_up_w)), down_w)
+    gate_up = project(lin, rms_norm(x, norm_w, eps), gate_up_w, lora, "gate_up")
+    down = project(lin, silu_and_mul(gate_up), down_w, lora, "down")
     return x + (down if reduce is None else reduce(down))
 
 
 def attention_out_moe(attn: torch.Tensor, x: torch.Tensor, o_w: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                      moe: SparseMoE, lin: Callable = linear, reduce: Callable | None = None) -> torch.Tensor:
+                      moe: SparseMoE, lin: Callable = linear, reduce: Callable | None = None,
+                      lora: LayerLoRA | None = None) -> torch.Tensor:
     """attention_out_mlp with a mixture of experts for the MLP. With tensor parallelism each rank
     holds a slice of every expert, so the experts' sum is a partial sum too."""
-    o = lin(attn.reshape(attn.shape[0], -1), o_w)
+    o = project(lin, attn.reshape(attn.shape[0], -1), o_w, lora, "o")
     x = x + (o if reduce is None else reduce(o))
     moe_out = moe(rms_norm(x, norm_w, eps))
     return x + (moe_out if reduce is None else reduce(moe_out))
@@ -73,13 +87,15 @@ def attention_out_moe(attn: torch.Tensor, x: torch.Tensor, o_w: torch.Tensor, no
 
 def attention_out_sandwich(attn: torch.Tensor, x: torch.Tensor, o_w: torch.Tensor, post_attn_w: torch.Tensor,
                            pre_ff_w: torch.Tensor, post_ff_w: torch.Tensor, eps: float, gate_up_w: torch.Tensor,
-                           down_w: torch.Tensor, lin: Callable = linear, reduce: Callable | None = None) -> torch.Tensor:
+                           down_w: torch.Tensor, lin: Callable = linear, reduce: Callable | None = None,
+                           lora: LayerLoRA | None = None) -> torch.Tensor:
     """Gemma's layer after attention: each sublayer's output is normalised before its residual is
     added, and the MLP (GELU-tanh) has a norm on each side. With tensor parallelism the partial
     sums are completed before the norms."""
-    o = lin(attn.reshape(attn.shape[0], -1), o_w)
+    o = project(lin, attn.reshape(attn.shape[0], -1), o_w, lora, "o")
     x = x + rms_norm_offset(o if reduce is None else reduce(o), post_attn_w, eps)
-    down = lin(gelu_tanh_and_mul(lin(rms_norm_offset(x, pre_ff_w, eps), gate_up_w)), down_w)
+    gate_up = project(lin, rms_norm_offset(x, pre_ff_w, eps), gate_up_w, lora, "gate_up")
+    down = project(lin, gelu_tanh_and_mul(gate_up), down_w, lora, "down")
     return x + rms_norm_offset(down if reduce is None else reduce(down), post_ff_w, eps)
 
 
@@ -129,20 +145,23 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 dense: DenseFns) -> torch.Tensor:
-        q, k, v = self.dense_in(x, cos_sin, dense)
-        return self.dense_out(self.self_attn.attend(q, k, v, fb), x, dense)
+        lora = None if fb.lora is None else functools.partial(fb.lora.apply, self.self_attn.layer_id)
+        q, k, v = self.dense_in(x, cos_sin, dense, lora)
+        return self.dense_out(self.self_attn.attend(q, k, v, fb), x, dense, lora)
 
-    def dense_in(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], dense: DenseFns):
+    def dense_in(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], dense: DenseFns,
+                 lora: LayerLoRA | None = None):
         a, norm = self.self_attn, self.input_layernorm
         return dense.attention_in(x, norm.weight, norm.eps, a.qkv_proj.weight, a.qkv_proj.bias, *cos_sin,
-                                  a.num_heads, a.num_kv_heads, a.head_dim, qk_norm=a.qk_norm_weights())
+                                  a.num_heads, a.num_kv_heads, a.head_dim, qk_norm=a.qk_norm_weights(), lora=lora)
 
-    def dense_out(self, attn: torch.Tensor, x: torch.Tensor, dense: DenseFns) -> torch.Tensor:
+    def dense_out(self, attn: torch.Tensor, x: torch.Tensor, dense: DenseFns,
+                 lora: LayerLoRA | None = None) -> torch.Tensor:
         a, m, norm = self.self_attn, self.mlp, self.post_attention_layernorm
         if isinstance(m, SparseMoE):
-            return dense.attention_out_moe(attn, x, a.o_proj.weight, norm.weight, norm.eps, m)
+            return dense.attention_out_moe(attn, x, a.o_proj.weight, norm.weight, norm.eps, m, lora=lora)
         return dense.attention_out_mlp(attn, x, a.o_proj.weight, norm.weight, norm.eps, m.gate_up_proj.weight,
-                                       m.down_proj.weight)
+                                       m.down_proj.weight, lora=lora)
 
 
 class SandwichDecoderLayer(DecoderLayer):
@@ -154,18 +173,20 @@ class SandwichDecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=True)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=True)
 
-    def dense_in(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], dense: DenseFns):
+    def dense_in(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], dense: DenseFns,
+                 lora: LayerLoRA | None = None):
         a, norm = self.self_attn, self.input_layernorm
         return dense.attention_in(x, norm.weight, norm.eps, a.qkv_proj.weight, a.qkv_proj.bias, *cos_sin,
                                   a.num_heads, a.num_kv_heads, a.head_dim, qk_norm=a.qk_norm_weights(),
-                                  norm=rms_norm_offset)
+                                  norm=rms_norm_offset, lora=lora)
 
-    def dense_out(self, attn: torch.Tensor, x: torch.Tensor, dense: DenseFns) -> torch.Tensor:
+    def dense_out(self, attn: torch.Tensor, x: torch.Tensor, dense: DenseFns,
+                 lora: LayerLoRA | None = None) -> torch.Tensor:
         a, m = self.self_attn, cast(MLP, self.mlp)
         return dense.attention_out_sandwich(attn, x, a.o_proj.weight, self.post_attention_layernorm.weight,
                                             self.pre_feedforward_layernorm.weight,
                                             self.post_feedforward_layernorm.weight, self.input_layernorm.eps,
-                                            m.gate_up_proj.weight, m.down_proj.weight)
+                                            m.gate_up_proj.weight, m.down_proj.weight, lora=lora)
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ def test_reads_are_fresh_and_cost_the_scheduler_one_snapshot_per_interval(engine
 def _count_matches(engine: Engine, monkeypatch) -> list[int]:
     calls: list[int] = []
     real = RadixCache.match_prefix
-    monkeypatch.setattr(RadixCache, "match_prefix", lambda tree, key: calls.append(1) or real(tree, key))
+    monkeypatch.setattr(RadixCache, "match_prefix", lambda tree, key, *extra: calls.append(1) or real(tree, key, *extra))
     return calls
 
 

@@ -1,7 +1,8 @@
 """Runs a benchmark workload on vLLM's CPU engine. Usage: python vllm_runner.py SPEC.json OUT.json
 
 SPEC: {"model": HF directory, "dtype", "prompts": [[ids]], "output_lens": [n], "one_batch": bool,
-"max_model_len": int}. Greedy, ignore_eos, every prompt given as token ids."""
+"max_model_len": int, optionally "lora_paths": [each prompt's PEFT adapter directory], "max_lora_rank"}.
+Greedy, ignore_eos, every prompt given as token ids."""
 
 import json
 import os
@@ -15,9 +16,17 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    adapters = sorted(set(spec.get("lora_paths") or []))
+    lora = {"enable_lora": True, "max_loras": len(adapters), "max_lora_rank": spec["max_lora_rank"]} if adapters else {}
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
-              max_num_seqs=max(1, min(256, len(spec["prompts"]))))
+              max_num_seqs=max(1, min(256, len(spec["prompts"]))), **lora)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    requests = None
+    if adapters:
+        from vllm.lora.request import LoRARequest
+
+        by_path = {p: LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(adapters)}
+        requests = [by_path[p] for p in spec["lora_paths"]]
 
     def run(lens):
         params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lens]
@@ -25,7 +34,7 @@ def main() -> None:
         # after the warm-up): otherwise the measured run would find every prompt cached.
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
         return time.perf_counter() - t0, outs
 
     run([2] * len(prompts))  # warm-up: compiles and touches the whole batch's shapes

@@ -5,7 +5,8 @@
 // each head, KV write, attention over the request's slots in the paged pool — its last `window`
 // ones in a windowed layer —, o_proj, residual, RMSNorm, the MLP (gate/up, SiLU or GELU-tanh,
 // down) or a mixture of experts, residual; Gemma's norms around each sublayer), the final norm and
-// the logits (soft-capped where the model says). Activations stay float32 throughout (the KV pool keeps its
+// the logits (soft-capped where the model says). Each row may add its own LoRA adapter's deltas to
+// the projections (lora_add). Activations stay float32 throughout (the KV pool keeps its
 // element type: float32, bfloat16, or 1-byte fp8 / int8 with a scale per slot and head). The
 // threads of a StepTeam run all of it: each op splits its outputs among them and a barrier
 // separates it from the next, so they spin between ops instead of being put to sleep and woken
@@ -55,9 +56,66 @@ struct Fused {
   int64_t n = 0, k = 0;
 };
 
+// The LoRA adapters' slots of one projection (lora/memory_pool.py): A [slots, rank, k] and B
+// transposed, [slots, rank, n], float32, the scale folded into B; a is null when none are served.
+// The projection's outputs are parts (q, k, v; gate, up) ending at part_end; used [slots, rank,
+// parts] says which rows of B^T are not zero over which part (a fused adapter's parts each have
+// ranks of their own), so the zeros are skipped.
+struct LoRAStack {
+  const float* a = nullptr;
+  const float* b = nullptr;
+  const uint8_t* used = nullptr;
+  int64_t slots = 0, rank = 0, k = 0, n = 0;
+  std::vector<int64_t> part_end;
+};
+
+// The output columns a thread writes in a projection's product: one run per part of a fused one.
+struct Columns {
+  int64_t begin[4], end[4];
+  int count = 0;
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  fv acc = splat(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc += loadv(a + i) * loadv(b + i);
+  float sum = hsum(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// out[r] = a . x[r] for four rows x[r] at once (each as dot computes it): a is read once, and the
+// four sums are independent chains.
+inline void dot4(const float* a, const float* const* x, int64_t n, float* out) {
+  fv acc[4] = {splat(0.f), splat(0.f), splat(0.f), splat(0.f)};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const fv av = loadv(a + i);
+    for (int r = 0; r < 4; ++r) acc[r] += av * loadv(x[r] + i);
+  }
+  for (int r = 0; r < 4; ++r) {
+    out[r] = hsum(acc[r]);
+    for (int64_t k = i; k < n; ++k) out[r] += a[k] * x[r][k];
+  }
+}
+
+// y[i] += sum over q of a[q] x[q][i], for i in [0, n), the q in order (a row's outputs of B^T's
+// rows x): each y vector is read and written once.
+inline void axpy_rows(const float* a, const float* const* x, int count, float* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    fv acc = loadv(y + i);
+    for (int q = 0; q < count; ++q) acc += splat(a[q]) * loadv(x[q] + i);
+    storev(y + i, acc);
+  }
+  for (; i < n; ++i)
+    for (int q = 0; q < count; ++q) y[i] += a[q] * x[q][i];
+}
+
 struct Layer {
   Fused qkv, gate_up;  // gate_up and down: a dense MLP's
   Weight o, down;
+  LoRAStack lora_qkv, lora_o, lora_gate_up, lora_down;
   const float* norm_in;
   const float* norm_post;  // before the MLP; Gemma: on the attention's output, before its residual
   const float* pre_ff_norm = nullptr;  // Gemma: before the MLP, and on its output
@@ -132,6 +190,15 @@ class DecodeStep {
         layer.q_norm = keep_float(l["q_norm"].cast<at::Tensor>(), head_dim_);
         layer.k_norm = keep_float(l["k_norm"].cast<at::Tensor>(), head_dim_);
       }
+      if (l.contains("lora_qkv")) {
+        const int64_t q = heads_ * head_dim_;
+        layer.lora_qkv = lora_stack(l["lora_qkv"].cast<py::tuple>(), hidden_, q + 2 * kv_heads_ * head_dim_);
+        layer.lora_o = lora_stack(l["lora_o"].cast<py::tuple>(), q, hidden_);
+        if (l.contains("gate_up")) {
+          layer.lora_gate_up = lora_stack(l["lora_gate_up"].cast<py::tuple>(), hidden_, 2 * inter_);
+          layer.lora_down = lora_stack(l["lora_down"].cast<py::tuple>(), inter_, hidden_);
+        }
+      }
       layer.window = l["window"].cast<int64_t>();
       layer.local_rope = l["local_rope"].cast<bool>();
       if (l.contains("router")) {
@@ -197,14 +264,15 @@ class DecodeStep {
   // request-to-slot table, int64 [requests, W], whose row req_pool_indices[m] holds row m's KV
   // slots in its first seq_lens[m] entries (its own token's last). A prefill is one row per new
   // token (row m sees its request's first seq_lens[m] slots, the tokens before it in the pass
-  // included: every row writes its KV before any row attends). logit_rows, hidden_rows: int64
-  // row numbers. Returns float32 logits [logit_rows, vocab] and the final normalised hidden
-  // states [hidden_rows, hidden] (prompt logprobs: logits() turns them into logits).
+  // included: every row writes its KV before any row attends). lora_slots: int64 [M], each row's
+  // adapter slot (-1: none), or empty (no adapters). logit_rows, hidden_rows: int64 row numbers.
+  // Returns float32 logits [logit_rows, vocab] and the final normalised hidden states
+  // [hidden_rows, hidden] (prompt logprobs: logits() turns them into logits).
   std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& input_ids, const at::Tensor& positions,
                                          const at::Tensor& out_cache_loc, const at::Tensor& req_to_token,
                                          const at::Tensor& req_pool_indices, const at::Tensor& seq_lens,
-                                         int64_t num_threads, const at::Tensor& logit_rows,
-                                         const at::Tensor& hidden_rows) {
+                                         const at::Tensor& lora_slots, int64_t num_threads,
+                                         const at::Tensor& logit_rows, const at::Tensor& hidden_rows) {
     const int64_t rows = input_ids.size(0);
     for (const auto* t : {&input_ids, &positions, &out_cache_loc, &req_pool_indices, &seq_lens})
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == rows, "int64 inputs, one per row");
@@ -223,6 +291,21 @@ class DecodeStep {
       TORCH_CHECK(out_cache_loc.data_ptr<int64_t>()[m] >= 0 && out_cache_loc.data_ptr<int64_t>()[m] < slots,
                   "KV slot out of range");
     }
+    const int64_t* lora = nullptr;
+    if (lora_slots.numel() > 0) {
+      TORCH_CHECK(lora_slots.scalar_type() == at::kLong && lora_slots.is_contiguous() && lora_slots.numel() == rows,
+                  "lora_slots: int64, one per row");
+      TORCH_CHECK(layers_[0].lora_qkv.a != nullptr, "lora_slots given to a step built without adapter slots");
+      lora = lora_slots.data_ptr<int64_t>();
+      lora_rows_.assign(layers_[0].lora_qkv.slots, {});
+      for (int64_t m = 0; m < rows; ++m) {
+        TORCH_CHECK(lora[m] >= -1 && lora[m] < layers_[0].lora_qkv.slots, "LoRA slot out of range");
+        if (lora[m] >= 0) lora_rows_[lora[m]].push_back(m);
+      }
+      int64_t rank = 0;
+      for (const Layer& l : layers_) rank = std::max({rank, l.lora_qkv.rank, l.lora_o.rank, l.lora_gate_up.rank, l.lora_down.rank});
+      lora_t_.resize(rows * rank);
+    }
     for (const auto* t : {&logit_rows, &hidden_rows}) {
       TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1, "int64 row numbers");
       for (int64_t i = 0; i < t->numel(); ++i)
@@ -237,7 +320,8 @@ class DecodeStep {
     Scratch& s = *scratch_;
     Batch b{rows, ids, positions.data_ptr<int64_t>(), out_cache_loc.data_ptr<int64_t>(), req_to_token.data_ptr<int64_t>(),
             req_to_token.size(1), req, lens, logit_rows.data_ptr<int64_t>(), logit_rows.numel(), logits.data_ptr<float>(),
-            hidden_rows.data_ptr<int64_t>(), hidden_rows.numel(), hidden.data_ptr<float>()};
+            hidden_rows.data_ptr<int64_t>(), hidden_rows.numel(), hidden.data_ptr<float>(),
+            lora != nullptr ? &lora_rows_ : nullptr};
     {
       py::gil_scoped_release no_gil;
       dispatch_kv(k_buffers_[0].scalar_type(), [&](auto* tag) {
@@ -273,6 +357,7 @@ class DecodeStep {
     const int64_t* hidden_rows;
     int64_t num_hidden;
     float* hidden;
+    const std::vector<std::vector<int64_t>>* lora;  // the rows of each adapter slot; null: no adapters
   };
   // Activations (every value is written before it is read in a step).
   using Buffer = AlignedBuffer<float>;
@@ -313,9 +398,109 @@ class DecodeStep {
       f.n += f.parts.back().n;
       TORCH_CHECK(f.parts.back().k == f.parts[0].k, "the parts of a fused projection must have rows of one width");
     }
-    TORCH_CHECK(!f.parts.empty(), "a fused projection needs a part");
+    TORCH_CHECK(!f.parts.empty() && f.parts.size() <= 4, "a fused projection has one to four parts");
     f.k = f.parts[0].k;
     return f;
+  }
+
+  LoRAStack lora_stack(py::tuple t, int64_t k, int64_t n) {
+    const auto a = t[0].cast<at::Tensor>(), b = t[1].cast<at::Tensor>(), used = t[2].cast<at::Tensor>();
+    const auto part_end = t[3].cast<std::vector<int64_t>>();
+    TORCH_CHECK(used.scalar_type() == at::kByte && used.is_contiguous() && used.dim() == 3 &&
+                    used.size(0) == a.size(0) && used.size(1) == a.size(1) &&
+                    used.size(2) == static_cast<int64_t>(part_end.size()) && !part_end.empty() && part_end.back() == n,
+                "LoRA slots' used rows must be uint8 [slots, rank, parts], the parts ending at the outputs' end");
+    keep_.push_back(used);
+    TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && a.is_contiguous() &&
+                    b.is_contiguous() && a.dim() == 3 && b.dim() == 3 && a.size(2) == k && b.size(2) == n &&
+                    b.size(0) == a.size(0) && b.size(1) == a.size(1),
+                "LoRA slots must be contiguous float32 A [slots, rank, in] and B^T [slots, rank, out]");
+    keep_.push_back(a);
+    keep_.push_back(b);
+    return {a.data_ptr<float>(), b.data_ptr<float>(), used.data_ptr<uint8_t>(), a.size(0), a.size(1), k, n, part_end};
+  }
+
+  static Columns columns(const Weight& w, int tid, int nt) {
+    Columns c;
+    split_range(w.n, tid, nt, c.begin[0], c.end[0]);
+    c.count = 1;
+    return c;
+  }
+
+  static Columns columns(const Fused& f, int tid, int nt) {
+    Columns c;
+    int64_t first = 0;
+    for (const Weight& w : f.parts) {
+      split_range(w.n, tid, nt, c.begin[c.count], c.end[c.count]);
+      c.begin[c.count] += first;
+      c.end[c.count++] += first;
+      first += w.n;
+    }
+    return c;
+  }
+
+  // The first half of each row's adapter delta (x A^T) B^T: t = x A^T into lora_t_ [rows, rank]
+  // (x's rows l.k wide), this thread's share of each adapter's rank rows, so that its matrices are
+  // read once per pass: then a barrier, then lora_expand. An adapter's rows go together.
+  void lora_shrink(const LoRAStack& l, const Batch& b, const float* x, int tid, int nt) {
+    for (size_t slot = 0; slot < b.lora->size(); ++slot) {
+      const std::vector<int64_t>& rows = (*b.lora)[slot];
+      if (rows.empty()) continue;
+      int64_t j0, j1;
+      split_range(l.rank, tid, nt, j0, j1);
+      const float* a = l.a + slot * l.rank * l.k;
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* aj = a + j * l.k;
+        size_t r = 0;
+        for (; r + 4 <= rows.size(); r += 4) {
+          const float* xs[4] = {x + rows[r] * l.k, x + rows[r + 1] * l.k, x + rows[r + 2] * l.k, x + rows[r + 3] * l.k};
+          float t[4];
+          dot4(aj, xs, l.k, t);
+          for (int q = 0; q < 4; ++q) lora_t_[rows[r + q] * l.rank + j] = t[q];
+        }
+        for (; r < rows.size(); ++r) lora_t_[rows[r] * l.rank + j] = dot(aj, x + rows[r] * l.k, l.k);
+      }
+    }
+  }
+
+  // The second half: adds t_j times row j of B^T to the columns of out [rows, ldo] this thread
+  // computed in the projection (no barrier before the next op's), j in order, skipping the rows of
+  // B^T that are zero over a part.
+  template <typename W>
+  void lora_expand(const LoRAStack& l, const W& w, const Batch& b, float* out, int64_t ldo, int tid, int nt) const {
+    const Columns c = columns(w, tid, nt);
+    std::vector<const float*> bj(l.rank);
+    std::vector<float> tj(l.rank);
+    for (size_t slot = 0; slot < b.lora->size(); ++slot) {
+      const std::vector<int64_t>& rows = (*b.lora)[slot];
+      const float* bt = l.b + slot * l.rank * l.n;
+      const uint8_t* used = l.used + slot * l.rank * l.part_end.size();
+      for (int i = 0; i < c.count && !rows.empty(); ++i) {
+        for (size_t p = 0, p0 = 0; p < l.part_end.size(); p0 = l.part_end[p++]) {
+          const int64_t c0 = std::max<int64_t>(c.begin[i], p0), c1 = std::min(c.end[i], l.part_end[p]);
+          std::vector<int64_t> js;
+          for (int64_t j = 0; j < l.rank && c0 < c1; ++j)
+            if (used[j * l.part_end.size() + p]) js.push_back(j);
+          for (size_t q = 0; q < js.size(); ++q) bj[q] = bt + js[q] * l.n + c0;
+          for (const int64_t m : rows) {
+            if (js.empty()) break;
+            for (size_t q = 0; q < js.size(); ++q) tj[q] = lora_t_[m * l.rank + js[q]];
+            axpy_rows(tj.data(), bj.data(), static_cast<int>(js.size()), out + m * ldo + c0, c1 - c0);
+          }
+        }
+      }
+    }
+  }
+
+  // Each row's adapter delta added to out (a projection's product, w's, of x), if the pass has
+  // adapters: lora_shrink, a barrier, lora_expand.
+  template <typename W>
+  void lora_add(const LoRAStack& l, const W& w, const Batch& b, const float* x, float* out, int64_t ldo, int tid,
+                int nt) {
+    if (b.lora == nullptr || l.a == nullptr) return;
+    lora_shrink(l, b, x, tid, nt);
+    team_.barrier();
+    lora_expand(l, w, b, out, ldo, tid, nt);
   }
 
   const float* keep_float(const at::Tensor& t, int64_t n = -1) {
@@ -458,6 +643,7 @@ class DecodeStep {
       for (size_t li = 0; li < layers_.size(); ++li) {
         const Layer& l = layers_[li];
         linear(l.qkv, s.h.data(), M, s.qkv.data(), tid, nt, xb);
+        lora_add(l.lora_qkv, l.qkv, b, s.h.data(), s.qkv.data(), l.qkv.n, tid, nt);
         team_.barrier();
         mark(kMatmul);
         rope_and_store<T>(b, s, li, tid, nt);
@@ -467,6 +653,7 @@ class DecodeStep {
         team_.barrier();
         mark(kAttention);
         linear(l.o, s.att.data(), M, s.tmp.data(), tid, nt, xb);
+        lora_add(l.lora_o, l.o, b, s.att.data(), s.tmp.data(), H, tid, nt);
         team_.barrier();
         mark(kMatmul);
         for (int64_t m = r0; m < r1; ++m) {
@@ -482,6 +669,7 @@ class DecodeStep {
           experts(*l.experts, s, M, tid, nt, xb, mark);
         } else {
           linear(l.gate_up, s.h.data(), M, s.gate_up.data(), tid, nt, xb);
+          lora_add(l.lora_gate_up, l.gate_up, b, s.h.data(), s.gate_up.data(), 2 * inter_, tid, nt);
           team_.barrier();
           mark(kMatmul);
           int64_t i0, i1;
@@ -490,6 +678,7 @@ class DecodeStep {
           team_.barrier();
           mark(kOther);
           linear(l.down, s.act.data(), M, s.tmp.data(), tid, nt, xb);
+          lora_add(l.lora_down, l.down, b, s.act.data(), s.tmp.data(), H, tid, nt);
           team_.barrier();
           mark(kMatmul);
         }
@@ -678,6 +867,8 @@ class DecodeStep {
   bool deterministic_;
   StepTeam team_;
   std::unique_ptr<Scratch> scratch_;  // run() is called by one thread at a time (the scheduler's)
+  std::vector<std::vector<int64_t>> lora_rows_;  // this pass's rows of each adapter slot
+  std::vector<float> lora_t_;  // x A^T of the current projection, [rows, rank] (lora_shrink)
   at::Tensor cos_, sin_, local_cos_, local_sin_;
   std::vector<at::Tensor> k_buffers_, v_buffers_, k_scales_, v_scales_, keep_;
   Weight embed_, lm_head_;

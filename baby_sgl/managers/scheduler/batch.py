@@ -116,14 +116,16 @@ class ScheduleBatch:
         input_ids: list[int] = []
         seq_lens: list[int] = []
         rows: list[int] = []
+        loras: list[str | None] = []
         for r, prefix, drafts in zip(self.reqs, self.prefix_lens, self.drafts):
             input_ids += [r.output_ids[-1] if r.output_ids else r.origin_input_ids[-1], *drafts]
             seq_lens += range(prefix + 1, prefix + 2 + len(drafts))
             rows += [r.row()] * (1 + len(drafts))
+            loras += [r.lora_id] * (1 + len(drafts))
         return ModelWorkerBatch(
             mode=self.mode, input_ids=input_ids, positions=torch.tensor(seq_lens, device="cpu") - 1,
             out_cache_loc=self.slots(), req_pool_indices=rows, seq_lens=seq_lens,
-            extend_prefix_lens=[n - 1 for n in seq_lens], extend_seq_lens=[1] * len(seq_lens))
+            extend_prefix_lens=[n - 1 for n in seq_lens], extend_seq_lens=[1] * len(seq_lens), lora_ids=loras)
 
     def get_model_worker_batch(self) -> ModelWorkerBatch:
         if self.mode == ForwardMode.DECODE:
@@ -144,4 +146,5 @@ class ScheduleBatch:
             extend_seq_lens=[b - a for a, b in zip(self.prefix_lens, self.seq_lens)],
             num_decode_reqs=self.num_decode_reqs,
             input_logprob_rows=rows or None,
+            lora_ids=[r.lora_id for r in self.reqs],
         )

@@ -30,7 +30,7 @@ def match_prefix(req: Req, tree_cache: BasePrefixCache[Any], sessions: SessionCo
     start = req.logprobs.start_len
     if start is not None and req.input_logprobs_pending():  # prompt logprobs need those positions computed here
         limit = min(limit, start)
-    match = tree_cache.match_prefix(req.fill_ids[:limit])
+    match = tree_cache.match_prefix(req.fill_ids[:limit], req.lora_id)
     req.kv.prefix_indices, req.kv.last_node, req.kv.prefix_match_key = match.slots, match.node, key
 
 
@@ -106,4 +106,4 @@ def shares_uncached_prefix(req: Req, batch: list[Req]) -> bool:
     if req.seqlen <= k:
         return False
     head = req.fill_ids[:k]
-    return any(other.fill_ids[:k] == head for other in batch)
+    return any(other.fill_ids[:k] == head and other.lora_id == req.lora_id for other in batch)

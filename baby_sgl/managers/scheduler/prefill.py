@@ -18,6 +18,7 @@ from baby_sgl.managers.scheduler.policy import (CACHE_AWARE_POLICIES, MAX_CONSID
 
 if TYPE_CHECKING:
     from baby_sgl.core.req import Req
+    from baby_sgl.lora.memory_pool import LoRAMemoryPool
     from baby_sgl.managers.scheduler.memory import KVMemory
     from baby_sgl.managers.scheduler.output import OutputProcessor
     from baby_sgl.managers.scheduler.queues import RequestQueues
@@ -35,8 +36,9 @@ _UNCHUNKED = 1 << 62  # the chunk budget of unchunked prefill: more tokens than 
 
 class PrefillPlanner:
     def __init__(self, args: EngineArgs, memory: KVMemory, queues: RequestQueues, sessions: SessionController,
-                 output: OutputProcessor) -> None:
+                 output: OutputProcessor, lora_pool: LoRAMemoryPool | None = None) -> None:
         self.memory, self.queues, self.sessions, self.output = memory, queues, sessions, output
+        self.lora_pool = lora_pool
         cache_aware = args.schedule_policy in CACHE_AWARE_POLICIES
         self.policy = "fcfs" if cache_aware and args.disable_radix_cache else args.schedule_policy
         self.rng = random.Random(args.random_seed)  # the random policy's, seeded: same arrivals, same order
@@ -92,9 +94,14 @@ class PrefillPlanner:
         sort_waiting(waiting, self.policy, self.rng, self.memory.tree_cache.root)
         room = self.max_running_requests - len(self.queues.running) - len(adder.can_run)
         free_rows, short_of_memory = self.memory.free_rows(), False
+        adapters = {r.lora_id for r in self.queues.running + adder.can_run if r.lora_id is not None}
         for req in waiting[:MAX_CONSIDERED_PER_STEP]:
             if room <= 0:
                 break
+            if self._adapter_unloaded(req):
+                continue
+            if not self._adapter_fits(req, adapters):
+                break  # the requests behind wait too, so the running ones drain until it fits: none starves
             needs_row = req.session is None or req.session.held is None  # else it resumes its session's row
             if needs_row and free_rows <= 0:
                 short_of_memory = True  # idle sessions hold the rows
@@ -104,7 +111,21 @@ class PrefillPlanner:
             if adder.add_one_req(req) == AddResult.NO_ROOM:
                 return not adder.can_run
             room, free_rows = room - 1, free_rows - needs_row
+            if req.lora_id is not None:
+                adapters.add(req.lora_id)
         return short_of_memory
+
+    def _adapter_fits(self, req: Req, adapters: set[str]) -> bool:
+        """Whether the request's LoRA adapter may join a batch using `adapters` (at most
+        --max-loras-per-batch)."""
+        return req.lora_id is None or self.lora_pool is None or self.lora_pool.fits(adapters | {req.lora_id})
+
+    def _adapter_unloaded(self, req: Req) -> bool:
+        """A request whose LoRA adapter was unloaded between its check and its arrival ends here."""
+        if req.lora_id is None or self.lora_pool is None or req.lora_id in self.lora_pool.adapters:
+            return False
+        self.output.fail(req, f"LoRA adapter {req.lora_id!r} was unloaded")
+        return True
 
     def _match_waiting(self, reqs: list[Req]) -> bool:
         """Finds these waiting requests' cached prefixes; one that fails ends alone. False if

@@ -100,7 +100,7 @@ class Scheduler:
                                       self.sessions, drafter, self.queues, self.stats, self.activity)
         self.speculation = Speculation(drafter, args.speculative_num_draft_tokens, context_len, vocab_size,
                                        self.memory, self.output, self.stats)
-        self.prefill = PrefillPlanner(args, self.memory, self.queues, self.sessions, self.output)
+        self.prefill = PrefillPlanner(args, self.memory, self.queues, self.sessions, self.output, self.runner.lora_pool)
         self.decode = DecodePlanner(args.schedule_conservativeness, self.memory, self.queues, self.sessions,
                                     self.speculation, self.output, self.stats, self.tracer)
 
@@ -192,6 +192,10 @@ class Scheduler:
         if wake:
             self._put(Wake())  # an idle loop sleeps until a message comes
         return probe
+
+    def uses_lora(self, name: str) -> bool:
+        """Whether a request queued or running uses the LoRA adapter (in the scheduler thread)."""
+        return any(r.lora_id == name for r in self.queues.in_flight())
 
     def abort(self, rid: str) -> None:
         self._put(AbortReq(rid))
