@@ -104,7 +104,7 @@ def test_readme_engine_example_runs(tiny_llama, capsys):
 def test_readme_server_example_runs(tiny_llama):
     """The server as the README starts it (its flags, another port, the tiny model), then the
     README's OpenAI-client code against it; the server must end idle with its memory intact."""
-    (serve,) = [argv for argv in commands(README) if argv[1:2] == ["serve"]]
+    (serve,) = [argv for argv in commands(README) if argv[1:2] == ["serve"] and "--port" in argv]
     flags = serve[2:]
     port = flags.index("--port")
     proc, base = start_server(tiny_llama, *flags[:port], *flags[port + 2:])
