@@ -13,17 +13,17 @@ import torch
 from baby_sgl import Engine
 from helpers import ARCHS, GREEDY, build_for
 
-MAX_NEW = 32
+MAX_NEW = 24
 QUESTIONS = [
     "What is the capital of France?", "Give three tips to improve public speaking.",
     "Explain the concept of attention in transformer models.", "Write a haiku about autumn.",
-    "Why is the sky blue?", "What does a CPU do?", "List two mammals that can fly or glide.",
-    "Summarize the key benefits of unit testing in software engineering.",
+    "Why is the sky blue?", "List two mammals that can fly or glide.",
 ]
 # Bounds on what the rounding may move, with room over what every build showed (2-core Zen 4, one
-# request at a time): the chosen tokens' logprobs moved by at most 0.15-0.23 before the outputs
-# parted; 3 to 5 of the 8 outputs parted within 32 tokens, each where the float path's two best
-# tokens were within 0.12 of each other (a near-tie, which such a move flips).
+# request at a time, 8 questions of which these are 6, 32 tokens each): the chosen tokens' logprobs
+# moved by at most 0.15-0.23 before the outputs parted; 3 to 5 of the 8 outputs parted within 32
+# tokens, each where the float path's two best tokens were within 0.12 of each other (a near-tie,
+# which such a move flips).
 LOGPROB_BOUND = 0.4
 TIE_MARGIN = 0.25
 
