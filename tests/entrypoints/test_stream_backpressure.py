@@ -161,4 +161,6 @@ def test_megabytes_of_tool_call_arguments_are_parsed_off_the_event_loop(server):
         took = time.perf_counter() - start
     r = chat.result()
     assert r.status_code == 400 and "prompt is too long" in r.json()["error"]["message"]
-    assert max(health) < took / 3  # generous: it waited for the whole parse before
+    # Before, one /health waited out the whole parse (nearly all of `took`); now the parsing thread
+    # only competes for the GIL, which once stretched a probe to a third of `took` on 2 busy cores.
+    assert max(health) < 0.6 * took
