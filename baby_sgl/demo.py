@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
-from baby_sgl.cpu.ops import cpu_ops
 from baby_sgl.engine import Engine
 
 ENGLISH = [
@@ -31,21 +28,26 @@ def _section(title: str) -> None:
     print(f"\n=== {title} " + "=" * max(0, 60 - len(title)))
 
 
-def _deterministic_where_it_runs(engine_kwargs: dict) -> dict:
-    """The engine settings with --enable-deterministic-inference on where it runs (the CPU's
-    one-call step: a CPU with a C++ compiler, no tensor parallelism or compiled graphs). Without
+def _start(engine_kwargs: dict) -> tuple[Engine, dict]:
+    """An engine with --enable-deterministic-inference on where the engine takes it (it refuses
+    it, by name, where the CPU's one-call step does not run), and the settings it took. Without
     it the radix cache changes which batches a prompt's tokens are computed in, and in bfloat16
     that moves logits by a rounding, enough to part greedy outputs at near-ties."""
-    on_cpu = engine_kwargs["device"] == "cpu" or (engine_kwargs["device"] == "auto" and not torch.cuda.is_available())
-    if on_cpu and engine_kwargs["tp_size"] == 1 and not engine_kwargs["enable_torch_compile"] and cpu_ops() is not None:
-        return {**engine_kwargs, "enable_deterministic_inference": True}
-    return engine_kwargs
+    if engine_kwargs["enable_deterministic_inference"]:
+        return Engine(**engine_kwargs), engine_kwargs
+    deterministic = {**engine_kwargs, "enable_deterministic_inference": True}
+    try:
+        return Engine(**deterministic), deterministic
+    except ValueError as e:
+        if "--enable-deterministic-inference" not in str(e):
+            raise
+        return Engine(**engine_kwargs), engine_kwargs
 
 
 def run_demo(engine_kwargs: dict, comprehensive: bool, seed: int, max_new_tokens: int) -> bool:
     ok = True
-    engine_kwargs = _deterministic_where_it_runs(engine_kwargs)
-    with Engine(**engine_kwargs) as engine:
+    engine, engine_kwargs = _start(engine_kwargs)
+    with engine:
         print(f"model: {engine.model_path}")
         if engine_kwargs["enable_deterministic_inference"]:
             print("deterministic inference: on (a request's outputs do not depend on its batch or the cache)")

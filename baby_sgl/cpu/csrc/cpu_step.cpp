@@ -313,6 +313,15 @@ class DecodeStep {
     }
     at::Tensor logits = at::empty({logit_rows.numel(), vocab_}, input_ids.options().dtype(at::kFloat));
     at::Tensor hidden = at::empty({hidden_rows.numel(), hidden_}, input_ids.options().dtype(at::kFloat));
+    run_start_.assign(1, 0);  // consecutive rows of one request, up to kRunRows (attend)
+    longest_run_ = 1;
+    for (int64_t m = 1; m <= rows; ++m) {
+      const int64_t r0 = run_start_.back();
+      if (m == rows || req[m] != req[r0] || m - r0 == kRunRows) {
+        run_start_.push_back(m);
+        longest_run_ = std::max(longest_run_, m - r0);
+      }
+    }
     if (!scratch_ || scratch_->rows < rows) {  // kept between steps: fresh pages each step cost faults
       scratch_ = std::make_unique<Scratch>(rows, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_,
                                            inter_, num_experts_, top_k_, expert_size_);
@@ -823,18 +832,11 @@ class DecodeStep {
   void attend(const Batch& b, Scratch& s, size_t layer, int tid, int nt) {
     const int64_t D = head_dim_, G = heads_ / kv_heads_, qkv_n = (heads_ + 2 * kv_heads_) * D;
     const int64_t window = layers_[layer].window;
-    thread_local std::vector<int64_t> run_start;  // run i: rows run_start[i] .. run_start[i + 1] - 1
-    run_start.assign(1, 0);
-    int64_t longest_run = 1;
-    for (int64_t m = 1; m <= b.rows; ++m) {
-      const int64_t r0 = run_start.back();
-      if (m == b.rows || window > 0 || b.req[m] != b.req[r0] || m - r0 == kRunRows) {
-        run_start.push_back(m);
-        longest_run = std::max(longest_run, m - r0);
-      }
-    }
-    const int64_t runs = static_cast<int64_t>(run_start.size()) - 1;
-    const int64_t H = longest_run == 1 && runs >= 4 * nt ? kv_heads_ : 1, groups = kv_heads_ / H, tasks = runs * groups;
+    const bool alone = window > 0;  // each row a run of its own
+    const int64_t runs = alone ? b.rows : static_cast<int64_t>(run_start_.size()) - 1;
+    auto first_row = [&](int64_t run) { return alone ? run : run_start_[run]; };
+    const int64_t longest = alone ? 1 : longest_run_;
+    const int64_t H = longest == 1 && runs >= 4 * nt ? kv_heads_ : 1, groups = kv_heads_ / H, tasks = runs * groups;
     const bool scaled = !k_scales_.empty();
     const KVPool<T> kv{static_cast<const T*>(k_buffers_[layer].data_ptr()), static_cast<const T*>(v_buffers_[layer].data_ptr()),
                        kv_heads_, D, scaled ? k_scales_[layer].data_ptr<float>() : nullptr,
@@ -842,7 +844,7 @@ class DecodeStep {
     thread_local AttnScratch ws;  // the pool's threads live as long as the step
     int64_t lens[kRunRows];
     for (int64_t t = tid; t < tasks; t += nt) {
-      const int64_t m0 = run_start[t / groups], R = run_start[t / groups + 1] - m0, kvh0 = (t % groups) * H;
+      const int64_t m0 = first_row(t / groups), R = first_row(t / groups + 1) - m0, kvh0 = (t % groups) * H;
       const int64_t first = window > 0 ? std::max<int64_t>(0, b.lens[m0] - window) : 0;
       for (int64_t r = 0; r < R; ++r) lens[r] = b.lens[m0 + r] - first;
       attend_rows(kv, s.qkv.data() + m0 * qkv_n + kvh0 * G * D, qkv_n, attn_scale_,
@@ -868,6 +870,8 @@ class DecodeStep {
   StepTeam team_;
   std::unique_ptr<Scratch> scratch_;  // run() is called by one thread at a time (the scheduler's)
   std::vector<std::vector<int64_t>> lora_rows_;  // this pass's rows of each adapter slot
+  std::vector<int64_t> run_start_;  // this pass's attention runs: run i is rows run_start_[i] .. [i + 1] - 1
+  int64_t longest_run_ = 1;
   std::vector<float> lora_t_;  // x A^T of the current projection, [rows, rank] (lora_shrink)
   at::Tensor cos_, sin_, local_cos_, local_sin_;
   std::vector<at::Tensor> k_buffers_, v_buffers_, k_scales_, v_scales_, keep_;

@@ -252,11 +252,12 @@ inline void low_half_sums(const Q8Rows& a, AlignedBuffer<int32_t>& sums) {
 template <int T>
 inline __m512i row_pair_values(const uint8_t* a, const uint8_t* b) {
   if constexpr (T == kQ8_0) {  // signed bytes + 128, as the panels hold them
-    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2))),
-                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), 1);
+    const __m512i v = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + values_at(T)))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + values_at(T))), 1);
     return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
   } else {  // 16 bytes of nibbles: the low halves are values 0..15, the high halves 16..31
-    constexpr int at = T == kQ4_1 ? 4 : 2;
+    constexpr int at = values_at(T);
     __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + at)));
     v = _mm512_mask_broadcast_i32x4(v, 0xff00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + at)));
     const __m512i shifts = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0,
