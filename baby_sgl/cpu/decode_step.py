@@ -29,6 +29,8 @@ from baby_sgl.models.llama import SandwichDecoderLayer
 if TYPE_CHECKING:
     from baby_sgl.models.llama import DecoderLayer, LlamaForCausalLM
 
+Rows = list[int] | torch.Tensor  # a value per row, as a list or an integer tensor
+
 
 def int8_activations(mode: str, dtype: torch.dtype) -> bool:
     """--cpu-int8-activations resolved: auto rounds activations to int8 blocks in every dtype but
@@ -143,8 +145,8 @@ class CpuDecodeStep:
         self.req_to_token = req_to_token_pool.req_to_token
 
     def run(self, input_ids: list[int], positions: torch.Tensor, out_cache_loc: torch.Tensor,
-            req_pool_indices: list[int], seq_lens: list[int], lora_slots: list[int] | None = None,
-            logit_rows: list[int] | None = None, hidden_rows: list[int] | None = None
+            req_pool_indices: Rows, seq_lens: Rows, lora_slots: Rows | None = None,
+            logit_rows: Rows | None = None, hidden_rows: Rows | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass, a row per token: row m is token input_ids[m] at positions[m], written to KV
         slot out_cache_loc[m], of the request in req_to_token row req_pool_indices[m], seeing that
@@ -153,13 +155,15 @@ class CpuDecodeStep:
         and the final hidden states of hidden_rows (default: none)."""
         dev = self.req_to_token.device
 
-        def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=dev)
+        def ints(values: Rows | None) -> torch.Tensor:
+            if isinstance(values, torch.Tensor):
+                return values.to(device=dev, dtype=torch.long).contiguous()
+            return torch.tensor(values or [], dtype=torch.long, device=dev)
 
         return self.step.run(ints(input_ids), positions.contiguous(), out_cache_loc.contiguous(), self.req_to_token,
-                             ints(req_pool_indices), ints(seq_lens), ints(lora_slots or []), torch.get_num_threads(),
-                             ints(list(range(len(input_ids))) if logit_rows is None else logit_rows),
-                             ints(hidden_rows or []))
+                             ints(req_pool_indices), ints(seq_lens), ints(lora_slots), torch.get_num_threads(),
+                             torch.arange(len(input_ids), device=dev) if logit_rows is None else ints(logit_rows),
+                             ints(hidden_rows))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of final hidden states (run's hidden_rows), by the kernels run uses."""

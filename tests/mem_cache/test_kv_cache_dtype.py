@@ -77,11 +77,14 @@ def test_one_byte_pools_keep_greedy_outputs(tiny_llama_head64, full_precision, n
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", ONE_BYTE)
 def test_the_decode_step_writes_and_reads_what_the_python_path_does(tiny_llama_head64, arch, name, monkeypatch):
-    """The one-call decode step (cpu_step.cpp: its writes and its attention) gives the logprobs of
-    the op-by-op path (KVPool.set_kv_buffer and the decode kernel) over the same pool type, on every
-    build of the kernels. The two compute keys in float32 with different summation orders, so a
-    value on a rounding boundary may land on either side: one step moves a logprob by up to ~1e-3
-    (a wrong scale or rounding, by far more)."""
+    """The one-call step (cpu_step.cpp: its writes and its attention, prefill and decode) gives
+    the logprobs of the op-by-op path (KVPool.set_kv_buffer, the extend and decode kernels) over
+    the same pool type, on every build of the kernels. The two compute keys in float32 with
+    different summation orders, so a value on a rounding boundary may land on either side: most
+    logprobs move by ~1e-5, and one fp8 code apart in an early layer (seen: one e4m3 key in layer
+    0 of 30,000 on the portable build) changes the next layers' inputs enough to move a few by up
+    to ~0.03 (all of that request's later tokens). A wrong scale or rounding moves nearly all of
+    them, by far more."""
     build_for(arch, monkeypatch)
     prompts = random_prompts(4, 512, 20, 80, seed=9)
     runs = []
@@ -92,10 +95,13 @@ def test_the_decode_step_writes_and_reads_what_the_python_path_does(tiny_llama_h
                     cpu_int8_activations="off") as engine:
             assert (engine.scheduler.runner.step is not None) == one_call
             runs.append(_outputs(engine, prompts, 1))
+    gaps = []
     for a, b in zip(*runs):
         assert a["output_ids"] == b["output_ids"]
         for (la, _, _), (lb, _, _) in zip(a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]):
-            assert abs(la - lb) < 2e-3
+            gaps.append(abs(la - lb))
+    assert max(gaps) < 0.05
+    assert sorted(gaps)[len(gaps) // 2] < 1e-4
 
 
 def test_a_one_byte_pool_holds_about_twice_the_tokens(tiny_llama_head64):
@@ -162,8 +168,11 @@ def _perplexity(engine: Engine, ids: list[int]) -> float:
 def test_perplexity_of_the_default_model_over_one_byte_pools():
     """The default model (SmolLM2-135M, Q4_1) over 1500 tokens of docs/architecture.md, prefilled in
     512-token chunks (later chunks attend over the earlier ones' stored keys and values), against
-    its dtype's pool. Measured (bfloat16 on this CPU: 99.15): int8 +0.41%, fp8_e4m3 +0.06%,
-    fp8_e5m2 +2.1% (two mantissa bits: each value within 12.5%, not 6.25% as e4m3's)."""
+    its dtype's pool. fp8_e5m2 has two mantissa bits (each value within 12.5%, not 6.25% as
+    e4m3's), and which values round which way follows the arithmetic before them: over the same
+    text its perplexity was +1.2% to +4.5% of the full pool's in float32 and bfloat16, with and
+    without int8 activations, op by op and in the one-call step (2-core Zen 4; the full pool
+    88.7 in each). int8 and fp8_e4m3 must stay within 1%."""
     text = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text()[:8000]
     ppl = {}
     for name in ("auto", "int8", "fp8_e4m3", "fp8_e5m2"):
@@ -171,7 +180,7 @@ def test_perplexity_of_the_default_model_over_one_byte_pools():
             ppl[name] = _perplexity(engine, engine.tokenizer(text)["input_ids"][:1500])
     print({name: round(p, 3) for name, p in ppl.items()})
     assert ppl["int8"] <= 1.01 * ppl["auto"] and ppl["fp8_e4m3"] <= 1.01 * ppl["auto"]
-    assert ppl["fp8_e5m2"] <= 1.03 * ppl["auto"]
+    assert ppl["fp8_e5m2"] <= 1.06 * ppl["auto"]
 
 
 def test_tensor_parallel_ranks_keep_their_heads_in_int8(tiny_llama_head64):
