@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from baby_sgl import Engine
-from baby_sgl.cpu import toolchain
+from baby_sgl.cpu import decode_step, toolchain
 from helpers import ARCHS, CONFIGS, GREEDY, build_for, assert_first_step_logprobs, hf_greedy, random_prompts, shared_prefix_prompts
 
 MAX_NEW = 24
@@ -69,6 +69,19 @@ def test_every_instruction_set_gives_the_same_tokens(case, arch, monkeypatch):
         assert engine.runner.step is not None
         outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW})
         assert [o["output_ids"] for o in outs] == expected
+        engine.check_memory()
+
+
+def test_the_op_by_op_path_gives_the_same_tokens(case, monkeypatch):
+    """Without the one-call step (a GPU, tensor parallelism, no compiler) every pass runs op by op:
+    prefill chunks, mixed passes and decode there give every family's greedy ids too."""
+    path, prompts, expected, _ = case
+    monkeypatch.setattr(decode_step, "can_run", lambda *a: False)
+    with Engine(path, dtype="float32", **CONFIGS["mixed-chunk"]) as engine:
+        assert engine.runner.step is None
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW})
+        assert [o["output_ids"] for o in outs] == expected
+        assert engine.get_server_info()["mixed_steps"] > 0
         engine.check_memory()
 
 
