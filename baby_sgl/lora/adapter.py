@@ -40,11 +40,21 @@ class LoRAError(ValueError):
 
 
 @dataclass(frozen=True)
+class LoRABlock:
+    """Where one part's pair sits in a fused delta: its rank columns of B and its output rows (B
+    is zero outside its parts' blocks, so a product over the blocks alone gives the delta)."""
+
+    ranks: slice
+    outputs: slice
+
+
+@dataclass(frozen=True)
 class ModuleLoRA:
     """One fused projection's delta: x A^T B^T, float32, the scale folded into B."""
 
     a: torch.Tensor  # [rank, in]
     b: torch.Tensor  # [out, rank]
+    blocks: tuple[LoRABlock, ...]  # its parts' blocks of B, in rank order
 
 
 @dataclass(frozen=True)
@@ -167,9 +177,10 @@ def _fused(outs: list[int], found: list[tuple[int | None, torch.Tensor, torch.Te
     starts = [sum(outs[:i]) for i in range(len(outs))]
     rank = sum(a.shape[0] for _, a, _ in found)
     b_fused = torch.zeros(sum(outs), rank)
-    col = 0
+    blocks, col = [], 0
     for part, a, b in found:
         row = 0 if part is None else starts[part]
-        b_fused[row : row + b.shape[0], col : col + a.shape[0]] = b
+        blocks.append(LoRABlock(slice(col, col + a.shape[0]), slice(row, row + b.shape[0])))
+        b_fused[blocks[-1].outputs, blocks[-1].ranks] = b
         col += a.shape[0]
-    return ModuleLoRA(torch.cat([a for _, a, _ in found]).contiguous(), b_fused)
+    return ModuleLoRA(torch.cat([a for _, a, _ in found]).contiguous(), b_fused, tuple(blocks))
