@@ -1,16 +1,19 @@
 """The adapters' fast paths: op by op, a prompt's rows multiplied where they lie (runs) or gathered,
 over only the blocks of the fused q/k/v and gate/up deltas an adapter fills; the slots in the
-model's dtype (bfloat16 on a bfloat16 model), read by the one-call decode step too."""
+model's dtype (bfloat16 on a bfloat16 model), read by the one-call decode step too. And adapters
+in llama.cpp's LoRA GGUF, served as their PEFT originals."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGUFWriter
 
 from baby_sgl import Engine
 from baby_sgl.lora.memory_pool import LoRAMemoryPool
 from helpers import GREEDY, assert_bfloat16_close, random_prompts
-from peft_adapters import EVERY, AdapterSpec, make_adapter, peft_greedy
+from gguf_writer import write_lora_gguf
+from peft_adapters import EVERY, PHI3_EVERY, AdapterSpec, make_adapter, peft_greedy
 
 MAX_NEW = 8
 
@@ -92,3 +95,31 @@ def test_bfloat16_slots_stay_close_to_float32(tiny_llama, mixed_adapters):
     changed = [r["output_ids"][0] != b["output_ids"][0] for r, b in zip(ref, base)]
     assert sum(changed) >= len(prompts) // 2
     assert_bfloat16_close(outs, ref, 2)
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_phi3"])
+def test_a_llama_cpp_lora_gguf_gives_the_ids_of_its_peft_original(family, request, tmp_path):
+    """A PEFT adapter (rsLoRA, every projection) written as llama.cpp's LoRA GGUF and served from
+    --lora-paths gives PEFT's ids. The file holds a Llama's q and k rows of lora_b reordered for
+    llama.cpp's rope (read as they are, gguf_adapter.py without _unpermute_rows, the ids differ);
+    Phi-3's fused projections keep their GGUF names. A model's GGUF is refused by name."""
+    base = request.getfixturevalue(family)
+    targets = PHI3_EVERY if family == "tiny_phi3" else EVERY
+    peft_dir = make_adapter(base, tmp_path / "peft", AdapterSpec(8, 16, tuple(targets), rslora=True), 51)
+    gguf_path = str(tmp_path / "adapter.gguf")
+    write_lora_gguf(base, peft_dir, gguf_path)
+    prompts = random_prompts(4, 512, 4, 30, seed=52)
+    expected = peft_greedy(base, peft_dir, prompts, MAX_NEW)
+    assert expected != peft_greedy(base, None, prompts, MAX_NEW), "the adapter must change the ids"
+    with Engine(base, dtype="float32", lora_paths=[f"g={gguf_path}"]) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW},
+                               lora_path=["g"] * len(prompts))
+        assert [o["output_ids"] for o in outs] == expected
+        model_file = GGUFWriter(str(tmp_path / "model.gguf"), "llama")
+        model_file.add_type("model")
+        model_file.write_header_to_file()
+        model_file.write_kv_data_to_file()
+        model_file.close()
+        with pytest.raises(ValueError, match=r"LoRA adapter 'm': .*model.gguf is not a LoRA adapter"):
+            engine.load_lora_adapter("m", str(tmp_path / "model.gguf"))
+        engine.check_memory()
