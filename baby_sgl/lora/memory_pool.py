@@ -20,7 +20,7 @@ from baby_sgl.model_config import ModelConfig
 NO_ADAPTER = -1  # a row's slot when it uses the base model alone
 # An adapter's rows are multiplied where they lie when its runs of consecutive rows (a prompt's
 # tokens) average at least this many; else they are gathered, multiplied together and scattered
-# back: each product has a fixed cost, which short runs pay once each (docs/lora.md).
+# back: each product has a fixed cost, which short runs pay once each (docs/benchmarks.md).
 MIN_RUN_ROWS = 96
 
 
