@@ -10,13 +10,14 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
 from safetensors.torch import load_file
 
 from kquant_encoder import encode
 
-from baby_sgl.model_loader.gguf_writer import gguf_tensor_name, new_gguf_writer, permute_rows, permuted_for_llama_cpp
+from baby_sgl.model_loader.gguf_writer import (GGUF_ARCH, gguf_tensor_name, new_gguf_writer, permute_rows,
+                                              permuted_for_llama_cpp)
 
 # An expert's matrix name (Qwen3-MoE's, Mixtral's) -> the stacked tensor that holds every expert's.
 _EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
@@ -76,3 +77,29 @@ def write_tiny_gguf(hf_dir: str, path: str, qtype: GGMLQuantizationType,
     w.write_tensors_to_file()
     w.close()
     return reference
+
+
+def write_lora_gguf(hf_dir: str, peft_dir: str, path: str) -> None:
+    """The PEFT adapter at peft_dir (over the checkpoint at hf_dir) as llama.cpp's converter writes a
+    LoRA GGUF: general.type adapter, adapter.type lora, adapter.lora.alpha (times sqrt(r) for
+    rsLoRA: llama.cpp scales by alpha / r), each pair as <base tensor>.lora_a / .lora_b in float32,
+    lora_b's q and k rows reordered as the base model's."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(peft_dir, "adapter_config.json")) as f:
+        config = json.load(f)
+    w = GGUFWriter(path, GGUF_ARCH[cfg["model_type"]])
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", config["lora_alpha"] * (config["r"] ** 0.5 if config.get("use_rslora") else 1))
+    for key, tensor in sorted(load_file(os.path.join(peft_dir, "adapter_model.safetensors")).items()):
+        module, half = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+        hf_name = f"{module}.weight"
+        matrix = tensor.float().numpy()
+        if half.startswith("B") and permuted_for_llama_cpp(cfg, hf_name):
+            matrix = permute_rows(matrix, cfg["num_attention_heads" if ".q_proj." in hf_name else "num_key_value_heads"])
+        w.add_tensor(f"{gguf_tensor_name(hf_name)}.lora_{half[0].lower()}", np.ascontiguousarray(matrix))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -88,7 +88,7 @@ def _layer(layer: DecoderLayer, cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _lora_stacks(pool: LoRAMemoryPool | None, layer: int) -> dict[str, Any]:
-    """A layer's adapter slots per module: A [slots, rank, in], B^T [slots, rank, out] (float32),
+    """A layer's adapter slots per module: A [slots, rank, in], B^T [slots, rank, out] (the model's dtype),
     the rows of B^T used per part [slots, rank, parts] and where the parts end."""
     return {} if pool is None else {f"lora_{m}": (pool.a[m][layer], pool.b[m][layer], pool.used[m][layer],
                                                   pool.part_ends[m]) for m in MODULES}

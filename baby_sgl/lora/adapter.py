@@ -1,5 +1,6 @@
-"""A LoRA adapter in PEFT's format (adapter_config.json + adapter_model.safetensors), read and
-checked against the base model, its matrices laid out as the decoder's fused projections.
+"""A LoRA adapter in PEFT's format (adapter_config.json + adapter_model.safetensors) or llama.cpp's
+(a .gguf file: gguf_adapter.py), read and checked against the base model, its matrices laid out as
+the decoder's fused projections.
 
 The decoder computes q/k/v in one product and gate/up in another (models/llama.py), so an
 adapter's per-projection pairs are fused too: for a fused projection, A stacks the parts' A
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from baby_sgl.lora.gguf_adapter import read_gguf_adapter
 from baby_sgl.model_config import ModelConfig
 
 # The decoder's projections an adapter may change, and the capacity of each in ranks: a fused
@@ -40,11 +42,21 @@ class LoRAError(ValueError):
 
 
 @dataclass(frozen=True)
+class LoRABlock:
+    """Where one part's pair sits in a fused delta: its rank columns of B and its output rows (B
+    is zero outside its parts' blocks, so a product over the blocks alone gives the delta)."""
+
+    ranks: slice
+    outputs: slice
+
+
+@dataclass(frozen=True)
 class ModuleLoRA:
     """One fused projection's delta: x A^T B^T, float32, the scale folded into B."""
 
     a: torch.Tensor  # [rank, in]
     b: torch.Tensor  # [out, rank]
+    blocks: tuple[LoRABlock, ...]  # its parts' blocks of B, in rank order
 
 
 @dataclass(frozen=True)
@@ -68,9 +80,22 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
 
 def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int,
                  allowed_targets: frozenset[str] | None = None) -> LoRAAdapter:
-    """Reads and checks the adapter at `path` (a directory) for the base model `cfg`: LoRAError
-    naming the problem for a missing file, a rank above max_rank, a target module the decoder (or
-    --lora-target-modules) does not take, or a matrix of the wrong shape."""
+    """Reads and checks the adapter at `path` (PEFT's directory, or llama.cpp's .gguf file) for
+    the base model `cfg`: LoRAError naming the problem for a missing file, a rank above max_rank, a
+    target module the decoder (or --lora-target-modules) does not take, or a matrix of the wrong
+    shape."""
+    config, tensors = _read_gguf(name, path, cfg) if path.endswith(".gguf") else _read_peft(name, path)
+    pairs = _pairs(name, tensors)
+    targets = frozenset(piece for _, piece in pairs)
+    if allowed_targets is not None and not targets <= allowed_targets:
+        raise LoRAError(f"LoRA adapter {name!r}: target module {sorted(targets - allowed_targets)[0]!r} is not in "
+                        f"--lora-target-modules ({', '.join(sorted(allowed_targets))})")
+    modules = _fuse(name, pairs, config, cfg, max_rank)
+    rank = max((pair[0].shape[0] for pair in pairs.values()), default=0)
+    return LoRAAdapter(name, path, rank, targets, modules)
+
+
+def _read_peft(name: str, path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     config = _read_config(name, path)
     listed = config.get("target_modules")
     unknown = sorted(set(listed) - set(TARGETS)) if isinstance(listed, list) else []
@@ -82,15 +107,17 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int,
     weights_path = os.path.join(path, _WEIGHTS)
     if not os.path.isfile(weights_path):
         raise LoRAError(f"LoRA adapter {name!r}: {weights_path} not found")
-    tensors = load_file(weights_path)
-    pairs = _pairs(name, tensors)
-    targets = frozenset(piece for _, piece in pairs)
-    if allowed_targets is not None and not targets <= allowed_targets:
-        raise LoRAError(f"LoRA adapter {name!r}: target module {sorted(targets - allowed_targets)[0]!r} is not in "
-                        f"--lora-target-modules ({', '.join(sorted(allowed_targets))})")
-    modules = _fuse(name, pairs, config, cfg, max_rank)
-    rank = max((pair[0].shape[0] for pair in pairs.values()), default=0)
-    return LoRAAdapter(name, path, rank, targets, modules)
+    return config, load_file(weights_path)
+
+
+def _read_gguf(name: str, path: str, cfg: ModelConfig) -> tuple[dict, dict[str, torch.Tensor]]:
+    """llama.cpp's LoRA GGUF (gguf_adapter.py)."""
+    if not os.path.isfile(path):
+        raise LoRAError(f"LoRA adapter {name!r}: {path} not found")
+    try:
+        return read_gguf_adapter(path, cfg.num_heads, cfg.num_kv_heads)
+    except (OSError, ValueError, RuntimeError) as e:  # not an adapter, or a file the gguf reader cannot parse
+        raise LoRAError(f"LoRA adapter {name!r}: {e}") from None
 
 
 def _read_config(name: str, path: str) -> dict:
@@ -167,9 +194,10 @@ def _fused(outs: list[int], found: list[tuple[int | None, torch.Tensor, torch.Te
     starts = [sum(outs[:i]) for i in range(len(outs))]
     rank = sum(a.shape[0] for _, a, _ in found)
     b_fused = torch.zeros(sum(outs), rank)
-    col = 0
+    blocks, col = [], 0
     for part, a, b in found:
         row = 0 if part is None else starts[part]
-        b_fused[row : row + b.shape[0], col : col + a.shape[0]] = b
+        blocks.append(LoRABlock(slice(col, col + a.shape[0]), slice(row, row + b.shape[0])))
+        b_fused[blocks[-1].outputs, blocks[-1].ranks] = b
         col += a.shape[0]
-    return ModuleLoRA(torch.cat([a for _, a, _ in found]).contiguous(), b_fused)
+    return ModuleLoRA(torch.cat([a for _, a, _ in found]).contiguous(), b_fused, tuple(blocks))

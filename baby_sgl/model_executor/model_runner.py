@@ -113,7 +113,8 @@ class ModelRunner:
         """Serves LoRA adapters (before init_memory_pool, whose decode step reads their slots)."""
         if self.tp is not None:
             raise ValueError("--enable-lora does not support tensor parallelism (--tp-size > 1)")
-        self.lora_pool = LoRAMemoryPool(self.cfg, max_loras_per_batch, max_lora_rank, self.device, eviction_policy)
+        self.lora_pool = LoRAMemoryPool(self.cfg, max_loras_per_batch, max_lora_rank, self.device, eviction_policy,
+                                        self.dtype)
         return self.lora_pool
 
     @property
@@ -224,11 +225,9 @@ class ModelRunner:
         return torch.cat(logits), None if wanted is None else torch.cat(hidden)
 
     def _lora_batch(self, slots: list[int], extend_seq_lens: list[int]) -> LoRABatch | None:
-        """The pass's adapters, each token row with its request's slot."""
+        """The pass's adapters, each request's token rows with its slot."""
         assert self.lora_pool is not None
-        per_token = torch.tensor(slots, device=self.device).repeat_interleave(
-            torch.tensor(extend_seq_lens, device=self.device))
-        return self.lora_pool.batch(per_token)
+        return self.lora_pool.batch(slots, extend_seq_lens)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from baby_sgl.lora.adapter import LoRAAdapter, ModuleLoRA
+from baby_sgl.lora.adapter import LoRAAdapter, LoRABlock, ModuleLoRA
 from baby_sgl.lora.memory_pool import NO_ADAPTER, LoRAMemoryPool
 from baby_sgl.lora.registry import LoRARef, parse_lora_path
 from baby_sgl.model_config import ModelConfig
@@ -51,7 +51,8 @@ CFG = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 
 def adapter(name: str) -> LoRAAdapter:
     fill = float(len(name))
     return LoRAAdapter(name, name, 1, frozenset({"o_proj"}),
-                       {(0, "o"): ModuleLoRA(torch.full((1, 8), fill), torch.full((8, 1), fill))})
+                       {(0, "o"): ModuleLoRA(torch.full((1, 8), fill), torch.full((8, 1), fill),
+                                             (LoRABlock(slice(0, 1), slice(0, 8)),))})
 
 
 @pytest.mark.parametrize("policy, evicted", [("lru", "bb"), ("fifo", "a")])

@@ -57,13 +57,15 @@ struct Fused {
 };
 
 // The LoRA adapters' slots of one projection (lora/memory_pool.py): A [slots, rank, k] and B
-// transposed, [slots, rank, n], float32, the scale folded into B; a is null when none are served.
-// The projection's outputs are parts (q, k, v; gate, up) ending at part_end; used [slots, rank,
-// parts] says which rows of B^T are not zero over which part (a fused adapter's parts each have
-// ranks of their own), so the zeros are skipped.
+// transposed, [slots, rank, n], in the model's dtype (float32, or bfloat16: half the bytes to
+// read, widened to float32 as they are read), the scale folded into B; a is null when none are
+// served. The projection's outputs are parts (q, k, v; gate, up) ending at part_end; used [slots,
+// rank, parts] says which rows of B^T are not zero over which part (a fused adapter's parts each
+// have ranks of their own), so the zeros are skipped.
 struct LoRAStack {
-  const float* a = nullptr;
-  const float* b = nullptr;
+  const void* a = nullptr;
+  const void* b = nullptr;
+  bool bf16 = false;
   const uint8_t* used = nullptr;
   int64_t slots = 0, rank = 0, k = 0, n = 0;
   std::vector<int64_t> part_end;
@@ -75,41 +77,50 @@ struct Columns {
   int count = 0;
 };
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// An adapter slot's values, float32 or bfloat16 bits, as float32.
+inline fv load_slot(const float* p) { return loadv(p); }
+inline fv load_slot(const uint16_t* p) { return load_bf16(p); }
+inline float slot_value(float v) { return v; }
+inline float slot_value(uint16_t v) { return bf16_to_float(v); }
+
+template <typename E>
+inline float dot(const E* a, const float* b, int64_t n) {
   fv acc = splat(0.f);
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) acc += loadv(a + i) * loadv(b + i);
+  for (; i + kLanes <= n; i += kLanes) acc += load_slot(a + i) * loadv(b + i);
   float sum = hsum(acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
+  for (; i < n; ++i) sum += slot_value(a[i]) * b[i];
   return sum;
 }
 
 // out[r] = a . x[r] for four rows x[r] at once (each as dot computes it): a is read once, and the
 // four sums are independent chains.
-inline void dot4(const float* a, const float* const* x, int64_t n, float* out) {
+template <typename E>
+inline void dot4(const E* a, const float* const* x, int64_t n, float* out) {
   fv acc[4] = {splat(0.f), splat(0.f), splat(0.f), splat(0.f)};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    const fv av = loadv(a + i);
+    const fv av = load_slot(a + i);
     for (int r = 0; r < 4; ++r) acc[r] += av * loadv(x[r] + i);
   }
   for (int r = 0; r < 4; ++r) {
     out[r] = hsum(acc[r]);
-    for (int64_t k = i; k < n; ++k) out[r] += a[k] * x[r][k];
+    for (int64_t k = i; k < n; ++k) out[r] += slot_value(a[k]) * x[r][k];
   }
 }
 
 // y[i] += sum over q of a[q] x[q][i], for i in [0, n), the q in order (a row's outputs of B^T's
 // rows x): each y vector is read and written once.
-inline void axpy_rows(const float* a, const float* const* x, int count, float* y, int64_t n) {
+template <typename E>
+inline void axpy_rows(const float* a, const E* const* x, int count, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     fv acc = loadv(y + i);
-    for (int q = 0; q < count; ++q) acc += splat(a[q]) * loadv(x[q] + i);
+    for (int q = 0; q < count; ++q) acc += splat(a[q]) * load_slot(x[q] + i);
     storev(y + i, acc);
   }
   for (; i < n; ++i)
-    for (int q = 0; q < count; ++q) y[i] += a[q] * x[q][i];
+    for (int q = 0; q < count; ++q) y[i] += a[q] * slot_value(x[q][i]);
 }
 
 struct Layer {
@@ -420,13 +431,14 @@ class DecodeStep {
                     used.size(2) == static_cast<int64_t>(part_end.size()) && !part_end.empty() && part_end.back() == n,
                 "LoRA slots' used rows must be uint8 [slots, rank, parts], the parts ending at the outputs' end");
     keep_.push_back(used);
-    TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && a.is_contiguous() &&
-                    b.is_contiguous() && a.dim() == 3 && b.dim() == 3 && a.size(2) == k && b.size(2) == n &&
-                    b.size(0) == a.size(0) && b.size(1) == a.size(1),
-                "LoRA slots must be contiguous float32 A [slots, rank, in] and B^T [slots, rank, out]");
+    TORCH_CHECK((a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16) &&
+                    b.scalar_type() == a.scalar_type() && a.is_contiguous() && b.is_contiguous() && a.dim() == 3 &&
+                    b.dim() == 3 && a.size(2) == k && b.size(2) == n && b.size(0) == a.size(0) && b.size(1) == a.size(1),
+                "LoRA slots must be contiguous float32 or bfloat16 A [slots, rank, in] and B^T [slots, rank, out]");
     keep_.push_back(a);
     keep_.push_back(b);
-    return {a.data_ptr<float>(), b.data_ptr<float>(), used.data_ptr<uint8_t>(), a.size(0), a.size(1), k, n, part_end};
+    return {a.data_ptr(), b.data_ptr(), a.scalar_type() == at::kBFloat16, used.data_ptr<uint8_t>(), a.size(0),
+            a.size(1), k, n, part_end};
   }
 
   static Columns columns(const Weight& w, int tid, int nt) {
@@ -450,16 +462,21 @@ class DecodeStep {
 
   // The first half of each row's adapter delta (x A^T) B^T: t = x A^T into lora_t_ [rows, rank]
   // (x's rows l.k wide), this thread's share of each adapter's rank rows, so that its matrices are
-  // read once per pass: then a barrier, then lora_expand. An adapter's rows go together.
+  // read once per pass: then a barrier, then lora_expand. An adapter's rows go together; the rank
+  // rows no part uses (padding up to the slot's rank) are skipped, as lora_expand skips them.
+  template <typename E>
   void lora_shrink(const LoRAStack& l, const Batch& b, const float* x, int tid, int nt) {
+    const size_t parts = l.part_end.size();
     for (size_t slot = 0; slot < b.lora->size(); ++slot) {
       const std::vector<int64_t>& rows = (*b.lora)[slot];
       if (rows.empty()) continue;
       int64_t j0, j1;
       split_range(l.rank, tid, nt, j0, j1);
-      const float* a = l.a + slot * l.rank * l.k;
+      const E* a = static_cast<const E*>(l.a) + slot * l.rank * l.k;
+      const uint8_t* used = l.used + slot * l.rank * parts;
       for (int64_t j = j0; j < j1; ++j) {
-        const float* aj = a + j * l.k;
+        if (std::none_of(used + j * parts, used + (j + 1) * parts, [](uint8_t u) { return u != 0; })) continue;
+        const E* aj = a + j * l.k;
         size_t r = 0;
         for (; r + 4 <= rows.size(); r += 4) {
           const float* xs[4] = {x + rows[r] * l.k, x + rows[r + 1] * l.k, x + rows[r + 2] * l.k, x + rows[r + 3] * l.k};
@@ -475,14 +492,14 @@ class DecodeStep {
   // The second half: adds t_j times row j of B^T to the columns of out [rows, ldo] this thread
   // computed in the projection (no barrier before the next op's), j in order, skipping the rows of
   // B^T that are zero over a part.
-  template <typename W>
+  template <typename E, typename W>
   void lora_expand(const LoRAStack& l, const W& w, const Batch& b, float* out, int64_t ldo, int tid, int nt) const {
     const Columns c = columns(w, tid, nt);
-    std::vector<const float*> bj(l.rank);
+    std::vector<const E*> bj(l.rank);
     std::vector<float> tj(l.rank);
     for (size_t slot = 0; slot < b.lora->size(); ++slot) {
       const std::vector<int64_t>& rows = (*b.lora)[slot];
-      const float* bt = l.b + slot * l.rank * l.n;
+      const E* bt = static_cast<const E*>(l.b) + slot * l.rank * l.n;
       const uint8_t* used = l.used + slot * l.rank * l.part_end.size();
       for (int i = 0; i < c.count && !rows.empty(); ++i) {
         for (size_t p = 0, p0 = 0; p < l.part_end.size(); p0 = l.part_end[p++]) {
@@ -507,9 +524,15 @@ class DecodeStep {
   void lora_add(const LoRAStack& l, const W& w, const Batch& b, const float* x, float* out, int64_t ldo, int tid,
                 int nt) {
     if (b.lora == nullptr || l.a == nullptr) return;
-    lora_shrink(l, b, x, tid, nt);
-    team_.barrier();
-    lora_expand(l, w, b, out, ldo, tid, nt);
+    if (l.bf16) {
+      lora_shrink<uint16_t>(l, b, x, tid, nt);
+      team_.barrier();
+      lora_expand<uint16_t>(l, w, b, out, ldo, tid, nt);
+    } else {
+      lora_shrink<float>(l, b, x, tid, nt);
+      team_.barrier();
+      lora_expand<float>(l, w, b, out, ldo, tid, nt);
+    }
   }
 
   const float* keep_float(const at::Tensor& t, int64_t n = -1) {
