@@ -10,6 +10,7 @@ import torch
 from gguf import GGUFWriter
 
 from baby_sgl import Engine
+from baby_sgl.cpu import decode_step
 from baby_sgl.lora.memory_pool import LoRAMemoryPool
 from helpers import GREEDY, assert_bfloat16_close, random_prompts
 from gguf_writer import write_lora_gguf
@@ -32,7 +33,9 @@ def test_one_part_adapters_over_runs_and_gathered_rows_give_peft_ids(tiny_llama,
     and short prompts of "kvu" apart (gathered); each adapter's delta covers only its parts' rows
     of the fused products. The ids equal PEFT's: a block placed over another part's rows, or a
     run cut or taken past its end, changes them (each checked by breaking memory_pool.py's
-    _add_delta and LoRAMemoryPool.batch)."""
+    _add_delta and LoRAMemoryPool.batch). The op-by-op path (a GPU's; on CPU the one-call step
+    takes prefill where it runs)."""
+    monkeypatch.setattr(decode_step, "can_run", lambda *a: False)
     long_prompts, short_prompts = random_prompts(3, 512, 120, 160, seed=31), random_prompts(5, 512, 4, 20, seed=32)
     prompts = long_prompts[:2] + short_prompts[:2] + [long_prompts[2]] + short_prompts[2:]
     names = ["q", "q", "kvu", None, None, "kvu", "q", "kvu"]
