@@ -537,7 +537,7 @@ class DecodeStep {
     if (ldo == 0) ldo = w.n;
     int64_t n0, n1;
     split_range(w.n, tid, nt, n0, n1);
-    if (int8_activations_ && takes_kquant_rows(w.type, rows, deterministic_)) {
+    if (int8_activations_ && takes_kquant_rows(w.type, rows, w.k, deterministic_)) {
       quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
       product_kquant_rows(w, copies.int8, out, ldo, n0, n1);
       return;

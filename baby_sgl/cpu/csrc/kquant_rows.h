@@ -21,13 +21,19 @@ namespace bsgl {
 constexpr bool has_kquant_rows(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
 
 // Products of up to this many rows take these tiles in the default mode: each super-block's
-// unpacked values serve every row (from 4 rows int8_gemm.h's panels are as fast).
+// unpacked values serve every row. Against int8_gemm.h (2-core Zen 4, two threads, weights
+// streamed from memory, Q4_K / Q6_K): 1 row 2.1-2.9x as fast, 2 rows 1.1-2.8x, 3 rows 1.8-2.1x
+// at 2048 -> 8192 but 0.9-1.0x at 8192 -> 2048, where the rows' activations that every weight
+// row re-reads (24 KB) no longer stay in the 32 KB L1 beside the streamed weights.
 constexpr int64_t kKRowsMax = 3;
+constexpr int64_t kKRowsMaxValues = 16384;  // rows * k, for more than one row
 
-// Whether a product of `rows` activation rows with w's type takes these tiles: never where every
-// row count must give the same bits (--enable-deterministic-inference, the op-by-op path).
-constexpr bool takes_kquant_rows(int type, int64_t rows, bool same_bits_for_any_rows) {
-  return has_kquant_rows(type) && rows <= kKRowsMax && !same_bits_for_any_rows;
+// Whether a product of `rows` activation rows of k values with w's type takes these tiles:
+// never where every row count must give the same bits (--enable-deterministic-inference, the
+// op-by-op path).
+constexpr bool takes_kquant_rows(int type, int64_t rows, int64_t k, bool same_bits_for_any_rows) {
+  return has_kquant_rows(type) && (rows == 1 || (rows <= kKRowsMax && rows * k <= kKRowsMaxValues)) &&
+         !same_bits_for_any_rows;
 }
 
 // The activation rows as the tiles read them. AVX-512: Q4_K's and Q5_K's sub-blocks reordered

@@ -48,7 +48,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be float32 or bfloat16 [M, ", k, "]");
   const int64_t rows = x.size(0);
-  const bool kquant_rows = takes_kquant_rows(static_cast<int>(type), rows, same_bits_for_any_rows);
+  const bool kquant_rows = takes_kquant_rows(static_cast<int>(type), rows, k, same_bits_for_any_rows);
   TORCH_CHECK(kquant_rows || has_int8_products(static_cast<int>(type)) || has_int8_gemm(static_cast<int>(type)),
               "int8 activations meet block-quantized weights only (Q6_K only with AVX-512 VNNI)");
   const Weight w = make_weight(data, type, n, k, bias);
