@@ -28,6 +28,7 @@
 #include "attention.h"
 #include "int8_gemm.h"
 #include "int8_products.h"
+#include "kquant_rows.h"
 #include "ops.h"
 #include "step_team.h"
 #include "torch_glue.h"
@@ -559,6 +560,11 @@ class DecodeStep {
     if (ldo == 0) ldo = w.n;
     int64_t n0, n1;
     split_range(w.n, tid, nt, n0, n1);
+    if (int8_activations_ && takes_kquant_rows(w.type, rows, w.k, deterministic_)) {
+      quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
+      product_kquant_rows(w, copies.int8, out, ldo, n0, n1);
+      return;
+    }
     if (int8_activations_ && (has_int8_products(w.type) || has_int8_gemm(w.type))) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if (takes_int8_gemm(w.type, rows, deterministic_)) {

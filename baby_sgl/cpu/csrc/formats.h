@@ -188,23 +188,55 @@ inline void k4_sub_scales(const uint8_t* p, int j, float& scale, float& offset) 
   offset = dmin * static_cast<float>(m);
 }
 
-// The scales d * sc_j and offsets dmin * m_j of all 8 sub-blocks of a Q4_K / Q5_K super-block at
-// p, as k4_sub_scales computes each: the 6-bit fields unpacked four at a time, as ggml's
-// ggml_vec_dot_q4_K_q8_K does (scales 0..7 in bytes 0..7 of u, mins in bytes 8..15).
-inline void k4_super_scales(const uint8_t* p, float* scale, float* offset) {
+// The 6-bit scales (bytes 0..7) and mins (bytes 8..15) of a Q4_K / Q5_K super-block at p, unpacked
+// four at a time as ggml's ggml_vec_dot_q4_K_q8_K does (u[0], u[1]: scales; u[2], u[3]: mins).
+inline void k4_scale_min_bytes(const uint8_t* p, uint32_t u[4]) {
   constexpr uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
   uint32_t s[3];
   std::memcpy(s, p + 4, 12);
-  const uint32_t u[4] = {s[0] & low6, (s[2] & low4) | (((s[0] >> 6) & low2) << 4), s[1] & low6,
-                         ((s[2] >> 4) & low4) | (((s[1] >> 6) & low2) << 4)};
+  u[0] = s[0] & low6;
+  u[1] = (s[2] & low4) | (((s[0] >> 6) & low2) << 4);
+  u[2] = s[1] & low6;
+  u[3] = ((s[2] >> 4) & low4) | (((s[1] >> 6) & low2) << 4);
+}
+
+#if defined(__AVX2__)
+// The scales d * sc_j and offsets dmin * m_j of all 8 sub-blocks of a Q4_K / Q5_K super-block at
+// p, as k4_sub_scales computes each, as vectors: k4_scale_min_bytes's four words in one vector
+// from the block's first 16 bytes (d, dmin, the 12 bytes s[0..2]), no scalar step.
+inline void k4_super_scales(const uint8_t* p, __m256& scale, __m256& offset) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_and_si128(  // s[0] & low6, s[2] & low4, s[1] & low6, (s[2] >> 4) & low4
+      _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(3, 2, 3, 1)), _mm_setr_epi32(0, 0, 0, 4)),
+      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i high = _mm_and_si128(  // bits 6 and 7 of s[0]'s and s[1]'s bytes, moved to bits 4 and 5
+      _mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 0, 1, 0)), 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  const __m128i fields = _mm_or_si128(low, high);  // scales in bytes 0..7, mins in 8..15
+#if defined(__F16C__)
+  const __m128 d = _mm_cvtph_ps(v);  // d, dmin
+#else
+  float d0, d1;
+  half2_to_float(p, d0, d1);
+  const __m128 d = _mm_setr_ps(d0, d1, 0.f, 0.f);
+#endif
+  scale = _mm256_mul_ps(_mm256_broadcastss_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(fields)));
+  offset = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(d)),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(fields, fields))));
+}
+#endif
+
+// The same into scale[8] and offset[8].
+inline void k4_super_scales(const uint8_t* p, float* scale, float* offset) {
+#if defined(__AVX2__)
+  __m256 s, o;
+  k4_super_scales(p, s, o);
+  _mm256_storeu_ps(scale, s);
+  _mm256_storeu_ps(offset, o);
+#else
+  uint32_t u[4];
+  k4_scale_min_bytes(p, u);
   float d, dmin;
   half2_to_float(p, d, dmin);
-#if defined(__AVX2__)
-  const __m128i fields = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
-  _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(fields))));
-  _mm256_storeu_ps(offset, _mm256_mul_ps(_mm256_set1_ps(dmin),
-                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8)))));
-#else
   uint8_t b[16];
   std::memcpy(b, u, 16);
   for (int j = 0; j < 8; ++j) {

@@ -37,24 +37,17 @@ constexpr int64_t kInt8GemmMinRows = 2;
 // The formats it takes: every block format.
 constexpr bool has_int8_gemm(int type) { return type != kF32 && type != kBF16; }
 
-// Formats it takes from one row: Q6_K (no one-row tiles), and Q4_K and Q5_K, whose tiles unpack
-// a sub-block's 6-bit scale and min per block and weight row: a single row ran at 1.5x and 1.2x
-// those tiles on a matrix the cache holds (0.37 against 0.57 ms, 0.50 against 0.60; Q4_0 at 0.7x;
-// one thread of a 2-core Zen 4, 1536 -> 4096), the 16 rows' scales of a super-block unpacked at
-// once (k4_super_scales); streamed from memory (Q4_K 2048 -> 65536, two threads) about level with
-// them, 5.8-6.1 against 6.2-6.6 ms.
-constexpr bool int8_gemm_from_one_row(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
-
 // Formats with a one-row twin of the gemm (product_int8_row: the same bits, read in place).
 constexpr bool has_int8_row(int type) { return type == kQ8_0 || type == kQ4_0 || type == kQ4_1; }
 
 // Whether a product of `rows` activation rows takes the gemm's arithmetic (product_int8):
 // always where every row count must give the same bits (--enable-deterministic-inference, and
-// the op-by-op path), else from kInt8GemmMinRows rows or for the formats above. A single row of
-// Q8_0, Q4_0 or Q4_1 otherwise takes int8_products.h's tile, which reads the weights faster
-// (a batch-1 step of the default model 5.0 against 6.3 ms on a 2-core Zen 4).
+// the op-by-op path), else from kInt8GemmMinRows rows, or for Q6_K (no int8_products.h tile).
+// Otherwise a single row takes int8_products.h's tile, which reads the weights faster (Q8_0,
+// Q4_0, Q4_1: a batch-1 step of the default model 5.0 against 6.3 ms on a 2-core Zen 4); the
+// K-quants' few rows take kquant_rows.h's tiles before this is asked (takes_kquant_rows).
 constexpr bool takes_int8_gemm(int type, int64_t rows, bool same_bits_for_any_rows) {
-  return has_int8_gemm(type) && (rows >= kInt8GemmMinRows || int8_gemm_from_one_row(type) || same_bits_for_any_rows);
+  return has_int8_gemm(type) && (rows >= kInt8GemmMinRows || !has_int8_products(type) || same_bits_for_any_rows);
 }
 
 // What a weight type's unsigned bytes are offset by: value = d * (u - offset) (+ the offset

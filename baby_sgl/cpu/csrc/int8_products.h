@@ -292,7 +292,8 @@ constexpr int kQ8MR = 2;
 
 // Products of fewer rows than this take these tiles when the mode is on (from 4 rows they gained
 // nothing on float32 tiles: more go to the float32 or bfloat16 products). Where the CPU has
-// AVX-512 VNNI, only single rows do (not of Q4_K, Q5_K: int8_gemm.h takes those, and two rows and more).
+// AVX-512 VNNI, only single rows do (int8_gemm.h takes two rows and more). In the default mode the
+// K-quants' products of up to three rows take kquant_rows.h's tiles instead.
 constexpr int64_t kInt8MaxRows = 4;
 
 

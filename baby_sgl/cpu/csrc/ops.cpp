@@ -8,6 +8,7 @@
 #include "attention.h"
 #include "int8_gemm.h"
 #include "int8_products.h"
+#include "kquant_rows.h"
 #include "ops.h"
 #include "torch_glue.h"
 
@@ -39,17 +40,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& data, int64_t type, int
 }
 
 // x [M, K] (float32 or bfloat16) times a block-quantized weight with x rounded to int8 blocks
-// first (int8_products.h, int8_gemm.h): what the decode step computes with
-// --cpu-int8-activations. [M, N] in x's dtype.
+// first (int8_products.h, int8_gemm.h, kquant_rows.h): what the decode step computes with
+// --cpu-int8-activations, in its deterministic mode (same_bits_for_any_rows, what the op-by-op
+// path asks) or its default one. [M, N] in x's dtype.
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type, int64_t n, int64_t k,
-                       const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias, bool same_bits_for_any_rows) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be float32 or bfloat16 [M, ", k, "]");
-  TORCH_CHECK(has_int8_products(static_cast<int>(type)) || has_int8_gemm(static_cast<int>(type)),
+  const int64_t rows = x.size(0);
+  const bool kquant_rows = takes_kquant_rows(static_cast<int>(type), rows, k, same_bits_for_any_rows);
+  TORCH_CHECK(kquant_rows || has_int8_products(static_cast<int>(type)) || has_int8_gemm(static_cast<int>(type)),
               "int8 activations meet block-quantized weights only (Q6_K only with AVX-512 VNNI)");
   const Weight w = make_weight(data, type, n, k, bias);
   const at::Tensor xc = x.contiguous();
-  const int64_t rows = x.size(0);
   Q8Rows a;
   reserve_q8(rows, k, a);
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
@@ -64,9 +67,14 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
       quantize_row_q8(row.data(), m, a);
     }
   });
+  if (kquant_rows) {
+    at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { product_kquant_rows(w, a, op, n, begin, end); });
+    return out.to(x.scalar_type());
+  }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  // Every row count with the same bits (a row's result must not depend on its batch).
-  if (takes_int8_gemm(w.type, rows, true)) {  // results written in x's dtype: no float32 copy of a prefill's [M, N]
+  if (takes_int8_gemm(w.type, rows, same_bits_for_any_rows)) {  // results written in x's dtype: no float32 copy of a prefill's [M, N]
     at::Tensor out = at::empty({rows, n}, x.options());
     at::parallel_for(0, n, kGroup, [&](int64_t begin, int64_t end) {
       if (x.scalar_type() == at::kFloat) product_int8(w, a, out.data_ptr<float>(), n, begin, end);
@@ -280,7 +288,9 @@ void store_kv(const at::Tensor& x, const at::Tensor& loc, at::Tensor& buf, at::T
 
 void register_ops(pybind11::module& m) {
   m.def("linear", &linear, "x times a stored (possibly quantized) weight, float32 accumulation (CPU)");
-  m.def("linear_int8", &linear_int8, "x rounded to int8 blocks times a quantized weight (CPU)");
+  m.def("linear_int8", &linear_int8, "x rounded to int8 blocks times a quantized weight (CPU)", py::arg("x"),
+        py::arg("data"), py::arg("type"), py::arg("n"), py::arg("k"), py::arg("bias"),
+        py::arg("same_bits_for_any_rows") = true);
   m.attr("has_int8_gemm") = kHasInt8Gemm;  // many rows in int8 as fast as few (int8_gemm.h)
   m.def("dequantize", &dequantize, "rows of a stored weight as float32 or bfloat16 (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, rounding as transformers does (CPU)");
