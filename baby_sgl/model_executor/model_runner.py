@@ -206,14 +206,18 @@ class ModelRunner:
         whose prefix holds a tokens seeing its first a + i + 1 slots (with the request's adapter),
         STEP_ROWS rows per call (a later call's rows read the KV an earlier one wrote)."""
         assert self.step is not None
-        ext = torch.tensor(b.extend_seq_lens)
+
+        def host(values: list[int]) -> torch.Tensor:  # the step's row lists live on the host
+            return torch.tensor(values, dtype=torch.long, device="cpu")
+
+        ext = host(b.extend_seq_lens)
         total = int(ext.sum())
         first = torch.cumsum(ext, 0) - ext  # each request's first row
-        rows = torch.tensor(b.req_pool_indices).repeat_interleave(ext)
-        lens = (torch.tensor(b.extend_prefix_lens) - first + 1).repeat_interleave(ext) + torch.arange(total)
-        slots = None if lora_slots is None else torch.tensor(lora_slots).repeat_interleave(ext)
+        rows = host(b.req_pool_indices).repeat_interleave(ext)
+        lens = (host(b.extend_prefix_lens) - first + 1).repeat_interleave(ext) + torch.arange(total, device="cpu")
+        slots = None if lora_slots is None else host(lora_slots).repeat_interleave(ext)
         last = first + ext - 1
-        wanted = None if not b.input_logprob_rows else torch.tensor(b.input_logprob_rows)
+        wanted = None if not b.input_logprob_rows else host(b.input_logprob_rows)
         logits, hidden = [], []
         for c0 in range(0, total, STEP_ROWS):
             c1 = min(c0 + STEP_ROWS, total)

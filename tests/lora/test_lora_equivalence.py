@@ -42,11 +42,13 @@ def adapter_case(base: str, tmp_path_factory, family: str, weights_dir: str | No
 
 FAMILIES = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral", "tiny_mistral", "tiny_phi3",
             "tiny_gemma3"]
-# Each family under a cache setting of the equivalence tests; the Llama under the rest too.
-SETTINGS = list(zip(FAMILIES, ["radix", "chunked", "page16", "no-radix", "retract", "mixed-chunk", "spec-ngram",
-                               "retract-page1-lpm"]))
-SETTINGS += [("tiny_llama", c) for c in ("no-radix", "chunked", "retract", "mixed-chunk-retract",
-                                         "spec-ngram-page4-chunked-retract", "compile")]
+# Every family under settings that together take each mechanism of the cache and the scheduler
+# (radix cache on and off and a cached second round, pages of 1, 4 and 16, chunked and mixed
+# prefill, retraction, speculative verification); the Llama under every setting of the
+# equivalence tests.
+EVERY_MECHANISM = ("radix", "no-radix", "page16", "mixed-chunk-retract", "spec-ngram-page4-chunked-retract")
+SETTINGS = [(f, c) for f in FAMILIES if f != "tiny_llama" for c in EVERY_MECHANISM]
+SETTINGS += [("tiny_llama", c) for c in CONFIGS]
 
 
 @pytest.fixture(scope="module")
