@@ -33,8 +33,8 @@ def random_adapter(cfg: ModelConfig, rank: int, seed: int, path: Path) -> Path:
                 continue
             in_features, outs = shapes[module]
             prefix = f"base_model.model.model.layers.{layer}.{block}.{piece}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=g) / in_features**0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(outs[part], rank, generator=g) * 0.01
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=g, device="cpu") / in_features**0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(outs[part], rank, generator=g, device="cpu") * 0.01
     save_file(tensors, path / "adapter_model.safetensors")
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(_PIECES),
               "bias": "none", "use_rslora": False}

@@ -7,8 +7,8 @@ matrices), the runner's KV pool and the LoRA adapters' slots (each row adds its 
 deltas), and returns the logits. It takes every decode batch: measured
 on SmolLM2-135M (Q4_1, 2-core Zen 5, contexts of 200), it was faster than the op-by-op pass from 1
 to 32 requests in float32 and bfloat16 (batch 1: 3.5 vs 6.9 ms, batch 32 in bfloat16: 43 vs 58 ms)
-and level at 64 (bfloat16: 87 vs 83 ms). Prefill and mixed passes run op by op, except under
---enable-deterministic-inference, where every pass runs here, a row per token (model_runner.py).
+and level at 64 (bfloat16: 87 vs 83 ms). Prefill and mixed passes run here too, a row per token
+(model_runner.py: _extend_in_step).
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def _fused(outs: list[int], found: list[tuple[int | None, torch.Tensor, torch.Te
     """The parts' pairs as one: A stacked, each B in its part's rows and its own rank columns."""
     starts = [sum(outs[:i]) for i in range(len(outs))]
     rank = sum(a.shape[0] for _, a, _ in found)
-    b_fused = torch.zeros(sum(outs), rank)
+    b_fused = torch.zeros(sum(outs), rank, device="cpu")  # the host copy
     blocks, col = [], 0
     for part, a, b in found:
         row = 0 if part is None else starts[part]

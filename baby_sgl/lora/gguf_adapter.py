@@ -44,7 +44,10 @@ def read_gguf_adapter(path: str, num_heads: int, num_kv_heads: int) -> tuple[dic
         values = np.require(dequantize(t.data, t.tensor_type), np.float32, "W")
         matrix = torch.from_numpy(values).reshape([int(d) for d in reversed(t.shape)])
         if arch == "llama" and parts[4] == "lora_b" and parts[2] in ("attn_q", "attn_k"):
-            matrix = _unpermute_rows(matrix, num_heads if parts[2] == "attn_q" else num_kv_heads)
+            heads = num_heads if parts[2] == "attn_q" else num_kv_heads
+            if matrix.dim() != 2 or matrix.shape[0] % (2 * heads):
+                raise ValueError(f"{path}: {t.name} has shape {tuple(matrix.shape)}, not {heads} heads' rows")
+            matrix = _unpermute_rows(matrix, heads)
         half = "A" if parts[4] == "lora_a" else "B"
         tensors[f"base_model.model.model.layers.{parts[1]}.{modules[parts[2]]}.lora_{half}.weight"] = matrix
     return {"lora_alpha": float(alpha)}, tensors

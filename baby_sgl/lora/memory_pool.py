@@ -143,7 +143,7 @@ def _segment(runs: list[tuple[int, int]], device: torch.device) -> list[slice] |
     numbers, to be gathered."""
     if sum(end - start for start, end in runs) >= MIN_RUN_ROWS * len(runs):
         return [slice(start, end) for start, end in runs]
-    return torch.cat([torch.arange(start, end) for start, end in runs]).to(device)
+    return torch.cat([torch.arange(start, end, device=device) for start, end in runs])
 
 
 @dataclass(frozen=True)
