@@ -130,13 +130,15 @@ def _copy_inputs(sources: Sequence[Path], into: Path) -> list[Path]:
     return [into / s.name for s in sources]
 
 
-def _load_built(build: Path, name: str) -> ModuleType | None:
+def _load_built(build: Path) -> ModuleType | None:
     """The module a finished build left in `build` (its file named in `built`), or None: then
-    it is built (again, if what was left does not load)."""
+    it is built (again, if what was left does not load). The module's name is its file's: torch's
+    loader names a second build of one name in a process NAME_v1."""
     stamp = build / "built"
     if not stamp.is_file():
         return None
-    spec = import_util.spec_from_file_location(name, build / stamp.read_text())
+    file = stamp.read_text()
+    spec = import_util.spec_from_file_location(file.split(".")[0], build / file)
     if spec is None or spec.loader is None:
         return None
     module = import_util.module_from_spec(spec)
@@ -162,7 +164,7 @@ def build_extension(name: str, sources: tuple[Path, ...], purpose: str) -> Modul
         build.mkdir(parents=True, exist_ok=True)
         logger.info("loading the CPU kernels for %s (built once into %s)", purpose, build)
         with _build_lock(build):
-            if (built := _load_built(build, module_name(name))) is not None:
+            if (built := _load_built(build)) is not None:
                 return built
             copies = _copy_inputs(sources, build / "src")
             module = load(module_name(name), [str(c) for c in copies], build_directory=str(build),

@@ -51,6 +51,11 @@ def test_greedy_matches_transformers(case, config):
             assert engine.runner.compiled is not None, "compiled graphs were meant to run"
         elif engine.runner.device.type == "cpu" and toolchain.cxx_compiler() is not None:
             assert engine.runner.step is not None, "every family decodes in the one-call CPU step"
+        if engine.runner.step is not None and not CONFIGS[config].get("disable_radix_cache") and \
+                not any(k in config for k in ("retract", "spec", "compile")):
+            # The cached round's shared-prefix prompts decode with their prefix read once for all
+            # of them (cpu_step.cpp: attend_shared; failed with kMinShared above the prefix).
+            assert engine.runner.step.step.shared_prefix_rows() > 0
         if not CONFIGS[config].get("disable_radix_cache") and "retract" not in config:
             page = CONFIGS[config].get("page_size", 1)
             for p, out in zip(prompts, second):
@@ -67,8 +72,10 @@ def test_every_instruction_set_gives_the_same_tokens(case, arch, monkeypatch):
     build_for(arch, monkeypatch)
     with Engine(path, dtype="float32", page_size=4) as engine:
         assert engine.runner.step is not None
-        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW})
-        assert [o["output_ids"] for o in outs] == expected
+        for _ in range(2):  # the second round from the prefix cache: rows behind a shared prefix
+            outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": MAX_NEW})
+            assert [o["output_ids"] for o in outs] == expected
+        assert engine.runner.step.step.shared_prefix_rows() > 0
         engine.check_memory()
 
 

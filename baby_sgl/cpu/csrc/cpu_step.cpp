@@ -23,6 +23,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 #include "attention.h"
@@ -269,6 +270,9 @@ class DecodeStep {
     return out;
   }
 
+  // How many decode rows so far attended behind a prefix shared with other rows (attend_shared).
+  int64_t shared_prefix_rows() const { return shared_prefix_rows_; }
+
   // The threads of its pool: the count asked for, at most the cores the process may use.
   int num_threads() const { return team_.size(); }
 
@@ -334,6 +338,7 @@ class DecodeStep {
         longest_run_ = std::max(longest_run_, m - r0);
       }
     }
+    find_shared_prefixes(req, lens, req_to_token.data_ptr<int64_t>(), req_to_token.size(1));
     if (!scratch_ || scratch_->rows < rows) {  // kept between steps: fresh pages each step cost faults
       scratch_ = std::make_unique<Scratch>(rows, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_,
                                            inter_, num_experts_, top_k_, expert_size_);
@@ -855,30 +860,109 @@ class DecodeStep {
   // KV heads kvh0 .. kvh0 + H - 1: all of them when the batch is many single rows (a slot's heads
   // are adjacent in the pool and read as one run: a batch-32 step's attention took 0.7x the time
   // of head by head), else one. Tasks are dealt round-robin: a prefill's later rows see more keys.
-  static constexpr int64_t kRunRows = 16;
+  static constexpr int64_t kRunRows = 64;
+
+  // Decode rows whose requests share a prefix of KV slots (the default mode's, in layers without
+  // a window): rows grouped by their first slot, a group a unit if its rows' slots agree on at
+  // least kMinShared keys (the unit's shared length: the fewest any of them agrees with its first
+  // row on). attend_shared reads those keys once for the unit. solo_runs_: the other runs.
+  static constexpr int64_t kMinShared = 32;
+  struct SharedUnit {
+    std::vector<int64_t> rows;
+    int64_t shared;
+  };
+
+  void find_shared_prefixes(const int64_t* req, const int64_t* lens, const int64_t* table, int64_t width) {
+    const int64_t runs = static_cast<int64_t>(run_start_.size()) - 1;
+    units_.clear();
+    solo_runs_.clear();
+    std::vector<bool> in_unit(runs, false);
+    if (!deterministic_) {
+      std::unordered_map<int64_t, std::vector<int64_t>> by_first;  // first slot -> single-row runs
+      for (int64_t r = 0; r < runs; ++r)
+        if (run_start_[r + 1] - run_start_[r] == 1) by_first[table[req[run_start_[r]] * width]].push_back(r);
+      for (auto& [slot, group] : by_first) {
+        if (group.size() < 2) continue;
+        const int64_t m0 = run_start_[group[0]];
+        const int64_t* first = table + req[m0] * width;
+        int64_t shared = lens[m0];
+        for (size_t i = 1; i < group.size() && shared >= kMinShared; ++i) {
+          const int64_t m = run_start_[group[i]];
+          const int64_t* other = table + req[m] * width;
+          int64_t n = 0;
+          const int64_t most = std::min(shared, lens[m]);
+          while (n < most && other[n] == first[n]) ++n;
+          shared = n;
+        }
+        if (shared < kMinShared) continue;
+        // A unit's rows fill one vector of lanes (their query heads): more units, more tasks
+        // for the threads (16 rows behind one prefix on 2 threads: 3 tasks before, 12 now).
+        const size_t per_unit = std::max<int64_t>(2, kLanes / (heads_ / kv_heads_));
+        for (size_t i = 0; i < group.size(); i += per_unit) {
+          SharedUnit unit{{}, shared};
+          for (size_t j = i; j < std::min(group.size(), i + per_unit); ++j) {
+            unit.rows.push_back(run_start_[group[j]]);
+            in_unit[group[j]] = true;
+          }
+          units_.push_back(std::move(unit));
+        }
+        shared_prefix_rows_ += static_cast<int64_t>(group.size());
+      }
+    }
+    for (int64_t r = 0; r < runs; ++r)
+      if (!in_unit[r]) solo_runs_.push_back(r);
+  }
 
   template <typename T>
   void attend(const Batch& b, Scratch& s, size_t layer, int tid, int nt) {
     const int64_t D = head_dim_, G = heads_ / kv_heads_, qkv_n = (heads_ + 2 * kv_heads_) * D;
     const int64_t window = layers_[layer].window;
-    const bool alone = window > 0;  // each row a run of its own
-    const int64_t runs = alone ? b.rows : static_cast<int64_t>(run_start_.size()) - 1;
-    auto first_row = [&](int64_t run) { return alone ? run : run_start_[run]; };
+    const bool alone = window > 0;  // each row a run of its own, and no units
+    const int64_t runs = alone ? b.rows : static_cast<int64_t>(solo_runs_.size());
+    const int64_t units = alone ? 0 : static_cast<int64_t>(units_.size());
+    auto first_row = [&](int64_t run) { return alone ? run : run_start_[solo_runs_[run]]; };
+    auto run_rows = [&](int64_t run) { return alone ? 1 : run_start_[solo_runs_[run] + 1] - run_start_[solo_runs_[run]]; };
     const int64_t longest = alone ? 1 : longest_run_;
-    const int64_t H = longest == 1 && runs >= 4 * nt ? kv_heads_ : 1, groups = kv_heads_ / H, tasks = runs * groups;
+    const int64_t H = longest == 1 && runs >= 4 * nt ? kv_heads_ : 1, groups = kv_heads_ / H;
+    const int64_t unit_tasks = units * kv_heads_, tasks = unit_tasks + runs * groups;
     const bool scaled = !k_scales_.empty();
     const KVPool<T> kv{static_cast<const T*>(k_buffers_[layer].data_ptr()), static_cast<const T*>(v_buffers_[layer].data_ptr()),
                        kv_heads_, D, scaled ? k_scales_[layer].data_ptr<float>() : nullptr,
                        scaled ? v_scales_[layer].data_ptr<float>() : nullptr};
     thread_local AttnScratch ws;  // the pool's threads live as long as the step
+    thread_local LaneScratch lanes;
+    thread_local std::vector<const float*> q_rows;
+    thread_local std::vector<float*> out_rows;
+    thread_local std::vector<const int64_t*> slot_rows;
+    thread_local std::vector<int64_t> unit_lens;
     int64_t lens[kRunRows];
-    for (int64_t t = tid; t < tasks; t += nt) {
-      const int64_t m0 = first_row(t / groups), R = first_row(t / groups + 1) - m0, kvh0 = (t % groups) * H;
+    for (int64_t t = tid; t < unit_tasks; t += nt) {
+      const SharedUnit& unit = units_[t % units];
+      const int64_t kvh = t / units;
+      q_rows.clear();
+      out_rows.clear();
+      slot_rows.clear();
+      unit_lens.clear();
+      for (int64_t m : unit.rows) {
+        q_rows.push_back(s.qkv.data() + m * qkv_n + kvh * G * D);
+        out_rows.push_back(s.att.data() + m * heads_ * D + kvh * G * D);
+        slot_rows.push_back(b.table + b.req[m] * b.width);
+        unit_lens.push_back(b.lens[m]);
+      }
+      attend_shared(kv, q_rows.data(), attn_scale_, slot_rows.data(), unit_lens.data(),
+                    static_cast<int64_t>(unit.rows.size()), unit.shared, kvh, G, out_rows.data(), ws, lanes);
+    }
+    for (int64_t t = (tid + nt - unit_tasks % nt) % nt; t < tasks - unit_tasks; t += nt) {
+      const int64_t run = t % runs, m0 = first_row(run), R = run_rows(run), kvh0 = (t / runs) * H;
       const int64_t first = window > 0 ? std::max<int64_t>(0, b.lens[m0] - window) : 0;
       for (int64_t r = 0; r < R; ++r) lens[r] = b.lens[m0 + r] - first;
-      attend_rows(kv, s.qkv.data() + m0 * qkv_n + kvh0 * G * D, qkv_n, attn_scale_,
-                  b.table + b.req[m0] * b.width + first, lens, R, kvh0, H, G,
-                  s.att.data() + m0 * heads_ * D + kvh0 * G * D, heads_ * D, ws);
+      const float* q = s.qkv.data() + m0 * qkv_n + kvh0 * G * D;
+      float* out = s.att.data() + m0 * heads_ * D + kvh0 * G * D;
+      const int64_t* slots = b.table + b.req[m0] * b.width + first;
+      if (!deterministic_ && H == 1 && takes_lanes(R, G, D))
+        attend_lanes(kv, q, qkv_n, attn_scale_, slots, lens, R, kvh0, G, out, heads_ * D, lanes);
+      else
+        attend_rows(kv, q, qkv_n, attn_scale_, slots, lens, R, kvh0, H, G, out, heads_ * D, ws);
     }
   }
 
@@ -900,6 +984,9 @@ class DecodeStep {
   std::unique_ptr<Scratch> scratch_;  // run() is called by one thread at a time (the scheduler's)
   std::vector<std::vector<int64_t>> lora_rows_;  // this pass's rows of each adapter slot
   std::vector<int64_t> run_start_;  // this pass's attention runs: run i is rows run_start_[i] .. [i + 1] - 1
+  std::vector<SharedUnit> units_;  // decode rows behind a shared prefix (find_shared_prefixes)
+  std::vector<int64_t> solo_runs_;  // the runs in no unit
+  int64_t shared_prefix_rows_ = 0;
   int64_t longest_run_ = 1;
   std::vector<float> lora_t_;  // x A^T of the current projection, [rows, rank] (lora_shrink)
   at::Tensor cos_, sin_, local_cos_, local_sin_;
@@ -921,5 +1008,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &bsgl::DecodeStep::run)
       .def("logits", &bsgl::DecodeStep::logits)
       .def("profile", &bsgl::DecodeStep::profile)
+      .def("shared_prefix_rows", &bsgl::DecodeStep::shared_prefix_rows)
       .def_property_readonly("num_threads", &bsgl::DecodeStep::num_threads);
 }

@@ -209,7 +209,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   const int64_t* ext = extend_lens.data_ptr<int64_t>();
   const int64_t* table = rows.data_ptr<int64_t>();
   // Tasks: runs of up to kTokens new tokens of one request, for one KV head.
-  constexpr int64_t kTokens = 16;
+  constexpr int64_t kTokens = 64;
   struct Task {
     int64_t req, first, count, kvh;  // first: the run's first token in q
   };
@@ -240,13 +240,13 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
                           kv_heads, D, scale_data(k_scale), scale_data(v_scale)};
     at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
       const FlushDenormals flush;
-      PrefillScratch ws;
+      LaneScratch ws;
       for (int64_t tid = begin; tid < end; ++tid)
         for (int64_t t = tid; t < ntasks; t += nthreads) {
           const Task& k = tasks[t];
           const int64_t offset = (k.first * heads + k.kvh * G) * D;
-          attend_prefill(kv, qf.data_ptr<float>() + offset, heads * D, static_cast<float>(scale), table + k.req * W,
-                         token_len.data() + k.first, k.count, k.kvh, G, out.data_ptr<float>() + offset, ws);
+          attend_lanes(kv, qf.data_ptr<float>() + offset, heads * D, static_cast<float>(scale), table + k.req * W,
+                       token_len.data() + k.first, k.count, k.kvh, G, out.data_ptr<float>() + offset, heads * D, ws);
         }
     });
   };
