@@ -4,6 +4,7 @@ own GGUF loading and `generate`, under every cache setting."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,4 +81,23 @@ def test_bfloat16_stays_close_to_float32(reference):
         engine.check_memory()
     with Engine(dtype="float32") as engine:
         ref = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+    assert_bfloat16_close(outs, ref, 2)  # the prefill's token, then the decode step's
+
+
+def test_bfloat16_rows_behind_a_shared_prefix_stay_close_to_float32():
+    """Decode rows whose requests share a cached prefix read it once for all of them
+    (cpu_step.cpp: attend_shared, in bfloat16 dot products on CPUs with AVX512_BF16), and a
+    prefill's rows attend side by side (attend_lanes): their tokens stay within
+    assert_bfloat16_close's bounds of float32's."""
+    notes = (Path(__file__).parent.parent / "data" / "perplexity_text.md").read_text()[:1200]
+    prompts = [f"{notes}\n\nQuestion: {q}\nAnswer:" for q in QUESTIONS]
+    params = {**GREEDY, "max_new_tokens": 2}
+    with Engine(dtype="bfloat16", cpu_int8_activations="off") as engine:
+        engine.generate(notes, sampling_params={"max_new_tokens": 1})  # the shared text, cached
+        outs = engine.generate(prompts, sampling_params=params, return_logprob=True)
+        if engine.runner.step is not None:
+            assert engine.runner.step.step.shared_prefix_rows() > 0
+        engine.check_memory()
+    with Engine(dtype="float32") as engine:
+        ref = engine.generate(prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
     assert_bfloat16_close(outs, ref, 2)  # the prefill's token, then the decode step's

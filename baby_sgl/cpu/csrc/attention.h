@@ -262,6 +262,8 @@ struct LaneScratch {
   std::vector<iv> len;
   std::vector<float> q;  // attend_shared's rows' queries, side by side
   std::vector<int64_t> shared_lens;
+  std::vector<uint16_t> zeros;  // a key's row of zeros (attend_lanes_bf16_v's padding)
+  bool unpacked = false;  // o's dimensions in unpack_order (attend_lanes_bf16_v's)
 };
 
 // kLanes pairs' scores for keys j0 .. j0 + 7 of the block: s[j] = sum over d of kf[j][d] * qt[d].
@@ -389,16 +391,182 @@ void attend_lanes_v(const KVPool<T>& kv, const float* q_in, int64_t q_stride, fl
   }
 }
 
+// Dimension of the i-th pair of an interleaved value row: _mm512_unpacklo/hi_epi16 pair the
+// words 8L .. 8L + 3 (lo) and 8L + 4 .. 8L + 7 (hi) of each 128-bit lane L of 32 dimensions.
+inline int64_t unpack_order(int64_t i) {
+  const int64_t half = i / 32, k = i % 32, hi = k / 16, lane = (k % 16) / 4;
+  return 32 * half + 8 * lane + 4 * hi + k % 4;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// attend_lanes_v in bfloat16 dot products, for a bfloat16 pool of a bfloat16 model on CPUs with
+// AVX512_BF16: each vdpbf16ps multiplies pairs, summed in float32. Scores: a key's two adjacent
+// dimensions, as stored, against every lane's two (its scaled query rounded to bfloat16). Values:
+// two keys' values of one dimension against every lane's two softmax weights (rounded to
+// bfloat16; the running sum keeps them in float32), the block's values interleaved in pairs of
+// keys once for all of the run's lanes. Half the instructions of the float32 FMAs, and keys are
+// not widened. The outputs' dimensions are summed in the order the interleaving leaves them
+// (unpack_order) and put back in place at the end.
+constexpr bool kHasBF16Attention = true;
+
+template <int kD, typename T>
+void attend_lanes_bf16_v(const KVPool<T>& kv, const float* q_in, int64_t q_stride, float scale, const int64_t* slots,
+                         const int64_t* lens, int64_t R, int64_t kvh, int64_t G, float* out, int64_t out_stride,
+                         LaneScratch& ws) {
+  static_assert(sizeof(T) == 2 && kLanes == 16);
+  constexpr int64_t kBlock = 32;
+  const int64_t D = kD > 0 ? kD : kv.head_dim, stride = kv.slot_stride();
+  const int64_t P = R * G, groups = (P + kLanes - 1) / kLanes;
+  ws.qt.reserve(groups * D / 2 * kLanes);  // 32-bit words: two bfloat16 of a lane's query
+  ws.o.reserve(groups * D * kLanes);
+  ws.vf.reserve(kBlock / 2 * D);  // 32-bit words: one dimension's values of two keys
+  ws.s.reserve(kBlock * kLanes);
+  ws.zeros.assign(D, 0);
+  ws.mx.assign(groups, splat(-std::numeric_limits<float>::infinity()));
+  ws.sum.assign(groups, fv{});
+  ws.len.assign(groups, iv{});
+  std::fill(ws.o.data(), ws.o.data() + groups * D * kLanes, 0.f);
+  uint32_t* qp = reinterpret_cast<uint32_t*>(ws.qt.data());
+  int64_t longest = 0;
+  for (int64_t p = 0; p < groups * kLanes; ++p) {
+    const int64_t grp = p / kLanes, lane = p % kLanes, r = p / G, g = p % G;
+    uint32_t* qg = qp + grp * D / 2 * kLanes + lane;
+    for (int64_t t = 0; t < D / 2; ++t) {
+      const float* q = q_in + r * q_stride + g * D + 2 * t;
+      qg[t * kLanes] = p < P ? float_to_bf16(q[0] * scale) | static_cast<uint32_t>(float_to_bf16(q[1] * scale)) << 16 : 0;
+    }
+    if (p < P) longest = std::max(longest, lens[r]);
+    ws.len[grp][lane] = static_cast<int32_t>(p < P ? lens[r] : 1);
+  }
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(kv.k) + kvh * D;
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(kv.v) + kvh * D;
+  uint32_t* vpair = reinterpret_cast<uint32_t*>(ws.vf.data());
+  float* s = ws.s.data();
+  const fv minus_inf = splat(-std::numeric_limits<float>::infinity());
+  // Word l of a lane pair vector: lanes' weights of key 2jp (words 0..15) and 2jp + 1 (16..31).
+  __m512i pair_order;
+  {
+    alignas(64) uint16_t idx[32];
+    for (int l = 0; l < 16; ++l) {
+      idx[2 * l] = static_cast<uint16_t>(l);
+      idx[2 * l + 1] = static_cast<uint16_t>(16 + l);
+    }
+    pair_order = _mm512_load_si512(idx);
+  }
+  const uint16_t* krow[kBlock];
+  for (int64_t start = 0; start < longest; start += kBlock) {
+    const int64_t n = std::min(kBlock, longest - start), n8 = (n + 7) / 8 * 8, pairs = (n + 1) / 2;
+    for (int64_t j = 0; j < n8; ++j) {
+      krow[j] = j < n ? kp + slots[start + j] * stride : ws.zeros.data();
+      if (j < n && start + j + kAhead < longest) {
+        prefetch_row(kp + slots[start + j + kAhead] * stride, D);
+        prefetch_row(vp + slots[start + j + kAhead] * stride, D);
+      }
+    }
+    for (int64_t jp = 0; jp < pairs; ++jp) {
+      const uint16_t* a = vp + slots[start + 2 * jp] * stride;
+      const uint16_t* b = 2 * jp + 1 < n ? vp + slots[start + 2 * jp + 1] * stride : ws.zeros.data();
+      for (int64_t h = 0; h < D; h += 32) {
+        const __m512i va = _mm512_loadu_si512(a + h), vb = _mm512_loadu_si512(b + h);
+        _mm512_storeu_si512(vpair + jp * D + h, _mm512_unpacklo_epi16(va, vb));
+        _mm512_storeu_si512(vpair + jp * D + h + 16, _mm512_unpackhi_epi16(va, vb));
+      }
+    }
+    for (int64_t grp = 0; grp < groups; ++grp) {
+      const iv len = ws.len[grp];
+      bool any = false, all = true;
+      for (int l = 0; l < kLanes; ++l) {
+        any |= len[l] > start;
+        all &= len[l] >= start + kBlock;
+      }
+      if (!any) continue;
+      const uint32_t* qg = qp + grp * D / 2 * kLanes;
+      for (int64_t j0 = 0; j0 < n8; j0 += 8) {
+        __m512 a[8];
+        for (int jj = 0; jj < 8; ++jj) a[jj] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < D / 2; ++t) {
+          const __m512bh qt = (__m512bh)_mm512_loadu_si512(qg + t * kLanes);
+          for (int jj = 0; jj < 8; ++jj) {
+            uint32_t pair;
+            std::memcpy(&pair, krow[j0 + jj] + 2 * t, 4);
+            a[jj] = _mm512_dpbf16_ps(a[jj], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), qt);
+          }
+        }
+        for (int jj = 0; jj < 8; ++jj) _mm512_storeu_ps(s + (j0 + jj) * kLanes, a[jj]);
+      }
+      fv top = ws.mx[grp];
+      for (int64_t j = 0; j < n; ++j) {
+        fv sj = loadv(s + j * kLanes);
+        if (!all) sj = len > static_cast<int32_t>(start + j) ? sj : minus_inf;
+        storev(s + j * kLanes, sj);
+        top = vmax(top, sj);
+      }
+      const fv rescale = expv(ws.mx[grp] - top);
+      ws.mx[grp] = top;
+      fv total{};
+      for (int64_t j = 0; j < n; ++j) {
+        fv pj = expv(loadv(s + j * kLanes) - top);
+        if (!all) pj = len > static_cast<int32_t>(start + j) ? pj : fv{};
+        storev(s + j * kLanes, pj);
+        total += pj;
+      }
+      ws.sum[grp] = ws.sum[grp] * rescale + total;
+      __m512i pp[kBlock / 2];
+      for (int64_t jp = 0; jp < pairs; ++jp) {
+        const __m512 pa = _mm512_loadu_ps(s + 2 * jp * kLanes);
+        const __m512 pb = 2 * jp + 1 < n ? _mm512_loadu_ps(s + (2 * jp + 1) * kLanes) : _mm512_setzero_ps();
+        pp[jp] = _mm512_permutexvar_epi16(pair_order, (__m512i)_mm512_cvtne2ps_pbh(pb, pa));
+      }
+      float* o = ws.o.data() + grp * D * kLanes;
+      __m512 r;
+      std::memcpy(&r, &rescale, sizeof(r));
+      for (int64_t c = 0; c < D; c += 16) {
+        __m512 acc[16];
+        for (int dd = 0; dd < 16; ++dd) acc[dd] = _mm512_mul_ps(_mm512_loadu_ps(o + (c + dd) * kLanes), r);
+        for (int64_t jp = 0; jp < pairs; ++jp) {
+          const __m512bh w = (__m512bh)pp[jp];
+          const uint32_t* vj = vpair + jp * D + c;
+          for (int dd = 0; dd < 16; ++dd)
+            acc[dd] = _mm512_dpbf16_ps(acc[dd], (__m512bh)_mm512_set1_epi32(static_cast<int>(vj[dd])), w);
+        }
+        for (int dd = 0; dd < 16; ++dd) _mm512_storeu_ps(o + (c + dd) * kLanes, acc[dd]);
+      }
+    }
+  }
+  for (int64_t p = 0; p < (out != nullptr ? P : 0); ++p) {
+    const int64_t grp = p / kLanes, lane = p % kLanes, r = p / G, g = p % G;
+    const float inv = 1.f / ws.sum[grp][lane];
+    const float* o = ws.o.data() + grp * D * kLanes + lane;
+    float* dst = out + r * out_stride + g * D;
+    for (int64_t i = 0; i < D; ++i) dst[unpack_order(i)] = o[i * kLanes] * inv;
+  }
+}
+#else
+constexpr bool kHasBF16Attention = false;
+#endif
+
 // Whether a run of R rows with G query heads each goes by attend_lanes_v: enough pairs to fill
 // half a vector (fewer go by attend_rows_v's dot products).
 constexpr bool takes_lanes(int64_t R, int64_t G, int64_t head_dim) {
   return R >= 2 && 2 * R * G >= kLanes && head_dim % kLanes == 0 && head_dim % 8 == 0;
 }
 
+// bf16_dots: a bfloat16 pool's products in bfloat16 dot products where the CPU has them
+// (attend_lanes_bf16_v; a 2-byte pool holds bfloat16).
 template <typename T>
 void attend_lanes(const KVPool<T>& kv, const float* q, int64_t q_stride, float scale, const int64_t* slots,
                   const int64_t* lens, int64_t R, int64_t kvh, int64_t G, float* out, int64_t out_stride,
-                  LaneScratch& ws) {
+                  LaneScratch& ws, bool bf16_dots = false) {
+  ws.unpacked = false;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (sizeof(T) == 2) {
+    if (bf16_dots && kv.head_dim % 32 == 0) {
+      ws.unpacked = true;
+      if (kv.head_dim == 64) return attend_lanes_bf16_v<64>(kv, q, q_stride, scale, slots, lens, R, kvh, G, out, out_stride, ws);
+      return attend_lanes_bf16_v<0>(kv, q, q_stride, scale, slots, lens, R, kvh, G, out, out_stride, ws);
+    }
+  }
+#endif
   switch (kv.head_dim) {
     case 64: return attend_lanes_v<64>(kv, q, q_stride, scale, slots, lens, R, kvh, G, out, out_stride, ws);
     case 128: return attend_lanes_v<128>(kv, q, q_stride, scale, slots, lens, R, kvh, G, out, out_stride, ws);
@@ -414,12 +582,13 @@ void attend_lanes(const KVPool<T>& kv, const float* q, int64_t q_stride, float s
 template <typename T>
 void attend_shared(const KVPool<T>& kv, const float* const* q_rows, float scale, const int64_t* const* slot_rows,
                    const int64_t* lens, int64_t U, int64_t shared, int64_t kvh, int64_t G, float* const* out_rows,
-                   AttnScratch& ws, LaneScratch& lanes) {
+                   AttnScratch& ws, LaneScratch& lanes, bool bf16_dots) {
   const int64_t D = kv.head_dim, V = D / kLanes;
   lanes.q.resize(U * G * D);
   for (int64_t u = 0; u < U; ++u) std::copy(q_rows[u], q_rows[u] + G * D, lanes.q.data() + u * G * D);
   lanes.shared_lens.assign(U, shared);
-  attend_lanes(kv, lanes.q.data(), G * D, scale, slot_rows[0], lanes.shared_lens.data(), U, kvh, G, nullptr, 0, lanes);
+  attend_lanes(kv, lanes.q.data(), G * D, scale, slot_rows[0], lanes.shared_lens.data(), U, kvh, G, nullptr, 0, lanes,
+               bf16_dots);
   for (int64_t u = 0; u < U; ++u) {
     ws.acc.resize(G * V);
     ws.mx.resize(G);
@@ -429,8 +598,10 @@ void attend_shared(const KVPool<T>& kv, const float* const* q_rows, float scale,
       ws.mx[g] = lanes.mx[grp][lane];
       ws.sum[g] = lanes.sum[grp][lane];
       const float* o = lanes.o.data() + grp * D * kLanes + lane;
-      for (int64_t v = 0; v < V; ++v)
-        for (int i = 0; i < kLanes; ++i) ws.acc[g * V + v][i] = o[(v * kLanes + i) * kLanes];
+      for (int64_t i = 0; i < D; ++i) {
+        const int64_t d = lanes.unpacked ? unpack_order(i) : i;
+        ws.acc[g * V + d / kLanes][d % kLanes] = o[i * kLanes];
+      }
     }
     switch (V) {
       case 64 / kLanes:

@@ -950,7 +950,7 @@ class DecodeStep {
         unit_lens.push_back(b.lens[m]);
       }
       attend_shared(kv, q_rows.data(), attn_scale_, slot_rows.data(), unit_lens.data(),
-                    static_cast<int64_t>(unit.rows.size()), unit.shared, kvh, G, out_rows.data(), ws, lanes);
+                    static_cast<int64_t>(unit.rows.size()), unit.shared, kvh, G, out_rows.data(), ws, lanes, bf16_products_);
     }
     for (int64_t t = (tid + nt - unit_tasks % nt) % nt; t < tasks - unit_tasks; t += nt) {
       const int64_t run = t % runs, m0 = first_row(run), R = run_rows(run), kvh0 = (t / runs) * H;
@@ -960,7 +960,7 @@ class DecodeStep {
       float* out = s.att.data() + m0 * heads_ * D + kvh0 * G * D;
       const int64_t* slots = b.table + b.req[m0] * b.width + first;
       if (!deterministic_ && H == 1 && takes_lanes(R, G, D))
-        attend_lanes(kv, q, qkv_n, attn_scale_, slots, lens, R, kvh0, G, out, heads_ * D, lanes);
+        attend_lanes(kv, q, qkv_n, attn_scale_, slots, lens, R, kvh0, G, out, heads_ * D, lanes, bf16_products_);
       else
         attend_rows(kv, q, qkv_n, attn_scale_, slots, lens, R, kvh0, H, G, out, heads_ * D, ws);
     }
@@ -975,7 +975,7 @@ class DecodeStep {
   enum { kMatmul, kAttention, kOther, kLogits, kExperts, kKinds };
   bool profiling_ = false;
   double profile_[kKinds] = {};
-  bool bf16_products_;  // bfloat16 dtype on a CPU with AVX512_BF16: batches use vdpbf16ps
+  bool bf16_products_;  // bfloat16 dtype on a CPU with AVX512_BF16: batches and attention use vdpbf16ps
   bool int8_activations_;  // a few rows times quantized weights go in int8 (int8_products.h)
   // --enable-deterministic-inference: each product's kernel is chosen by the weight's format
   // alone, never by the number of rows, so a row's bits do not depend on its batch.

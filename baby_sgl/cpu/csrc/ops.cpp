@@ -228,6 +228,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   }
   TORCH_CHECK(first == T, "q holds ", T, " tokens, the lengths ", first);
   const at::Tensor qf = q.to(at::kFloat).contiguous();
+  const bool bf16_model = q.scalar_type() == at::kBFloat16;  // a bfloat16 pool: bfloat16 dot products
   at::Tensor out = at::empty({T, heads, D}, q.options().dtype(at::kFloat));
   const int64_t G = heads / kv_heads;
   const int nthreads = at::get_num_threads();
@@ -246,7 +247,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
           const Task& k = tasks[t];
           const int64_t offset = (k.first * heads + k.kvh * G) * D;
           attend_lanes(kv, qf.data_ptr<float>() + offset, heads * D, static_cast<float>(scale), table + k.req * W,
-                       token_len.data() + k.first, k.count, k.kvh, G, out.data_ptr<float>() + offset, heads * D, ws);
+                       token_len.data() + k.first, k.count, k.kvh, G, out.data_ptr<float>() + offset, heads * D, ws,
+                       bf16_model);
         }
     });
   };
