@@ -278,6 +278,32 @@ inline void lane_scores(const float* qt, const float* kf, int64_t D, int64_t j0,
   for (int jj = 0; jj < 8; ++jj) storev(s + (j0 + jj) * kLanes, a[jj]);
 }
 
+// One block's online softmax for a vector of lanes: s holds n keys' scores (a vector each), masked
+// to -inf where a key is at or past a lane's length unless `all` lanes see the whole block; leaves
+// the weights in s (0 where masked), updates the running maximum and sum, and returns the factor
+// the lanes' value sums are rescaled by (~0 on the first block, where they and the sum are 0).
+inline fv lane_softmax(float* s, int64_t n, int64_t start, iv len, bool all, fv& mx, fv& sum) {
+  const fv minus_inf = splat(-std::numeric_limits<float>::infinity());
+  fv top = mx;
+  for (int64_t j = 0; j < n; ++j) {
+    fv sj = loadv(s + j * kLanes);
+    if (!all) sj = len > static_cast<int32_t>(start + j) ? sj : minus_inf;
+    storev(s + j * kLanes, sj);
+    top = vmax(top, sj);
+  }
+  const fv rescale = expv(mx - top);
+  mx = top;
+  fv total{};
+  for (int64_t j = 0; j < n; ++j) {
+    fv pj = expv(loadv(s + j * kLanes) - top);
+    if (!all) pj = len > static_cast<int32_t>(start + j) ? pj : fv{};
+    storev(s + j * kLanes, pj);
+    total += pj;
+  }
+  sum = sum * rescale + total;
+  return rescale;
+}
+
 // out null: the outputs are not written; lane p's running maximum, sum and (unnormalised) value
 // sums stay in ws (lane_state reads them).
 template <int kD, typename T>
@@ -314,7 +340,6 @@ void attend_lanes_v(const KVPool<T>& kv, const float* q_in, int64_t q_stride, fl
   float* kf = ws.kf.data();
   float* vf = ws.vf.data();
   float* s = ws.s.data();
-  const fv minus_inf = splat(-std::numeric_limits<float>::infinity());
   for (int64_t start = 0; start < longest; start += kBlock) {
     const int64_t n = std::min(kBlock, longest - start), n8 = (n + 7) / 8 * 8;
     for (int64_t j = 0; j < n8; ++j) {
@@ -352,23 +377,7 @@ void attend_lanes_v(const KVPool<T>& kv, const float* q_in, int64_t q_stride, fl
       if (!any) continue;
       const float* qt = ws.qt.data() + grp * D * kLanes;
       for (int64_t j0 = 0; j0 < n8; j0 += 8) lane_scores<kD>(qt, kf, D, j0, s);
-      fv top = ws.mx[grp];
-      for (int64_t j = 0; j < n; ++j) {
-        fv sj = loadv(s + j * kLanes);
-        if (!all) sj = len > static_cast<int32_t>(start + j) ? sj : minus_inf;
-        storev(s + j * kLanes, sj);
-        top = vmax(top, sj);
-      }
-      const fv rescale = expv(ws.mx[grp] - top);  // ~0 on the first block, where o and sum are 0
-      ws.mx[grp] = top;
-      fv total{};
-      for (int64_t j = 0; j < n; ++j) {
-        fv pj = expv(loadv(s + j * kLanes) - top);
-        if (!all) pj = len > static_cast<int32_t>(start + j) ? pj : fv{};
-        storev(s + j * kLanes, pj);
-        total += pj;
-      }
-      ws.sum[grp] = ws.sum[grp] * rescale + total;
+      const fv rescale = lane_softmax(s, n, start, len, all, ws.mx[grp], ws.sum[grp]);
       float* o = ws.o.data() + grp * D * kLanes;
       for (int64_t c = 0; c < D; c += kChunk) {
         fv acc[kChunk];
@@ -442,7 +451,6 @@ void attend_lanes_bf16_v(const KVPool<T>& kv, const float* q_in, int64_t q_strid
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(kv.v) + kvh * D;
   uint32_t* vpair = reinterpret_cast<uint32_t*>(ws.vf.data());
   float* s = ws.s.data();
-  const fv minus_inf = splat(-std::numeric_limits<float>::infinity());
   // Word l of a lane pair vector: lanes' weights of key 2jp (words 0..15) and 2jp + 1 (16..31).
   __m512i pair_order;
   {
@@ -494,23 +502,7 @@ void attend_lanes_bf16_v(const KVPool<T>& kv, const float* q_in, int64_t q_strid
         }
         for (int jj = 0; jj < 8; ++jj) _mm512_storeu_ps(s + (j0 + jj) * kLanes, a[jj]);
       }
-      fv top = ws.mx[grp];
-      for (int64_t j = 0; j < n; ++j) {
-        fv sj = loadv(s + j * kLanes);
-        if (!all) sj = len > static_cast<int32_t>(start + j) ? sj : minus_inf;
-        storev(s + j * kLanes, sj);
-        top = vmax(top, sj);
-      }
-      const fv rescale = expv(ws.mx[grp] - top);
-      ws.mx[grp] = top;
-      fv total{};
-      for (int64_t j = 0; j < n; ++j) {
-        fv pj = expv(loadv(s + j * kLanes) - top);
-        if (!all) pj = len > static_cast<int32_t>(start + j) ? pj : fv{};
-        storev(s + j * kLanes, pj);
-        total += pj;
-      }
-      ws.sum[grp] = ws.sum[grp] * rescale + total;
+      const fv rescale = lane_softmax(s, n, start, len, all, ws.mx[grp], ws.sum[grp]);
       __m512i pp[kBlock / 2];
       for (int64_t jp = 0; jp < pairs; ++jp) {
         const __m512 pa = _mm512_loadu_ps(s + 2 * jp * kLanes);
