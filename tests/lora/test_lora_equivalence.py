@@ -1,7 +1,8 @@
 """Greedy ids with LoRA adapters equal PEFT's model in transformers (float32), for every family
 the engine serves, with one batch mixing three adapters (different ranks, alphas, rsLoRA and
-targets) and the base model; over full-precision and quantized (GGUF) base weights. Decode runs in
-the one-call CPU step where there is a compiler, prefill op by op: both paths take the adapters."""
+targets) and the base model; over full-precision and quantized (GGUF) base weights. On a CPU with a
+compiler every pass runs in the one-call step, but with compiled decode graphs op by op (as on a
+GPU): both paths take the adapters."""
 
 from __future__ import annotations
 
@@ -42,13 +43,10 @@ def adapter_case(base: str, tmp_path_factory, family: str, weights_dir: str | No
 
 FAMILIES = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral", "tiny_mistral", "tiny_phi3",
             "tiny_gemma3"]
-# Every family under settings that together take each mechanism of the cache and the scheduler
-# (radix cache on and off and a cached second round, pages of 1, 4 and 16, chunked and mixed
-# prefill, retraction, speculative verification); the Llama under every setting of the
-# equivalence tests.
-EVERY_MECHANISM = ("radix", "no-radix", "page16", "mixed-chunk-retract", "spec-ngram-page4-chunked-retract")
-SETTINGS = [(f, c) for f in FAMILIES if f != "tiny_llama" for c in EVERY_MECHANISM]
-SETTINGS += [("tiny_llama", c) for c in CONFIGS]
+# Every family under every setting of the equivalence tests (helpers.CONFIGS: the radix cache on
+# and off and a cached second round, pages of 1, 4 and 16, chunked and mixed prefill, retraction,
+# speculative verification, compiled decode graphs).
+SETTINGS = [(f, c) for f in FAMILIES for c in CONFIGS]
 
 
 @pytest.fixture(scope="module")
