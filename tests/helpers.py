@@ -89,6 +89,29 @@ CONFIGS = {
 }
 
 
+def assert_setting_exercised(engine, config: str, prompts: list[list[int]], first: list[dict],
+                             second: list[dict]) -> None:
+    """What the setting CONFIGS[config] is there for happened in two rounds of the same prompts:
+    retraction (each counted on its request), prefill chunks sharing passes with decodes, drafts
+    verified (and accepted in the second round, drafted from the first's text in the cache), and
+    the second round's prompts found in the radix cache, a page at a time."""
+    settings, info = CONFIGS[config], engine.get_server_info()
+    if "retract" in config:
+        assert info["num_retractions"] > 0, "the small pool was meant to force retraction"
+        per_request = sum(o["meta_info"]["num_retractions"] for o in first + second)
+        assert per_request == info["num_retractions"], "each retraction is counted on its request"
+    if settings.get("enable_mixed_chunk"):
+        assert info["mixed_steps"] > 0, "prefill chunks were meant to share passes with decodes"
+    if settings.get("speculative_algorithm"):
+        assert info["spec_verify_steps"] > 0, "drafts were meant to be verified"
+        if not settings.get("disable_radix_cache"):
+            assert info["spec_accepted_tokens"] > 0, "drafts from the cache's text were meant to be accepted"
+    if not settings.get("disable_radix_cache") and "retract" not in config:
+        page = settings.get("page_size", 1)
+        for p, out in zip(prompts, second):
+            assert out["meta_info"]["cached_tokens"] >= (len(p) - 1) // page * page
+
+
 def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]

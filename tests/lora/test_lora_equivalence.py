@@ -1,7 +1,8 @@
 """Greedy ids with LoRA adapters equal PEFT's model in transformers (float32), for every family
 the engine serves, with one batch mixing three adapters (different ranks, alphas, rsLoRA and
-targets) and the base model; over full-precision and quantized (GGUF) base weights. Decode runs in
-the one-call CPU step where there is a compiler, prefill op by op: both paths take the adapters."""
+targets) and the base model; over full-precision and quantized (GGUF) base weights. On a CPU with a
+compiler every pass runs in the one-call step, but with compiled decode graphs op by op (as on a
+GPU): both paths take the adapters."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from safetensors.torch import save_file
 from baby_sgl import Engine
 from baby_sgl.cpu import toolchain
 from peft_adapters import ATTENTION, EVERY, PHI3_EVERY, AdapterSpec, make_adapter, peft_greedy
-from helpers import ARCHS, CONFIGS, GREEDY, build_for, random_prompts, shared_prefix_prompts
+from helpers import ARCHS, CONFIGS, GREEDY, assert_setting_exercised, build_for, random_prompts, shared_prefix_prompts
 
-MAX_NEW = 10
+MAX_NEW = 24  # with the prompts' 307 tokens, more than the retracting settings' pools hold
 NAMES = ("a", "b", "c")
 MIXES = [None, "a", "b", "c", "a", "b", "c", None]  # each prompt's adapter in the mixed batch
 
@@ -34,7 +35,7 @@ def adapter_case(base: str, tmp_path_factory, family: str, weights_dir: str | No
     """(the adapters' flags, the prompts, the expected ids per prompt of MIXES)."""
     root = tmp_path_factory.mktemp(f"lora-{family}")
     paths = {n: make_adapter(base, root / n, spec, seed) for seed, (n, spec) in enumerate(zip(NAMES, specs(family)))}
-    prompts = random_prompts(6, 512, 3, 40) + shared_prefix_prompts(2, 512, 24)
+    prompts = random_prompts(6, 512, 20, 60) + shared_prefix_prompts(2, 512, 24)
     refs = {n: peft_greedy(base, None if n is None else paths[n], prompts, MAX_NEW, weights_dir) for n in (None, *NAMES)}
     assert all(refs[n] != refs[None] for n in NAMES), "each adapter must change the greedy ids"
     return [f"{n}={p}" for n, p in paths.items()], prompts, [refs[n][i] for i, n in enumerate(MIXES)]
@@ -42,13 +43,10 @@ def adapter_case(base: str, tmp_path_factory, family: str, weights_dir: str | No
 
 FAMILIES = ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral", "tiny_mistral", "tiny_phi3",
             "tiny_gemma3"]
-# Every family under settings that together take each mechanism of the cache and the scheduler
-# (radix cache on and off and a cached second round, pages of 1, 4 and 16, chunked and mixed
-# prefill, retraction, speculative verification); the Llama under every setting of the
-# equivalence tests.
-EVERY_MECHANISM = ("radix", "no-radix", "page16", "mixed-chunk-retract", "spec-ngram-page4-chunked-retract")
-SETTINGS = [(f, c) for f in FAMILIES if f != "tiny_llama" for c in EVERY_MECHANISM]
-SETTINGS += [("tiny_llama", c) for c in CONFIGS]
+# Every family under every setting of the equivalence tests (helpers.CONFIGS: the radix cache on
+# and off and a cached second round, pages of 1, 4 and 16, chunked and mixed prefill, retraction,
+# speculative verification, compiled decode graphs).
+SETTINGS = [(f, c) for f in FAMILIES for c in CONFIGS]
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +66,14 @@ def test_a_mixed_batch_gives_peft_ids(cases, family, config):
     base, lora_paths, prompts, expected = cases(family)
     with Engine(base, dtype="float32", lora_paths=lora_paths, **CONFIGS[config]) as engine:
         params = {**GREEDY, "max_new_tokens": MAX_NEW}
-        for round_ in ("first", "cached"):
-            outs = engine.generate(input_ids=prompts, sampling_params=params, lora_path=MIXES)
+        rounds = {r: engine.generate(input_ids=prompts, sampling_params=params, lora_path=MIXES) for r in ("first", "cached")}
+        for round_, outs in rounds.items():
             for i, out in enumerate(outs):
                 assert out["output_ids"] == expected[i], f"prompt {i} ({MIXES[i]}) differs under {config} ({round_})"
+        # Each setting's mechanism ran with the adapters: retraction (a request comes back with its
+        # adapter), chunks beside decodes, drafts verified, the second round's prefixes found in the
+        # cache under their adapter.
+        assert_setting_exercised(engine, config, prompts, rounds["first"], rounds["cached"])
         if CONFIGS[config].get("enable_torch_compile"):  # the passes with adapters ran eager, the others compiled
             assert engine.runner.compiled is not None
         elif engine.runner.device.type == "cpu" and toolchain.cxx_compiler() is not None:

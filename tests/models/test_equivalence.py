@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from baby_sgl import Engine
 from baby_sgl.cpu import decode_step, toolchain
-from helpers import ARCHS, CONFIGS, GREEDY, build_for, assert_first_step_logprobs, hf_greedy, random_prompts, shared_prefix_prompts
+from helpers import (ARCHS, CONFIGS, GREEDY, assert_first_step_logprobs, assert_setting_exercised, build_for, hf_greedy,
+                     random_prompts, shared_prefix_prompts)
 
 MAX_NEW = 24
 
@@ -36,17 +37,7 @@ def test_greedy_matches_transformers(case, config):
         for i, (a, b) in enumerate(zip(first, second)):
             assert a["output_ids"] == expected[i], f"prompt {i} differs under {config}"
             assert b["output_ids"] == expected[i], f"prompt {i} differs under {config} (cached round)"
-        info = engine.get_server_info()
-        if "retract" in config:
-            assert info["num_retractions"] > 0, "the small pool was meant to force retraction"
-            per_request = sum(o["meta_info"]["num_retractions"] for o in first + second)
-            assert per_request == info["num_retractions"], "each retraction is counted on its request"
-        if CONFIGS[config].get("enable_mixed_chunk"):
-            assert info["mixed_steps"] > 0, "prefill chunks were meant to share passes with decodes"
-        if CONFIGS[config].get("speculative_algorithm"):
-            assert info["spec_verify_steps"] > 0, "drafts were meant to be verified"
-            if not CONFIGS[config].get("disable_radix_cache"):  # the second round drafts from the first's text
-                assert info["spec_accepted_tokens"] > 0, "drafts from the cache's text were meant to be accepted"
+        assert_setting_exercised(engine, config, prompts, first, second)
         if CONFIGS[config].get("enable_torch_compile"):
             assert engine.runner.compiled is not None, "compiled graphs were meant to run"
         elif engine.runner.device.type == "cpu" and toolchain.cxx_compiler() is not None:
@@ -56,10 +47,6 @@ def test_greedy_matches_transformers(case, config):
             # The cached round's shared-prefix prompts decode with their prefix read once for all
             # of them (cpu_step.cpp: attend_shared; failed with kMinShared above the prefix).
             assert engine.runner.step.step.shared_prefix_rows() > 0
-        if not CONFIGS[config].get("disable_radix_cache") and "retract" not in config:
-            page = CONFIGS[config].get("page_size", 1)
-            for p, out in zip(prompts, second):
-                assert out["meta_info"]["cached_tokens"] >= (len(p) - 1) // page * page
         engine.check_memory()
 
 
