@@ -90,8 +90,9 @@ def serve_in_thread(engine: Engine, server_args: ServerArgs | None = None) -> It
     """The app over engine, served on a free loopback port; yields its base URL. The engine is
     shut down afterwards."""
     port = free_port()
+    # A response some test left unread (a stream) would hold shutdown for the join's 10 s.
     srv = uvicorn.Server(uvicorn.Config(create_app(engine, server_args), host="127.0.0.1", port=port,
-                                        log_level="error"))
+                                        log_level="error", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
