@@ -86,8 +86,8 @@ def test_the_decode_step_takes_the_few_row_products_in_the_default_mode_only(q4_
     linear, were takes_kquant_rows asked without deterministic_, one to three rows would take the
     few-row sums and four and more the gemm's). Default mode, where the CPU has AVX-512 VNNI (and
     both modes round every product's activations): a request alone decodes one row at a time
-    through kquant_rows.h, whose sums round otherwise than int8_gemm.h's: the same tokens, close
-    logprobs, not the same bits."""
+    through kquant_rows.h, whose sums round otherwise than int8_gemm.h's: the same tokens up to a
+    near tie, close logprobs, not the same bits."""
     ops = build_for("native", monkeypatch)  # the engine's build, whatever the `ops` tests above left
     with _engine(q4_k_m_llama, deterministic=True) as engine:
         gemm = _alone(engine)
@@ -98,9 +98,13 @@ def test_the_decode_step_takes_the_few_row_products_in_the_default_mode_only(q4_
     with _engine(q4_k_m_llama, deterministic=False) as engine:
         few_rows = _alone(engine)
         engine.check_memory()
-    assert [ids for ids, _ in few_rows] == [ids for ids, _ in gemm]
-    for (_, a), (_, b) in zip(few_rows, gemm):
-        # Float32 rounding moves an activation across an int8 rounding boundary now and then:
-        # logprobs moved by up to 0.024 here (2-core Zen 4).
-        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=0.1)
+    for (ids_a, a), (ids_b, b) in zip(few_rows, gemm):
+        # Float32 rounding (the sums here, the step's attention by lanes) moves an activation
+        # across an int8 rounding boundary now and then: logprobs moved by up to 0.024 (2-core
+        # Zen 4), and the random tiny model's flat logits can then tie: the tokens agree up to a
+        # first difference, where each run's token is as likely as the other's (a near tie).
+        same = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), len(ids_b))
+        assert same >= 1, "the prefill's token must agree"
+        upto = min(same + 1, len(ids_b))
+        torch.testing.assert_close(torch.tensor(a[:upto]), torch.tensor(b[:upto]), rtol=0, atol=0.1)
     assert few_rows != gemm
