@@ -855,11 +855,13 @@ class DecodeStep {
   }
 
   // Rows attend in runs: consecutive rows of one request (a prefill's tokens, a verify pass's
-  // drafts), up to kRunRows, share each block of keys and values (attention.h: attend_rows). In a
-  // windowed layer each row goes alone (its window starts where its own does). A task is a run's
-  // KV heads kvh0 .. kvh0 + H - 1: all of them when the batch is many single rows (a slot's heads
-  // are adjacent in the pool and read as one run: a batch-32 step's attention took 0.7x the time
-  // of head by head), else one. Tasks are dealt round-robin: a prefill's later rows see more keys.
+  // drafts), up to kRunRows, share each block of keys and values (attention.h: attend_lanes in
+  // the default mode, attend_rows in the deterministic one). In a windowed layer each row goes
+  // alone (its window starts where its own does). A task is a run's KV heads kvh0 .. kvh0 + H - 1:
+  // all of them when the batch is many single rows (a slot's heads are adjacent in the pool and
+  // read as one run: a batch-32 step's attention took 0.7x the time of head by head), else one.
+  // Tasks go head by head (a head's keys stay in cache from run to run), dealt round-robin: a
+  // prefill's later rows see more keys.
   static constexpr int64_t kRunRows = 64;
 
   // Decode rows whose requests share a prefix of KV slots (the default mode's, in layers without
