@@ -278,6 +278,18 @@ inline void lane_scores(const float* qt, const float* kf, int64_t D, int64_t j0,
   for (int jj = 0; jj < 8; ++jj) storev(s + (j0 + jj) * kLanes, a[jj]);
 }
 
+// Whether any lane of a group sees keys from `start` on; all: whether every lane sees the whole
+// block of `block` keys from there (no masking).
+inline bool lanes_reach(iv len, int64_t start, int64_t block, bool& all) {
+  bool any = false;
+  all = true;
+  for (int l = 0; l < kLanes; ++l) {
+    any |= len[l] > start;
+    all &= len[l] >= start + block;
+  }
+  return any;
+}
+
 // One block's online softmax for a vector of lanes: s holds n keys' scores (a vector each), masked
 // to -inf where a key is at or past a lane's length unless `all` lanes see the whole block; leaves
 // the weights in s (0 where masked), updates the running maximum and sum, and returns the factor
@@ -369,12 +381,8 @@ void attend_lanes_v(const KVPool<T>& kv, const float* q_in, int64_t q_stride, fl
     }
     for (int64_t grp = 0; grp < groups; ++grp) {
       const iv len = ws.len[grp];
-      bool any = false, all = true;
-      for (int l = 0; l < kLanes; ++l) {
-        any |= len[l] > start;
-        all &= len[l] >= start + kBlock;
-      }
-      if (!any) continue;
+      bool all;
+      if (!lanes_reach(len, start, kBlock, all)) continue;
       const float* qt = ws.qt.data() + grp * D * kLanes;
       for (int64_t j0 = 0; j0 < n8; j0 += 8) lane_scores<kD>(qt, kf, D, j0, s);
       const fv rescale = lane_softmax(s, n, start, len, all, ws.mx[grp], ws.sum[grp]);
@@ -416,8 +424,6 @@ inline int64_t unpack_order(int64_t i) {
 // keys once for all of the run's lanes. Half the instructions of the float32 FMAs, and keys are
 // not widened. The outputs' dimensions are summed in the order the interleaving leaves them
 // (unpack_order) and put back in place at the end.
-constexpr bool kHasBF16Attention = true;
-
 template <int kD, typename T>
 void attend_lanes_bf16_v(const KVPool<T>& kv, const float* q_in, int64_t q_stride, float scale, const int64_t* slots,
                          const int64_t* lens, int64_t R, int64_t kvh, int64_t G, float* out, int64_t out_stride,
@@ -482,12 +488,8 @@ void attend_lanes_bf16_v(const KVPool<T>& kv, const float* q_in, int64_t q_strid
     }
     for (int64_t grp = 0; grp < groups; ++grp) {
       const iv len = ws.len[grp];
-      bool any = false, all = true;
-      for (int l = 0; l < kLanes; ++l) {
-        any |= len[l] > start;
-        all &= len[l] >= start + kBlock;
-      }
-      if (!any) continue;
+      bool all;
+      if (!lanes_reach(len, start, kBlock, all)) continue;
       const uint32_t* qg = qp + grp * D / 2 * kLanes;
       for (int64_t j0 = 0; j0 < n8; j0 += 8) {
         __m512 a[8];
@@ -533,8 +535,6 @@ void attend_lanes_bf16_v(const KVPool<T>& kv, const float* q_in, int64_t q_strid
     for (int64_t i = 0; i < D; ++i) dst[unpack_order(i)] = o[i * kLanes] * inv;
   }
 }
-#else
-constexpr bool kHasBF16Attention = false;
 #endif
 
 // Whether a run of R rows with G query heads each goes by attend_lanes_v: enough pairs to fill
