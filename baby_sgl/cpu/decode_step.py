@@ -112,7 +112,7 @@ def _parts(module: torch.nn.Module) -> list[tuple]:
         return [(*_matrix(w.detach())[:4], bias)]
     parts = stored_parts(w)
     biases = [None] * len(parts) if bias is None else bias.detach().split([p.shape[0] for p in parts])
-    return [(p.data, int(p.qtype), *p.shape, b) for p, b in zip(parts, biases)]
+    return [(p.data, p.code, *p.shape, b) for p, b in zip(parts, biases)]
 
 
 class CpuDecodeStep:

@@ -48,7 +48,7 @@ def can_prepack(weight: torch.Tensor | StoredWeight) -> bool:
 def set_quantized(module: nn.Module, weight: StoredWeight) -> None:
     """Replaces a module's dense `weight` parameter by stored blocks: `weight` becomes the
     QuantizedWeight (or FusedWeight), whose bytes are buffers (so they move with the module)."""
-    del module._parameters["weight"]
+    module._parameters.pop("weight", None)
     for i, part in enumerate(stored_parts(weight)):
         module.register_buffer(f"qweight{i}", part.data, persistent=False)
     module.weight = weight  # type: ignore[assignment]  # read by linear() below, never as a tensor

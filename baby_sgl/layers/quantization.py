@@ -67,6 +67,14 @@ TORCH_GEMM_MIN_ROWS = {torch.float32: 64, torch.bfloat16: 256}
 INT8_TILE_MAX_ROWS = 4
 INT8_TYPES = set(BLOCK_BYTES) - {WeightType.Q6_K}
 
+# Rows stored in groups of sixteen (cpu/csrc/int8_groups.h): each block's sixteen rows' fields side
+# by side, the layout the kernel's int8 products take on CPUs with AVX-512 VNNI, in the file's
+# bytes. GROUPED_CODE is added to the format's code for the kernel; HEADER_BYTES are a block's
+# halves (d, and Q4_1's m) ahead of its values.
+GROUP_ROWS = 16
+GROUPED_CODE = 256
+HEADER_BYTES = {WeightType.Q8_0: 2, WeightType.Q4_0: 2, WeightType.Q4_1: 4}
+
 
 @dataclass
 class QuantizedWeight:
@@ -78,26 +86,68 @@ class QuantizedWeight:
     qtype: WeightType
     shape: tuple[int, int]
     int8_activations: bool = False
+    grouped: bool = False  # data is [n / 16, 16 rows' bytes]: rows in groups (GROUP_ROWS)
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Fused projections (q/k/v, gate/up): the parts' rows one after another."""
         assert len({(p.qtype, p.shape[1]) for p in parts}) == 1, "fused parts must share a format"
+        if len({p.grouped for p in parts}) > 1:
+            parts = [p.ungrouped() for p in parts]
         return QuantizedWeight(torch.cat([p.data for p in parts]), parts[0].qtype,
-                               (sum(p.shape[0] for p in parts), parts[0].shape[1]), parts[0].int8_activations)
+                               (sum(p.shape[0] for p in parts), parts[0].shape[1]), parts[0].int8_activations,
+                               parts[0].grouped)
+
+    @property
+    def code(self) -> int:
+        """The format as the kernel takes it."""
+        return int(self.qtype) + (GROUPED_CODE if self.grouped else 0)
+
+    def can_group(self) -> bool:
+        return self.qtype in HEADER_BYTES and self.shape[0] % GROUP_ROWS == 0
+
+    def in_groups(self) -> QuantizedWeight:
+        """The same weight with its rows in groups of sixteen (the same bytes, rearranged)."""
+        if self.grouped:
+            return self
+        assert self.can_group(), "Q8_0, Q4_0 or Q4_1 rows, a multiple of 16 of them"
+        (n, k), bb, h = self.shape, BLOCK_BYTES[self.qtype], HEADER_BYTES[self.qtype]
+        x = self.data.reshape(n // GROUP_ROWS, GROUP_ROWS, k // 32, bb)
+        # [group, block, field, row, bytes]: each field's sixteen rows side by side
+        halves = x[..., :h].reshape(*x.shape[:3], h // 2, 2).permute(0, 2, 3, 1, 4)
+        values = x[..., h:].reshape(*x.shape[:3], (bb - h) // 4, 4).permute(0, 2, 3, 1, 4)
+        data = torch.cat([halves.flatten(2), values.flatten(2)], dim=2).reshape(n // GROUP_ROWS, -1)
+        return QuantizedWeight(data, self.qtype, self.shape, self.int8_activations, grouped=True)
+
+    def ungrouped(self) -> QuantizedWeight:
+        """The same weight with one row of blocks per row, as GGUF stores it."""
+        if not self.grouped:
+            return self
+        (n, k), bb, h = self.shape, BLOCK_BYTES[self.qtype], HEADER_BYTES[self.qtype]
+        x = self.data.reshape(n // GROUP_ROWS, k // 32, GROUP_ROWS * bb)
+        halves = x[..., : GROUP_ROWS * h].reshape(*x.shape[:2], h // 2, GROUP_ROWS, 2).permute(0, 3, 1, 2, 4)
+        values = x[..., GROUP_ROWS * h :].reshape(*x.shape[:2], (bb - h) // 4, GROUP_ROWS, 4).permute(0, 3, 1, 2, 4)
+        data = torch.cat([halves.flatten(3), values.flatten(3)], dim=3).reshape(n, -1)
+        return QuantizedWeight(data, self.qtype, self.shape, self.int8_activations)
 
     def select_rows(self, rows: torch.Tensor | slice) -> QuantizedWeight:
-        data = self.data[rows]
+        data = self.ungrouped().data[rows]
         return QuantizedWeight(data, self.qtype, (data.shape[0], self.shape[1]), self.int8_activations)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         ops = cpu_ops() if self.data.device.type == "cpu" else None
         if ops is not None and dtype in (torch.float32, torch.bfloat16):
-            return ops.dequantize(self.data, int(self.qtype), *self.shape, rows, dtype)
+            return ops.dequantize(self.data, self.code, *self.shape, rows, dtype)
+        if self.grouped:
+            return self.ungrouped().dequantize(dtype, rows)
         return dequantize_blocks(self.data if rows is None else self.data[rows], self.qtype, self.shape[1]).to(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         ops = cpu_ops()
+        if self.grouped:  # made only where the kernel's int8 products take them (group_for_int8_products)
+            assert ops is not None
+            return ops.linear_int8(x if x.dtype == torch.bfloat16 else x.float(), self.data, self.code, *self.shape,
+                                   None if bias is None else bias.float().contiguous())
         if (ops is not None and self.int8_activations
                 and ((ops.has_int8_gemm and self.qtype in BLOCK_BYTES)
                      or (self.qtype in INT8_TYPES and x.shape[0] < INT8_TILE_MAX_ROWS))):
@@ -147,6 +197,23 @@ def fuse(parts: list[QuantizedWeight]) -> StoredWeight:
 
 def stored_parts(weight: StoredWeight) -> list[QuantizedWeight]:
     return weight.parts if isinstance(weight, FusedWeight) else [weight]
+
+
+def group_for_int8_products(model: nn.Module) -> None:
+    """Every stored Q8_0, Q4_0 and Q4_1 matrix of `model` with its rows in groups of sixteen, for
+    the int8 products of CPUs with AVX-512 VNNI (cpu/csrc/int8_groups.h): the same bytes, laid out
+    as those products read them (a tied embedding and output head stay one matrix)."""
+    from baby_sgl.layers.linear import set_quantized
+
+    grouped: dict[int, StoredWeight] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, StoredWeight):
+            continue
+        if id(weight) not in grouped:
+            parts = [p.in_groups() if p.can_group() else p for p in stored_parts(weight)]
+            grouped[id(weight)] = parts[0] if isinstance(weight, QuantizedWeight) else FusedWeight(parts)
+        set_quantized(module, grouped[id(weight)])
 
 
 def round_activations_to_int8(model: nn.Module) -> None:

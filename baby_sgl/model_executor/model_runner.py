@@ -74,6 +74,9 @@ class ModelRunner:
         self.model = model.to(dtype).eval()
         if int8_activations:
             quantization.round_activations_to_int8(self.model)
+            ops = cpu_ops() if device.type == "cpu" else None
+            if ops is not None and ops.has_int8_gemm:
+                quantization.group_for_int8_products(self.model)
         self.attn_backend = create_attention_backend(attention_backend, device, cfg.num_heads // cfg.num_kv_heads,
                                                      cfg.sliding_window, len(cfg.sliding_layers) == cfg.num_layers)
         self._req_to_token_pool: ReqToTokenPool | None = None  # built by init_memory_pool

@@ -406,6 +406,8 @@ class DecodeStep {
     std::vector<std::vector<int64_t>> of_row;  // each token's pairs, experts ascending
   };
 
+  // A matrix as the step takes it; in groups of sixteen rows (int8_groups.h) where the products
+  // round activations to int8.
   Weight weight(py::tuple t) {
     auto data = t[0].cast<at::Tensor>();
     keep_.push_back(data);
@@ -414,7 +416,9 @@ class DecodeStep {
       bias = t[4].cast<at::Tensor>().to(at::kFloat).contiguous();
       keep_.push_back(*bias);
     }
-    return make_weight(data, t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(), bias);
+    const Weight w = make_weight(data, t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(), bias,
+                                 /*grouped_ok=*/int8_activations_ && kHasInt8Gemm);
+    return w;
   }
 
   Fused fused(py::list parts) {
@@ -447,9 +451,17 @@ class DecodeStep {
             a.size(1), k, n, part_end};
   }
 
+  // Thread tid's output columns of w: whole groups where w is grouped.
+  static void split_columns(const Weight& w, int tid, int nt, int64_t& n0, int64_t& n1) {
+    const int64_t unit = w.grouped ? kGroupRows : 1;
+    split_range(w.n / unit, tid, nt, n0, n1);
+    n0 *= unit;
+    n1 *= unit;
+  }
+
   static Columns columns(const Weight& w, int tid, int nt) {
     Columns c;
-    split_range(w.n, tid, nt, c.begin[0], c.end[0]);
+    split_columns(w, tid, nt, c.begin[0], c.end[0]);
     c.count = 1;
     return c;
   }
@@ -458,7 +470,7 @@ class DecodeStep {
     Columns c;
     int64_t first = 0;
     for (const Weight& w : f.parts) {
-      split_range(w.n, tid, nt, c.begin[c.count], c.end[c.count]);
+      split_columns(w, tid, nt, c.begin[c.count], c.end[c.count]);
       c.begin[c.count] += first;
       c.end[c.count++] += first;
       first += w.n;
@@ -564,7 +576,14 @@ class DecodeStep {
               int64_t ldo = 0) const {
     if (ldo == 0) ldo = w.n;
     int64_t n0, n1;
-    split_range(w.n, tid, nt, n0, n1);
+    split_columns(w, tid, nt, n0, n1);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (w.grouped) {
+      quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
+      product_grouped(w, copies.int8, out, ldo, n0, n1);
+      return;
+    }
+#endif
     if (int8_activations_ && takes_kquant_rows(w.type, rows, w.k, deterministic_)) {
       quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
       product_kquant_rows(w, copies.int8, out, ldo, n0, n1);
@@ -761,7 +780,7 @@ class DecodeStep {
     linear(lm_head_, h, rows, out, tid, nt, xb);
     if (softcap_ > 0.f) {  // Gemma: this thread's columns squashed into (-cap, cap)
       int64_t n0, n1;
-      split_range(vocab_, tid, nt, n0, n1);
+      split_columns(lm_head_, tid, nt, n0, n1);
       for (int64_t m = 0; m < rows; ++m) {
         float* row = out + m * vocab_;
         for (int64_t j = n0; j < n1; ++j) row[j] = std::tanh(row[j] / softcap_) * softcap_;

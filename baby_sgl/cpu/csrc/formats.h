@@ -32,6 +32,8 @@ enum WeightType : int {
   kIQ4_NL = 10, kIQ4_XS = 11,
 };
 constexpr int kLastWeightType = kIQ4_XS;
+// Added to a format's code where its rows are stored in groups of sixteen (int8_groups.h).
+constexpr int kGroupedCode = 256;
 
 // Values per block: rows hold whole blocks.
 constexpr int64_t block_values(int type) {

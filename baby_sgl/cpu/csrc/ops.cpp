@@ -48,10 +48,12 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be float32 or bfloat16 [M, ", k, "]");
   const int64_t rows = x.size(0);
-  const bool kquant_rows = takes_kquant_rows(static_cast<int>(type), rows, k, same_bits_for_any_rows);
-  TORCH_CHECK(kquant_rows || has_int8_products(static_cast<int>(type)) || has_int8_gemm(static_cast<int>(type)),
+  const Weight w = make_weight(data, type, n, k, bias, /*grouped_ok=*/true);
+  TORCH_CHECK(!w.grouped || kHasInt8Gemm, "weights in groups of sixteen rows are multiplied on CPUs with AVX-512 VNNI "
+              "only (this build has none)");
+  const bool kquant_rows = !w.grouped && takes_kquant_rows(w.type, rows, k, same_bits_for_any_rows);
+  TORCH_CHECK(kquant_rows || has_int8_products(w.type) || has_int8_gemm(w.type),
               "int8 activations meet block-quantized weights only (Q6_K only with AVX-512 VNNI)");
-  const Weight w = make_weight(data, type, n, k, bias);
   const at::Tensor xc = x.contiguous();
   Q8Rows a;
   reserve_q8(rows, k, a);
@@ -74,6 +76,14 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
     return out.to(x.scalar_type());
   }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (w.grouped) {
+    at::Tensor out = at::empty({rows, n}, x.options());
+    at::parallel_for(0, n / kGroup, 1, [&](int64_t begin, int64_t end) {
+      if (x.scalar_type() == at::kFloat) product_grouped(w, a, out.data_ptr<float>(), n, begin * kGroup, end * kGroup);
+      else product_grouped(w, a, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, begin * kGroup, end * kGroup);
+    });
+    return out;
+  }
   if (takes_int8_gemm(w.type, rows, same_bits_for_any_rows)) {  // results written in x's dtype: no float32 copy of a prefill's [M, N]
     at::Tensor out = at::empty({rows, n}, x.options());
     at::parallel_for(0, n, kGroup, [&](int64_t begin, int64_t end) {
@@ -94,7 +104,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
 at::Tensor dequantize(const at::Tensor& data, int64_t type, int64_t n, int64_t k, const c10::optional<at::Tensor>& ids,
                       at::ScalarType dtype) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize gives float32 or bfloat16");
-  const Weight w = make_weight(data, type, n, k, c10::nullopt);
+  const Weight w = make_weight(data, type, n, k, c10::nullopt, /*grouped_ok=*/true);
   at::Tensor idx = ids ? ids->to(at::kLong).contiguous() : at::Tensor();
   const int64_t rows = ids ? idx.numel() : n;
   const int64_t* ip = ids ? idx.data_ptr<int64_t>() : nullptr;

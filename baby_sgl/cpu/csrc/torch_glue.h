@@ -9,6 +9,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "int8_groups.h"
 #include "kv_elements.h"
 #include "weights.h"
 
@@ -57,19 +58,29 @@ inline const float* scale_data(const c10::optional<at::Tensor>& scale) {
 // bfloat16; a single row is bound by reading the weights, not by the products, and keeps float32.
 constexpr int64_t kBF16MinRows = 4;
 
-inline Weight make_weight(const at::Tensor& data, int64_t type, int64_t n, int64_t k, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(data.device().is_cpu() && data.dim() == 2 && data.size(0) == n && data.stride(1) == 1,
-              "weight data must be a CPU [n, row] tensor with unit inner stride");
-  TORCH_CHECK(type >= kF32 && type <= kLastWeightType, "unknown weight type ", type);
+// A weight from its bytes: type is a format's code, plus kGroupedCode for rows in groups of
+// sixteen, which the int8 products and row lookups take, the float products not (grouped_ok).
+inline Weight make_weight(const at::Tensor& data, int64_t code, int64_t n, int64_t k, const c10::optional<at::Tensor>& bias,
+                          bool grouped_ok = false) {
+  const bool grouped = code >= kGroupedCode;
+  const int64_t type = grouped ? code - kGroupedCode : code;
+  TORCH_CHECK(type >= kF32 && type <= kLastWeightType, "unknown weight type ", code);
+  TORCH_CHECK(!grouped || (grouped_ok && groupable(static_cast<int>(type)) && n % kGroupRows == 0),
+              "weights in groups of sixteen rows are read by the int8 products and row lookups only, in Q8_0, "
+              "Q4_0 or Q4_1 with whole groups (this call does not take them)");
+  const int64_t rows = grouped ? n / kGroupRows : n, per_row = grouped ? kGroupRows : 1;
+  TORCH_CHECK(data.device().is_cpu() && data.dim() == 2 && data.size(0) == rows && data.stride(1) == 1,
+              "weight data must be a CPU [", rows, ", row] tensor with unit inner stride");
   TORCH_CHECK(k % block_values(static_cast<int>(type)) == 0, "quantized rows must hold whole ",
               block_values(static_cast<int>(type)), "-value blocks");
   const int64_t bytes = data.size(1) * data.element_size();
-  TORCH_CHECK(bytes == row_bytes(static_cast<int>(type), k), "weight rows hold ", bytes, " bytes, expected ",
-              row_bytes(static_cast<int>(type), k));
+  TORCH_CHECK(bytes == per_row * row_bytes(static_cast<int>(type), k), "weight rows hold ", bytes, " bytes, expected ",
+              per_row * row_bytes(static_cast<int>(type), k));
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
               "bias must be a contiguous float32 [n] tensor");
   Weight w;
   w.type = static_cast<int>(type);
+  w.grouped = grouped;
   w.n = n;
   w.k = k;
   w.stride = data.stride(0) * data.element_size();

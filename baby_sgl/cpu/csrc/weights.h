@@ -26,10 +26,34 @@ inline void by_row_tiles(int64_t rows, F&& f, int64_t first = 0) {
 struct Weight {
   int type = kF32;
   int64_t n = 0, k = 0, stride = 0;  // stride: bytes from one row to the next
+  // Rows stored in groups of sixteen (int8_groups.h): stride is then the bytes from one group to
+  // the next, and only product_grouped reads the weight (row() does not apply).
+  bool grouped = false;
   const uint8_t* data = nullptr;
   const float* bias = nullptr;  // [n] or null
   const uint8_t* row(int64_t i) const { return data + i * stride; }
 };
+
+// Weights in groups of sixteen rows (Q8_0, Q4_0, Q4_1): for each 32-value block, the sixteen rows'
+// fields side by side: their halves (d, and Q4_1's m), sixteen of each, then their values as
+// 64-byte vectors, vector v holding bytes 4v..4v+3 of each row's values (row c in bytes 4c..4c+3).
+// The same bytes as stored, rearranged for int8_groups.h's products.
+constexpr int64_t kGroupRows = 16;
+constexpr bool groupable(int type) { return type == kQ8_0 || type == kQ4_0 || type == kQ4_1; }
+constexpr int64_t group_header_bytes(int type) { return kGroupRows * (type == kQ4_1 ? 4 : 2); }
+
+// Row i of a grouped weight as GGUF stores it, into out (row_bytes(w.type, w.k) bytes).
+inline void ungroup_row(const Weight& w, int64_t i, uint8_t* out) {
+  const int64_t bb = block_bytes(w.type), halves = group_header_bytes(w.type) / kGroupRows / 2, c = i % kGroupRows;
+  const uint8_t* group = w.data + i / kGroupRows * w.stride;
+  for (int64_t b = 0; b < w.k / 32; ++b) {
+    const uint8_t* blk = group + b * kGroupRows * bb;
+    uint8_t* o = out + b * bb;
+    for (int64_t f = 0; f < halves; ++f) std::memcpy(o + 2 * f, blk + f * 2 * kGroupRows + 2 * c, 2);
+    const uint8_t* values = blk + group_header_bytes(w.type);
+    for (int64_t v = 0; v < (bb - 2 * halves) / 4; ++v) std::memcpy(o + 2 * halves + 4 * v, values + 64 * v + 4 * c, 4);
+  }
+}
 
 // A block's partial sums into one vector: adjacent pairs, then pairs of pairs.
 inline fv fold(const fv* a) {
@@ -294,7 +318,14 @@ constexpr bool kHasBF16Products = false;
 #endif
 
 inline void dequantize_row(const Weight& w, int64_t i, float* out) {
-  with_format(w.type, [&](auto t) { dequantize_row_t<decltype(t)::value>(w.row(i), w.k, out); });
+  const uint8_t* row = w.grouped ? nullptr : w.row(i);
+  thread_local std::vector<uint8_t> ungrouped;
+  if (w.grouped) {
+    ungrouped.resize(row_bytes(w.type, w.k));
+    ungroup_row(w, i, ungrouped.data());
+    row = ungrouped.data();
+  }
+  with_format(w.type, [&](auto t) { dequantize_row_t<decltype(t)::value>(row, w.k, out); });
 }
 
 // Rows from which a product goes by panels (both ways give the same bits): with 8 rows the

@@ -1,0 +1,142 @@
+// Products with weights stored in groups of sixteen rows (QuantizedWeight.grouped), on CPUs with
+// AVX-512 VNNI: the layout int8_gemm.h rearranges a panel into for every product, made once at
+// load and kept in the file's own bytes per block.
+//
+// The layout is weights.h's (kGroupRows): per block, sixteen rows' halves, then vectors holding
+// four value bytes of each row, row c in 32-bit lane c (Q4_0 and Q4_1: four vectors of nibbles;
+// Q8_0: eight of int8 values). A Q4 vector's low nibbles are values 4i..4i+3
+// of each row and its high nibbles values 16 + 4i.., so one AND and one shift give two of the
+// vectors vpdpbusd takes, and nothing has to be moved across lanes: a row's 32-bit lane meets an
+// activation dword broadcast to all sixteen. A single row (a batch-1 decode step) then does
+// 64 multiply-adds per instruction as a batch does, with no horizontal sums.
+//
+// The arithmetic is int8_gemm.h's (gemm_tile): each block's exact integer sum, times d * da,
+// added in block order, then the offset term; a row's bits are those of the ungrouped weight's
+// product_int8, whatever the number of rows.
+#pragma once
+
+#include "int8_gemm.h"
+
+namespace bsgl {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+static_assert(kGroup == kGroupRows, "a group is a vector's lanes");
+
+// The exact integer sums of block b (at blk_r for group r) for activation rows m0..: the first
+// four value vectors into dot, the last four into high (two chains where few rows give few
+// independent sums; one where there are enough), both starting from the offset's term.
+template <int T, int MR, int NR>
+inline void group_block_sums(const uint8_t* const (&blk)[NR], const Q8Rows& a, int64_t m0, int64_t b,
+                             __m512i (&dot)[MR][NR]) {
+  constexpr bool split = MR * NR < 8;
+  __m512i high[MR][NR];
+  for (int m = 0; m < MR; ++m) {
+    const __m512i init = _mm512_set1_epi32(-byte_offset<T>() * a.sum(m0 + m, b));
+    for (int r = 0; r < NR; ++r) {
+      dot[m][r] = init;
+      if constexpr (split) high[m][r] = _mm512_setzero_si512();
+    }
+  }
+  auto& second = [&]() -> __m512i(&)[MR][NR] { if constexpr (split) return high; else return dot; }();
+  for (int i = 0; i < 4; ++i) {
+    __m512i lo[NR], hi[NR];
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* v = blk[r] + group_header_bytes(T);
+      if constexpr (T == kQ8_0) {
+        const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+        lo[r] = _mm512_xor_si512(_mm512_loadu_si512(v + 64 * i), sign);
+        hi[r] = _mm512_xor_si512(_mm512_loadu_si512(v + 64 * (i + 4)), sign);
+      } else {
+        const __m512i p = _mm512_loadu_si512(v + 64 * i), mask = _mm512_set1_epi8(0x0f);
+        lo[r] = _mm512_and_si512(p, mask);
+        hi[r] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      int32_t x_lo, x_hi;
+      std::memcpy(&x_lo, a.block(m0 + m, b) + 4 * i, 4);
+      std::memcpy(&x_hi, a.block(m0 + m, b) + 4 * (i + 4), 4);
+      const __m512i xl = _mm512_set1_epi32(x_lo), xh = _mm512_set1_epi32(x_hi);
+      for (int r = 0; r < NR; ++r) {
+        dot[m][r] = _mm512_dpbusd_epi32(dot[m][r], lo[r], xl);
+        second[m][r] = _mm512_dpbusd_epi32(second[m][r], hi[r], xh);
+      }
+    }
+  }
+  if constexpr (split)
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < NR; ++r) dot[m][r] = _mm512_add_epi32(dot[m][r], high[m][r]);
+}
+
+// out[m * ldo + 16 r + c] for activation rows m0 .. m0 + MR - 1 and groups g .. g + NR - 1 of w
+// (outputs c of group r where keep[r] has bit c).
+template <int T, int MR, int NR, typename Out>
+inline void group_tile(const Weight& w, int64_t g, const Q8Rows& a, int64_t m0, const __mmask16* keep, Out* out,
+                       int64_t ldo) {
+  constexpr int64_t bb = kGroup * block_bytes(T);
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+  const uint8_t* rows[NR];
+  for (int r = 0; r < NR; ++r) rows[r] = w.data + (g + r) * w.stride;
+  for (int64_t b = 0; b < w.k / 32; ++b) {
+    const uint8_t* blk[NR];
+    for (int r = 0; r < NR; ++r) blk[r] = rows[r] + bb * b;
+    __m512i dot[MR][NR];
+    group_block_sums<T, MR, NR>(blk, a, m0, b, dot);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r])));
+      for (int m = 0; m < MR; ++m) {
+        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][r]), _mm512_mul_ps(d, _mm512_set1_ps(a.scale(m0 + m, b))), acc[m][r]);
+        if constexpr (has_offset_term(T))
+          acc[m][r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[r] + 32))),
+                                      _mm512_set1_ps(a.scaled_sum(m0 + m, b)), acc[m][r]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const __m512 bv = w.bias ? _mm512_maskz_loadu_ps(keep[r], w.bias + (g + r) * kGroup) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) store_results(out + m * ldo + kGroup * r, keep[r], _mm512_add_ps(acc[m][r], bv));
+  }
+}
+
+// a (quantize_rows_q8) times grouped w's rows n0..n1-1 into out [rows, n] (row stride ldo).
+// Groups go NR at a time through every tile of rows, so each group's blocks are read from memory
+// once and from the caches for the other tiles.
+template <typename Out>
+inline void product_grouped(const Weight& w, const Q8Rows& a, Out* out, int64_t ldo, int64_t n0, int64_t n1) {
+  if (n0 >= n1) return;
+  with_format(w.type, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    if constexpr (groupable(T)) {
+      auto rows_of = [&](auto nr, int64_t g) {
+        constexpr int NR = decltype(nr)::value;
+        __mmask16 keep[NR];
+        for (int r = 0; r < NR; ++r) {
+          const int64_t lo = std::max<int64_t>(n0 - (g + r) * kGroup, 0), hi = std::min<int64_t>(n1 - (g + r) * kGroup, kGroup);
+          keep[r] = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+        }
+        Out* o = out + g * kGroup;
+        by_row_tiles<4>(a.rows, [&](auto mr, int64_t m) {
+          constexpr int MR = decltype(mr)::value;
+          if constexpr (MR == 1 || NR < 4) {
+            group_tile<T, MR, NR>(w, g, a, m, keep, o + m * ldo, ldo);
+          } else {  // four groups as two pairs
+            group_tile<T, MR, 2>(w, g, a, m, keep, o + m * ldo, ldo);
+            group_tile<T, MR, 2>(w, g + 2, a, m, keep + 2, o + m * ldo + 2 * kGroup, ldo);
+          }
+        });
+      };
+      // Four groups at once where one row needs independent sums; pairs serve tiles of rows.
+      const int64_t g1 = (n1 + kGroup - 1) / kGroup;
+      int64_t g = n0 / kGroup;
+      if (a.rows == 1)
+        for (; g + 4 <= g1; g += 4) rows_of(std::integral_constant<int, 4>{}, g);
+      for (; g + 2 <= g1; g += 2) rows_of(std::integral_constant<int, 2>{}, g);
+      for (; g < g1; ++g) rows_of(std::integral_constant<int, 1>{}, g);
+    }
+  });
+}
+#endif
+
+}  // namespace bsgl
