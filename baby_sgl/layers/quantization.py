@@ -2,7 +2,9 @@
 Q4_K, Q5_K, Q6_K and IQ4_XS super-blocks of 256), multiplied without a full-precision copy by our
 CPU kernel (cpu/csrc/weights.h, the formats in cpu/csrc/formats.h), which widens each block in
 registers and accumulates in float32: the same math as a float32 product over the dequantized
-weights, up to the order of the sums.
+weights, up to the order of the sums. With int8 activations on CPUs with AVX-512 VNNI, Q8_0, Q4_0
+and Q4_1 matrices are kept in groups of sixteen rows (the file's bytes rearranged at load:
+QuantizedWeight.in_groups), as the kernel's int8 products read them.
 
 `--quantization` (SGLang's flag): by default a GGUF's quantized tensors are served as they are
 wherever the kernel runs (a CPU with a C++ compiler, no tensor parallelism, no torch.compile);
