@@ -24,17 +24,33 @@ def _load(env: dict[str, str], timeout: float) -> str:
     return proc.stdout
 
 
+# A module of one line, built as our kernels are (toolchain.build_extension): a build of its own
+# takes seconds where the kernels take ~40 s.
+_PROBE = '#include <torch/csrc/utils/pybind.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.attr("answer") = 42; }\n'
+_LOAD_PROBE = ("import sys; from pathlib import Path; from baby_sgl.cpu import toolchain; "
+               "m = toolchain.build_extension('baby_sgl_lock_probe', (Path(sys.argv[1]),), 'a test'); "
+               "print('loaded', m.answer)")
+
+
 @needs_compiler
-def test_a_lock_left_by_a_killed_build_does_not_block_the_next():
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next(tmp_path):
     # torch's loader locks a build with a file that its process removes when the build ends; a
     # process killed mid-build (a server stopped while it loads) leaves it, and without a lock of
-    # our own around the build every later load waited for that file forever. The build of this
-    # machine's kernels is put back in that state (it is whole again after the load).
-    _load(dict(os.environ), timeout=600)  # the kernels of this machine, built once (or already)
-    build = toolchain.build_dir(ops.NAME, ops.SOURCES)
+    # our own around the build every later load waited for that file forever. A build is put back
+    # in that state (it is whole again after the load).
+    source = tmp_path / "probe.cpp"
+    source.write_text(_PROBE)
+
+    def load() -> None:
+        proc = subprocess.run([sys.executable, "-P", "-c", _LOAD_PROBE, str(source)], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0 and "loaded 42" in proc.stdout, proc.stderr[-2000:]
+
+    load()  # built once (or already, by an earlier run on this machine)
+    build = toolchain.build_dir("baby_sgl_lock_probe", (source,))
     (build / "built").unlink()  # a killed build never stamps its directory
     (build / "lock").touch()  # what the killed build left
-    _load(dict(os.environ), timeout=300)
+    load()
     assert not (build / "lock").exists() and (build / "built").exists()
 
 

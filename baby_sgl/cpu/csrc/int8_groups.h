@@ -101,39 +101,42 @@ inline void group_tile(const Weight& w, int64_t g, const Q8Rows& a, int64_t m0, 
 }
 
 // a (quantize_rows_q8) times grouped w's rows n0..n1-1 into out [rows, n] (row stride ldo).
-// Groups go NR at a time through every tile of rows, so each group's blocks are read from memory
-// once and from the caches for the other tiles.
+// One row goes four groups at a time (four independent sums). More rows go by panels of groups
+// (about 256 KB, which L2 holds) as int8_gemm.h's: every tile of rows meets a panel's groups in
+// pairs, so a panel is read from memory once and the activations once per panel.
 template <typename Out>
 inline void product_grouped(const Weight& w, const Q8Rows& a, Out* out, int64_t ldo, int64_t n0, int64_t n1) {
   if (n0 >= n1) return;
   with_format(w.type, [&](auto t) {
     constexpr int T = decltype(t)::value;
     if constexpr (groupable(T)) {
-      auto rows_of = [&](auto nr, int64_t g) {
-        constexpr int NR = decltype(nr)::value;
+      auto groups = [&](auto mr, auto nr, int64_t m, int64_t g) {
+        constexpr int MR = decltype(mr)::value, NR = decltype(nr)::value;
         __mmask16 keep[NR];
         for (int r = 0; r < NR; ++r) {
           const int64_t lo = std::max<int64_t>(n0 - (g + r) * kGroup, 0), hi = std::min<int64_t>(n1 - (g + r) * kGroup, kGroup);
           keep[r] = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
         }
-        Out* o = out + g * kGroup;
-        by_row_tiles<4>(a.rows, [&](auto mr, int64_t m) {
-          constexpr int MR = decltype(mr)::value;
-          if constexpr (MR == 1 || NR < 4) {
-            group_tile<T, MR, NR>(w, g, a, m, keep, o + m * ldo, ldo);
-          } else {  // four groups as two pairs
-            group_tile<T, MR, 2>(w, g, a, m, keep, o + m * ldo, ldo);
-            group_tile<T, MR, 2>(w, g + 2, a, m, keep + 2, o + m * ldo + 2 * kGroup, ldo);
-          }
-        });
+        group_tile<T, MR, NR>(w, g, a, m, keep, out + m * ldo + g * kGroup, ldo);
       };
-      // Four groups at once where one row needs independent sums; pairs serve tiles of rows.
-      const int64_t g1 = (n1 + kGroup - 1) / kGroup;
-      int64_t g = n0 / kGroup;
-      if (a.rows == 1)
-        for (; g + 4 <= g1; g += 4) rows_of(std::integral_constant<int, 4>{}, g);
-      for (; g + 2 <= g1; g += 2) rows_of(std::integral_constant<int, 2>{}, g);
-      for (; g < g1; ++g) rows_of(std::integral_constant<int, 1>{}, g);
+      using One = std::integral_constant<int, 1>;
+      using Two = std::integral_constant<int, 2>;
+      const int64_t g0 = n0 / kGroup, g1 = (n1 + kGroup - 1) / kGroup;
+      if (a.rows == 1) {
+        int64_t g = g0;
+        for (; g + 4 <= g1; g += 4) groups(One{}, std::integral_constant<int, 4>{}, 0, g);
+        for (; g < g1; ++g) groups(One{}, One{}, 0, g);
+        return;
+      }
+      const int64_t per_panel = std::max<int64_t>(2, 256 * 1024 / (w.k / 32 * kGroup * block_bytes(T)) / 2 * 2);
+      for (int64_t p0 = g0; p0 < g1; p0 += per_panel) {
+        const int64_t p1 = std::min(g1, p0 + per_panel);
+        by_row_tiles<4>(a.rows, [&](auto mr, int64_t m) {
+          int64_t g = p0;
+          for (; g + 2 <= p1; g += 2) groups(mr, Two{}, m, g);
+          if (g < p1) groups(mr, One{}, m, g);
+        });
+      }
     }
   });
 }
