@@ -2,8 +2,8 @@
 Q4_K, Q5_K, Q6_K and IQ4_XS super-blocks of 256), multiplied without a full-precision copy by our
 CPU kernel (cpu/csrc/weights.h, the formats in cpu/csrc/formats.h), which widens each block in
 registers and accumulates in float32: the same math as a float32 product over the dequantized
-weights, up to the order of the sums. With int8 activations on CPUs with AVX-512 VNNI, Q8_0, Q4_0
-and Q4_1 matrices are kept in groups of sixteen rows (the file's bytes rearranged at load:
+weights, up to the order of the sums. With int8 activations on CPUs with AVX-512 VNNI, Q8_0, Q4_0,
+Q4_1 and Q4_K matrices are kept in groups of sixteen rows (the file's bytes rearranged at load:
 QuantizedWeight.in_groups), as the kernel's int8 products read them.
 
 `--quantization` (SGLang's flag): by default a GGUF's quantized tensors are served as they are
@@ -72,10 +72,11 @@ INT8_TYPES = set(BLOCK_BYTES) - {WeightType.Q6_K}
 # Rows stored in groups of sixteen (cpu/csrc/int8_groups.h): each block's sixteen rows' fields side
 # by side, the layout the kernel's int8 products take on CPUs with AVX-512 VNNI, in the file's
 # bytes. GROUPED_CODE is added to the format's code for the kernel; HEADER_BYTES are a block's
-# halves (d, and Q4_1's m) ahead of its values.
+# halves (d, and Q4_1's m or Q4_K's dmin) ahead of the rest. (Q6_K stays as stored: read in place
+# by one-row tiles it was faster, and the many-row products rearrange it anyway.)
 GROUP_ROWS = 16
 GROUPED_CODE = 256
-HEADER_BYTES = {WeightType.Q8_0: 2, WeightType.Q4_0: 2, WeightType.Q4_1: 4}
+HEADER_BYTES = {WeightType.Q8_0: 2, WeightType.Q4_0: 2, WeightType.Q4_1: 4, WeightType.Q4_K: 4}
 
 
 @dataclass
@@ -112,9 +113,9 @@ class QuantizedWeight:
         """The same weight with its rows in groups of sixteen (the same bytes, rearranged)."""
         if self.grouped:
             return self
-        assert self.can_group(), "Q8_0, Q4_0 or Q4_1 rows, a multiple of 16 of them"
+        assert self.can_group(), "Q8_0, Q4_0, Q4_1 or Q4_K rows, a multiple of 16 of them"
         (n, k), bb, h = self.shape, BLOCK_BYTES[self.qtype], HEADER_BYTES[self.qtype]
-        x = self.data.reshape(n // GROUP_ROWS, GROUP_ROWS, k // 32, bb)
+        x = self.data.reshape(n // GROUP_ROWS, GROUP_ROWS, k // block_values(self.qtype), bb)
         # [group, block, field, row, bytes]: each field's sixteen rows side by side
         halves = x[..., :h].reshape(*x.shape[:3], h // 2, 2).permute(0, 2, 3, 1, 4)
         values = x[..., h:].reshape(*x.shape[:3], (bb - h) // 4, 4).permute(0, 2, 3, 1, 4)
@@ -126,7 +127,7 @@ class QuantizedWeight:
         if not self.grouped:
             return self
         (n, k), bb, h = self.shape, BLOCK_BYTES[self.qtype], HEADER_BYTES[self.qtype]
-        x = self.data.reshape(n // GROUP_ROWS, k // 32, GROUP_ROWS * bb)
+        x = self.data.reshape(n // GROUP_ROWS, k // block_values(self.qtype), GROUP_ROWS * bb)
         halves = x[..., : GROUP_ROWS * h].reshape(*x.shape[:2], h // 2, GROUP_ROWS, 2).permute(0, 3, 1, 2, 4)
         values = x[..., GROUP_ROWS * h :].reshape(*x.shape[:2], (bb - h) // 4, GROUP_ROWS, 4).permute(0, 3, 1, 2, 4)
         data = torch.cat([halves.flatten(3), values.flatten(3)], dim=3).reshape(n, -1)
@@ -202,7 +203,7 @@ def stored_parts(weight: StoredWeight) -> list[QuantizedWeight]:
 
 
 def group_for_int8_products(model: nn.Module) -> None:
-    """Every stored Q8_0, Q4_0 and Q4_1 matrix of `model` with its rows in groups of sixteen, for
+    """Every stored Q8_0, Q4_0, Q4_1 and Q4_K matrix of `model` with its rows in groups of sixteen, for
     the int8 products of CPUs with AVX-512 VNNI (cpu/csrc/int8_groups.h): the same bytes, laid out
     as those products read them (a tied embedding and output head stay one matrix)."""
     from baby_sgl.layers.linear import set_quantized

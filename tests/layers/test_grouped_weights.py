@@ -1,4 +1,4 @@
-"""Q8_0, Q4_0 and Q4_1 weights stored in groups of sixteen rows (cpu/csrc/int8_groups.h), the
+"""Q8_0, Q4_0, Q4_1 and Q4_K weights stored in groups of sixteen rows (cpu/csrc/int8_groups.h), the
 layout the int8 products read on CPUs with AVX-512 VNNI: the same bytes rearranged, the same
 values, and products with the bits of the ungrouped weight's (int8_gemm.h's sums), whatever the
 number of rows; builds without VNNI refuse them with a clear error."""
@@ -16,24 +16,33 @@ from baby_sgl.layers import quantization
 from baby_sgl.layers.quantization import QuantizedWeight, WeightType, dequantize_blocks
 from gguf_writer import write_tiny_gguf
 from helpers import GREEDY, build_for, random_prompts
+from test_kquant_kernels import _encoded
 
-TYPES = {G.Q8_0: WeightType.Q8_0, G.Q4_0: WeightType.Q4_0, G.Q4_1: WeightType.Q4_1}
+TYPES = [WeightType.Q8_0, WeightType.Q4_0, WeightType.Q4_1, WeightType.Q4_K]
 N = 80  # five groups: the kernel's pairs of groups and a single one
 
 
-def _weight(kind: G, k: int, n: int = N) -> QuantizedWeight:
+def _k(qtype: WeightType) -> int:
+    return 768 if qtype == WeightType.Q4_K else 288  # three super-blocks, nine blocks
+
+
+def _weight(qtype: WeightType, k: int, n: int = N) -> QuantizedWeight:
+    if qtype == WeightType.Q4_K:  # the gguf package has no K-quant encoder
+        qw = _encoded(qtype, n=n, k=k, seed=k + n)
+        return QuantizedWeight(qw.data, qtype, (n, k), int8_activations=True)
     w = np.random.default_rng(k + n).standard_normal((n, k)).astype(np.float32)
-    return QuantizedWeight(torch.from_numpy(quantize(w, kind)), TYPES[kind], (n, k), int8_activations=True)
+    return QuantizedWeight(torch.from_numpy(quantize(w, G[qtype.name])), qtype, (n, k), int8_activations=True)
 
 
-@pytest.mark.parametrize("kind", list(TYPES))
-def test_groups_hold_the_same_bytes_and_values(kind):
-    qw = _weight(kind, 96)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_groups_hold_the_same_bytes_and_values(qtype):
+    k = _k(qtype)
+    qw = _weight(qtype, k)
     grouped = qw.in_groups()
     assert grouped.grouped and grouped.data.shape == (N // 16, 16 * qw.data.shape[1]) and grouped.nbytes == qw.nbytes
     assert not torch.equal(grouped.data.reshape(qw.data.shape), qw.data)  # rearranged, not a copy
     assert torch.equal(grouped.ungrouped().data, qw.data)
-    assert torch.equal(grouped.dequantize(), dequantize_blocks(qw.data, qw.qtype, 96))
+    assert torch.equal(grouped.dequantize(), dequantize_blocks(qw.data, qw.qtype, k))
     rows = torch.tensor([3, 70, 16])
     assert torch.equal(grouped.dequantize(torch.float32, rows), qw.dequantize(torch.float32, rows))
     assert torch.equal(grouped.select_rows(slice(16, 48)).data, qw.data[16:48])
@@ -41,16 +50,16 @@ def test_groups_hold_the_same_bytes_and_values(kind):
     assert not fused.grouped and torch.equal(fused.data, torch.cat([qw.data, qw.data]))
 
 
-def test_only_whole_groups_of_the_int8_formats_are_grouped():
-    assert not _weight(G.Q4_0, 64, n=40).can_group()
-    assert not QuantizedWeight(torch.zeros(32, 144, dtype=torch.uint8), WeightType.Q4_K, (32, 256)).can_group()
+def test_only_whole_groups_of_the_grouped_formats_are_grouped():
+    assert not _weight(WeightType.Q4_0, 64, n=40).can_group()
+    assert not QuantizedWeight(torch.zeros(32, 210, dtype=torch.uint8), WeightType.Q6_K, (32, 256)).can_group()
 
 
-@pytest.mark.parametrize("kind", list(TYPES))
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_products_have_the_ungrouped_weights_bits(ops, kind, dtype):
-    k = 288  # nine blocks
-    qw = _weight(kind, k)
+def test_grouped_products_have_the_ungrouped_weights_bits(ops, qtype, dtype):
+    k = _k(qtype)
+    qw = _weight(qtype, k)
     grouped = qw.in_groups()
     bias = torch.randn(N)
     if not ops.has_int8_gemm:
@@ -66,22 +75,26 @@ def test_grouped_products_have_the_ungrouped_weights_bits(ops, kind, dtype):
         assert torch.equal(ops.linear_int8(x, grouped.data, grouped.code, N, k, bias, False), expected)
 
 
-@pytest.mark.parametrize("kind", list(TYPES))
-def test_grouped_rows_are_looked_up_and_refused_by_float_products(ops, kind):
-    qw = _weight(kind, 64)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_grouped_rows_are_looked_up_and_refused_by_float_products(ops, qtype):
+    k = _k(qtype)
+    qw = _weight(qtype, k)
     grouped = qw.in_groups()
     rows = torch.tensor([0, 17, 79, 17])
     for dtype in (torch.float32, torch.bfloat16):
-        expected = ops.dequantize(qw.data, int(qw.qtype), N, 64, rows, dtype)
-        assert torch.equal(ops.dequantize(grouped.data, grouped.code, N, 64, rows, dtype), expected)
+        expected = ops.dequantize(qw.data, int(qw.qtype), N, k, rows, dtype)
+        assert torch.equal(ops.dequantize(grouped.data, grouped.code, N, k, rows, dtype), expected)
     with pytest.raises(RuntimeError, match="groups of sixteen rows"):
-        ops.linear(torch.randn(2, 64), grouped.data, grouped.code, N, 64, None)
+        ops.linear(torch.randn(2, k), grouped.data, grouped.code, N, k, None)
 
 
-@pytest.fixture(scope="module", params=["wide_llama", "wide_qwen2"])  # the output head its own, or tied
-def q4_0_model(request, tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("grouped") / "q4_0.gguf")
-    write_tiny_gguf(request.getfixturevalue(request.param), path, G.Q4_0, embed_qtype=G.Q4_1)
+# The output head its own or tied to the embeddings; Q4_0 with a Q4_1 embedding, Q4_K throughout.
+@pytest.fixture(scope="module", params=[("wide_llama", G.Q4_0), ("wide_qwen2", G.Q4_0), ("wide_llama", G.Q4_K)],
+                ids=["llama-q4_0", "qwen2-q4_0", "llama-q4_k"])
+def grouped_model(request, tmp_path_factory) -> str:
+    model, qtype = request.param
+    path = str(tmp_path_factory.mktemp("grouped") / f"{qtype.name}.gguf")
+    write_tiny_gguf(request.getfixturevalue(model), path, qtype, embed_qtype=G.Q4_1 if qtype == G.Q4_0 else qtype)
     return path
 
 
@@ -91,15 +104,15 @@ def _outputs(engine: Engine, prompts: list[list[int]]) -> list[tuple[list[int], 
 
 
 @pytest.mark.cpu_only("the decode step's int8 products are the CPU kernel's")
-def test_an_engine_groups_its_weights_and_keeps_their_bits(q4_0_model, monkeypatch):
-    """With int8 activations on a VNNI build every Q4_0 and Q4_1 matrix is grouped, the token
+def test_an_engine_groups_its_weights_and_keeps_their_bits(grouped_model, monkeypatch):
+    """With int8 activations on a VNNI build every Q4_0, Q4_1 and Q4_K matrix is grouped, the token
     embeddings too (a tied output head stays the same matrix); in the deterministic mode the
     outputs are the bits of the same engine with its weights as the file stores them, alone and
     batched."""
     ops = build_for("native", monkeypatch)
     prompts = random_prompts(4, 512, 8, 40)
     kw = dict(dtype="bfloat16", cpu_int8_activations="on", enable_deterministic_inference=True, debug_memory_check=True)
-    with Engine(q4_0_model, **kw) as engine:
+    with Engine(grouped_model, **kw) as engine:
         model = engine.runner.model
         weights = [model.embed_tokens.weight, model.lm_head.weight, model.layers[0].self_attn.qkv_proj.weight,
                    model.layers[1].mlp.down_proj.weight]
@@ -110,7 +123,7 @@ def test_an_engine_groups_its_weights_and_keeps_their_bits(q4_0_model, monkeypat
     if not ops.has_int8_gemm:
         return
     monkeypatch.setattr(quantization, "group_for_int8_products", lambda *a: None)
-    with Engine(q4_0_model, **kw) as engine:
+    with Engine(grouped_model, **kw) as engine:
         assert not engine.runner.model.lm_head.weight.grouped
         assert grouped == ([_outputs(engine, [p])[0] for p in prompts], _outputs(engine, prompts))
         engine.check_memory()

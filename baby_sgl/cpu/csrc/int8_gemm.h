@@ -319,44 +319,51 @@ inline void product_int8_row(const Weight& w, const Q8Rows& a, Out* out, int64_t
   });
 }
 
+// a (quantize_rows_q8) times w's rows n0..n1-1 into out [rows, n] (row stride ldo), by panels
+// of about 256 KB: pack(j, valid, p, g) rearranges rows j .. j + valid - 1 into the panel's group g.
+template <int T, typename Out, typename Pack>
+inline void int8_panels(const Weight& w, const Q8Rows& a, Out* out, int64_t ldo, int64_t n0, int64_t n1, Pack&& pack) {
+  thread_local Int8Panel p;
+  thread_local AlignedBuffer<int32_t> low_sums;
+  if constexpr (T == kQ6_K) low_half_sums(a, low_sums);
+  p.blocks = w.k / 32;
+  const int64_t group_bytes = p.blocks * (512 + 4 * kGroup * (1 + has_offset_term(T) + 2 * (T == kQ6_K)));
+  const int64_t per_panel = std::max<int64_t>(1, 256 * 1024 / group_bytes);
+  p.q.reserve(per_panel * p.blocks * 512);
+  p.d.reserve(per_panel * p.blocks * kGroup);
+  if (has_offset_term(T)) p.m.reserve(per_panel * p.blocks * kGroup);
+  if (T == kQ6_K) p.sc.reserve(per_panel * p.blocks * 2 * kGroup);
+  for (int64_t j0 = n0; j0 < n1; j0 += per_panel * kGroup) {
+    const int64_t j1 = std::min(n1, j0 + per_panel * kGroup);
+    p.groups = (j1 - j0 + kGroup - 1) / kGroup;
+    for (int64_t g = 0; g < p.groups; ++g)
+      pack(j0 + g * kGroup, static_cast<int>(std::min<int64_t>(kGroup, j1 - j0 - g * kGroup)), p, g);
+    by_row_tiles<kGemmMR>(a.rows, [&](auto mr, int64_t m) {
+      constexpr int MR = decltype(mr)::value;
+      int valid[kGemmNR];
+      for (int64_t g = 0; g < p.groups; g += kGemmNR) {
+        const int nr = static_cast<int>(std::min<int64_t>(kGemmNR, p.groups - g));
+        for (int r = 0; r < nr; ++r)
+          valid[r] = static_cast<int>(std::min<int64_t>(kGroup, j1 - j0 - (g + r) * kGroup));
+        const int64_t j = j0 + g * kGroup;
+        const float* bias = w.bias ? w.bias + j : nullptr;
+        if (nr == kGemmNR) gemm_tile<T, MR, kGemmNR>(p, g, a, low_sums.data(), m, valid, bias, out + m * ldo + j, ldo);
+        else gemm_tile<T, MR, 1>(p, g, a, low_sums.data(), m, valid, bias, out + m * ldo + j, ldo);
+      }
+    });
+  }
+}
+
 // a (quantize_rows_q8) times w's rows n0..n1-1 into out [rows, n] (row stride ldo); w
-// block-quantized, k a multiple of 32. Panels of about 256 KB of rearranged rows.
+// block-quantized, k a multiple of 32, its rows as stored.
 template <typename Out>  // float, or uint16_t for bfloat16 results
 inline void product_int8_gemm(const Weight& w, const Q8Rows& a, Out* out, int64_t ldo,
                               int64_t n0, int64_t n1) {
   with_format(w.type, [&](auto t) {
     constexpr int T = decltype(t)::value;
-    if constexpr (has_int8_gemm(T)) {
-      thread_local Int8Panel p;
-      thread_local AlignedBuffer<int32_t> low_sums;
-      if constexpr (T == kQ6_K) low_half_sums(a, low_sums);
-      p.blocks = w.k / 32;
-      const int64_t group_bytes = p.blocks * (512 + 4 * kGroup * (1 + has_offset_term(T) + 2 * (T == kQ6_K)));
-      const int64_t per_panel = std::max<int64_t>(1, 256 * 1024 / group_bytes);
-      p.q.reserve(per_panel * p.blocks * 512);
-      p.d.reserve(per_panel * p.blocks * kGroup);
-      if (has_offset_term(T)) p.m.reserve(per_panel * p.blocks * kGroup);
-      if (T == kQ6_K) p.sc.reserve(per_panel * p.blocks * 2 * kGroup);
-      for (int64_t j0 = n0; j0 < n1; j0 += per_panel * kGroup) {
-        const int64_t j1 = std::min(n1, j0 + per_panel * kGroup);
-        p.groups = (j1 - j0 + kGroup - 1) / kGroup;
-        for (int64_t g = 0; g < p.groups; ++g)
-          pack_group<T>(w, j0 + g * kGroup, static_cast<int>(std::min<int64_t>(kGroup, j1 - j0 - g * kGroup)), p, g);
-        by_row_tiles<kGemmMR>(a.rows, [&](auto mr, int64_t m) {
-          constexpr int MR = decltype(mr)::value;
-          int valid[kGemmNR];
-          for (int64_t g = 0; g < p.groups; g += kGemmNR) {
-            const int nr = static_cast<int>(std::min<int64_t>(kGemmNR, p.groups - g));
-            for (int r = 0; r < nr; ++r)
-              valid[r] = static_cast<int>(std::min<int64_t>(kGroup, j1 - j0 - (g + r) * kGroup));
-            const int64_t j = j0 + g * kGroup;
-            const float* bias = w.bias ? w.bias + j : nullptr;
-            if (nr == kGemmNR) gemm_tile<T, MR, kGemmNR>(p, g, a, low_sums.data(), m, valid, bias, out + m * ldo + j, ldo);
-            else gemm_tile<T, MR, 1>(p, g, a, low_sums.data(), m, valid, bias, out + m * ldo + j, ldo);
-          }
-        });
-      }
-    }
+    if constexpr (has_int8_gemm(T))
+      int8_panels<T>(w, a, out, ldo, n0, n1,
+                     [&](int64_t j, int valid, Int8Panel& p, int64_t g) { pack_group<T>(w, j, valid, p, g); });
   });
 }
 // The gemm's arithmetic for any number of rows: one row by product_int8_row where the format

@@ -67,7 +67,7 @@ inline Weight make_weight(const at::Tensor& data, int64_t code, int64_t n, int64
   TORCH_CHECK(type >= kF32 && type <= kLastWeightType, "unknown weight type ", code);
   TORCH_CHECK(!grouped || (grouped_ok && groupable(static_cast<int>(type)) && n % kGroupRows == 0),
               "weights in groups of sixteen rows are read by the int8 products and row lookups only, in Q8_0, "
-              "Q4_0 or Q4_1 with whole groups (this call does not take them)");
+              "Q4_0, Q4_1 or Q4_K with whole groups (this call does not take them)");
   const int64_t rows = grouped ? n / kGroupRows : n, per_row = grouped ? kGroupRows : 1;
   TORCH_CHECK(data.device().is_cpu() && data.dim() == 2 && data.size(0) == rows && data.stride(1) == 1,
               "weight data must be a CPU [", rows, ", row] tensor with unit inner stride");

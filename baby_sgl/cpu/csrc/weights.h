@@ -34,24 +34,26 @@ struct Weight {
   const uint8_t* row(int64_t i) const { return data + i * stride; }
 };
 
-// Weights in groups of sixteen rows (Q8_0, Q4_0, Q4_1): for each 32-value block, the sixteen rows'
-// fields side by side: their halves (d, and Q4_1's m), sixteen of each, then their values as
-// 64-byte vectors, vector v holding bytes 4v..4v+3 of each row's values (row c in bytes 4c..4c+3).
-// The same bytes as stored, rearranged for int8_groups.h's products.
+// Weights in groups of sixteen rows (Q8_0, Q4_0, Q4_1, Q4_K): for each block (Q4_K's 256-value
+// super-block), the sixteen rows' fields side by side: their halves (d, and Q4_1's m or Q4_K's
+// dmin), sixteen of each, then the rest of the block as 64-byte vectors, vector v holding bytes
+// 4v..4v+3 of each row's rest (row c in bytes 4c..4c+3; Q4_K: three vectors of scales, then 32 of
+// nibbles). The same bytes as stored, rearranged for int8_groups.h's products.
 constexpr int64_t kGroupRows = 16;
-constexpr bool groupable(int type) { return type == kQ8_0 || type == kQ4_0 || type == kQ4_1; }
-constexpr int64_t group_header_bytes(int type) { return kGroupRows * (type == kQ4_1 ? 4 : 2); }
+constexpr bool groupable(int type) { return type == kQ8_0 || type == kQ4_0 || type == kQ4_1 || type == kQ4_K; }
+constexpr int64_t group_halves(int type) { return type == kQ4_1 || type == kQ4_K ? 2 : 1; }
+constexpr int64_t group_header_bytes(int type) { return kGroupRows * 2 * group_halves(type); }
 
 // Row i of a grouped weight as GGUF stores it, into out (row_bytes(w.type, w.k) bytes).
 inline void ungroup_row(const Weight& w, int64_t i, uint8_t* out) {
-  const int64_t bb = block_bytes(w.type), halves = group_header_bytes(w.type) / kGroupRows / 2, c = i % kGroupRows;
+  const int64_t bb = block_bytes(w.type), halves = group_halves(w.type), c = i % kGroupRows;
   const uint8_t* group = w.data + i / kGroupRows * w.stride;
-  for (int64_t b = 0; b < w.k / 32; ++b) {
+  for (int64_t b = 0; b < w.k / block_values(w.type); ++b) {
     const uint8_t* blk = group + b * kGroupRows * bb;
     uint8_t* o = out + b * bb;
     for (int64_t f = 0; f < halves; ++f) std::memcpy(o + 2 * f, blk + f * 2 * kGroupRows + 2 * c, 2);
-    const uint8_t* values = blk + group_header_bytes(w.type);
-    for (int64_t v = 0; v < (bb - 2 * halves) / 4; ++v) std::memcpy(o + 2 * halves + 4 * v, values + 64 * v + 4 * c, 4);
+    const uint8_t* rest = blk + group_header_bytes(w.type);
+    for (int64_t v = 0; v < (bb - 2 * halves) / 4; ++v) std::memcpy(o + 2 * halves + 4 * v, rest + 64 * v + 4 * c, 4);
   }
 }
 
