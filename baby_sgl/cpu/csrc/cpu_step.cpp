@@ -416,9 +416,8 @@ class DecodeStep {
       bias = t[4].cast<at::Tensor>().to(at::kFloat).contiguous();
       keep_.push_back(*bias);
     }
-    const Weight w = make_weight(data, t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(), bias,
-                                 /*grouped_ok=*/int8_activations_ && kHasInt8Gemm);
-    return w;
+    return make_weight(data, t[1].cast<int64_t>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(), bias,
+                       /*grouped_ok=*/int8_activations_ && kHasInt8Gemm);
   }
 
   Fused fused(py::list parts) {

@@ -3,12 +3,14 @@
 // load and kept in the file's own bytes per block.
 //
 // The layout is weights.h's (kGroupRows): per block, sixteen rows' halves, then vectors holding
-// four value bytes of each row, row c in 32-bit lane c (Q4_0 and Q4_1: four vectors of nibbles;
-// Q8_0: eight of int8 values). A Q4 vector's low nibbles are values 4i..4i+3
-// of each row and its high nibbles values 16 + 4i.., so one AND and one shift give two of the
-// vectors vpdpbusd takes, and nothing has to be moved across lanes: a row's 32-bit lane meets an
-// activation dword broadcast to all sixteen. A single row (a batch-1 decode step) then does
-// 64 multiply-adds per instruction as a batch does, with no horizontal sums.
+// four bytes of each row, row c in 32-bit lane c (Q4_0 and Q4_1: four vectors of nibbles; Q8_0:
+// eight of int8 values; Q4_K: three of scale bytes, then 32 of nibbles). A Q4 vector's low nibbles
+// are values 4i..4i+3 of each row and its high nibbles values 16 + 4i.. (Q4_K: one sub-block's
+// and the next one's), so one AND and one shift give two of the vectors vpdpbusd takes, and nothing
+// has to be moved across lanes: a row's 32-bit lane meets an activation dword broadcast to all
+// sixteen. A single row (a batch-1 decode step) then does 64 multiply-adds per instruction as a
+// batch does, with no horizontal sums. Q4_K products of many rows unpack the groups into
+// int8_gemm.h's panels instead (kQ4KPanelRows).
 //
 // The arithmetic is int8_gemm.h's (gemm_tile): each block's exact integer sum, times d * da,
 // added in block order, then the offset term; a row's bits are those of the ungrouped weight's
@@ -183,43 +185,22 @@ inline void k4_group_tile(const Weight& w, int64_t g, const Q8Rows& a, int64_t m
   }
 }
 
-// Group g of w into group pg of an int8_gemm.h panel: each 32-value block's values as unsigned
+// Group g of a Q4_K w into group pg of an int8_gemm.h panel: each 32-value sub-block's values as
 // bytes, its scale and offset; no transposing, the groups hold the rows side by side already.
-template <int T>
 inline void pack_from_groups(const Weight& w, int64_t g, Int8Panel& p, int64_t pg) {
   const uint8_t* group = w.data + g * w.stride;
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   alignas(64) float scale[8][kGroup], offset[8][kGroup];
   for (int64_t b = 0; b < p.blocks; ++b) {
     const int64_t at = pg * p.blocks + b;
-    uint8_t* dst = p.q.data() + at * 512;
-    if constexpr (T == kQ4_K) {
-      const int j = static_cast<int>(b % 8);
-      const uint8_t* blk = group + b / 8 * kGroup * block_bytes(T);
-      if (j == 0) k4_group_scales(blk, scale, offset);
-      _mm512_storeu_ps(p.d.data() + at * kGroup, _mm512_load_ps(scale[j]));
-      _mm512_storeu_ps(p.m.data() + at * kGroup, _mm512_load_ps(offset[j]));
-      for (int v = 0; v < 8; ++v) {
-        const __m512i q = _mm512_loadu_si512(blk + group_header_bytes(T) + 3 * 64 + 64 * (8 * (j / 2) + v));
-        _mm512_store_si512(dst + 64 * v, _mm512_and_si512(j % 2 ? _mm512_srli_epi16(q, 4) : q, low4));
-      }
-    } else {
-      const uint8_t* blk = group + b * kGroup * block_bytes(T);
-      _mm512_storeu_ps(p.d.data() + at * kGroup, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk))));
-      if constexpr (has_offset_term(T))
-        _mm512_storeu_ps(p.m.data() + at * kGroup, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32))));
-      const uint8_t* v = blk + group_header_bytes(T);
-      for (int i = 0; i < 4; ++i) {
-        if constexpr (T == kQ8_0) {
-          const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
-          _mm512_store_si512(dst + 64 * i, _mm512_xor_si512(_mm512_loadu_si512(v + 64 * i), sign));
-          _mm512_store_si512(dst + 64 * (i + 4), _mm512_xor_si512(_mm512_loadu_si512(v + 64 * (i + 4)), sign));
-        } else {
-          const __m512i q = _mm512_loadu_si512(v + 64 * i);
-          _mm512_store_si512(dst + 64 * i, _mm512_and_si512(q, low4));
-          _mm512_store_si512(dst + 64 * (i + 4), _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
-        }
-      }
+    const int j = static_cast<int>(b % 8);
+    const uint8_t* blk = group + b / 8 * kGroup * block_bytes(kQ4_K);
+    if (j == 0) k4_group_scales(blk, scale, offset);
+    _mm512_storeu_ps(p.d.data() + at * kGroup, _mm512_load_ps(scale[j]));
+    _mm512_storeu_ps(p.m.data() + at * kGroup, _mm512_load_ps(offset[j]));
+    for (int v = 0; v < 8; ++v) {
+      const __m512i q = _mm512_loadu_si512(blk + group_header_bytes(kQ4_K) + 3 * 64 + 64 * (8 * (j / 2) + v));
+      _mm512_store_si512(p.q.data() + at * 512 + 64 * v, _mm512_and_si512(j % 2 ? _mm512_srli_epi16(q, 4) : q, low4));
     }
   }
 }
@@ -228,7 +209,7 @@ inline void pack_from_groups(const Weight& w, int64_t g, Int8Panel& p, int64_t p
 // multiply: 2048 -> 16384 at 16 rows 2.6 ms read in place against 3.0 by panels, at 32 rows 5.2
 // against 4.7, at 512 rows 77 against 59 (2-core Zen 4). Q8_0, Q4_0 and Q4_1 read in place as
 // fast or faster at any number of rows (Q4_0 at 512 rows 50 against 52 ms).
-constexpr int64_t panel_rows(int type) { return type == kQ4_K ? 32 : INT64_MAX; }
+constexpr int64_t kQ4KPanelRows = 32;
 
 // a (quantize_rows_q8) times grouped w's rows n0..n1-1 into out [rows, n] (row stride ldo).
 // One row goes four groups at a time (four independent sums). More rows go by panels of groups
@@ -259,9 +240,12 @@ inline void product_grouped(const Weight& w, const Q8Rows& a, Out* out, int64_t 
         for (; g < g1; ++g) groups(One{}, One{}, 0, g);
         return;
       }
-      if (a.rows >= panel_rows(T) && n0 % kGroup == 0) {
-        int8_panels<T>(w, a, out, ldo, n0, n1, [&](int64_t j, int, Int8Panel& p, int64_t pg) { pack_from_groups<T>(w, j / kGroup, p, pg); });
-        return;
+      if constexpr (T == kQ4_K) {
+        if (a.rows >= kQ4KPanelRows && n0 % kGroup == 0) {
+          int8_panels<T>(w, a, out, ldo, n0, n1,
+                         [&](int64_t j, int, Int8Panel& p, int64_t pg) { pack_from_groups(w, j / kGroup, p, pg); });
+          return;
+        }
       }
       const int64_t per_panel = std::max<int64_t>(2, 256 * 1024 / (w.k / block_values(T) * kGroup * block_bytes(T)) / 2 * 2);
       for (int64_t p0 = g0; p0 < g1; p0 += per_panel) {
