@@ -18,8 +18,9 @@ _LOAD = "from baby_sgl.cpu import ops; assert ops.cpu_ops() is not None; print('
 needs_compiler = pytest.mark.skipif(toolchain.cxx_compiler() is None, reason="no C++ compiler: nothing is built")
 
 
-def _load(env: dict[str, str], timeout: float) -> str:
-    proc = subprocess.run([sys.executable, "-P", "-c", _LOAD], env=env, capture_output=True, text=True, timeout=timeout)
+def _load(env: dict[str, str], timeout: float, code: str = _LOAD, *args: str) -> str:
+    proc = subprocess.run([sys.executable, "-P", "-c", code, *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-2000:]
     return proc.stdout
 
@@ -40,17 +41,11 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next(tmp_path):
     # in that state (it is whole again after the load).
     source = tmp_path / "probe.cpp"
     source.write_text(_PROBE)
-
-    def load() -> None:
-        proc = subprocess.run([sys.executable, "-P", "-c", _LOAD_PROBE, str(source)], capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0 and "loaded 42" in proc.stdout, proc.stderr[-2000:]
-
-    load()  # built once (or already, by an earlier run on this machine)
+    assert "loaded 42" in _load(dict(os.environ), 300, _LOAD_PROBE, str(source))  # built once (or already)
     build = toolchain.build_dir("baby_sgl_lock_probe", (source,))
     (build / "built").unlink()  # a killed build never stamps its directory
     (build / "lock").touch()  # what the killed build left
-    load()
+    assert "loaded 42" in _load(dict(os.environ), 300, _LOAD_PROBE, str(source))
     assert not (build / "lock").exists() and (build / "built").exists()
 
 

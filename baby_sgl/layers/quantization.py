@@ -95,11 +95,8 @@ class QuantizedWeight:
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Fused projections (q/k/v, gate/up): the parts' rows one after another."""
         assert len({(p.qtype, p.shape[1]) for p in parts}) == 1, "fused parts must share a format"
-        if len({p.grouped for p in parts}) > 1:
-            parts = [p.ungrouped() for p in parts]
-        return QuantizedWeight(torch.cat([p.data for p in parts]), parts[0].qtype,
-                               (sum(p.shape[0] for p in parts), parts[0].shape[1]), parts[0].int8_activations,
-                               parts[0].grouped)
+        return QuantizedWeight(torch.cat([p.ungrouped().data for p in parts]), parts[0].qtype,
+                               (sum(p.shape[0] for p in parts), parts[0].shape[1]), parts[0].int8_activations)
 
     @property
     def code(self) -> int:
@@ -147,14 +144,11 @@ class QuantizedWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         ops = cpu_ops()
-        if self.grouped:  # made only where the kernel's int8 products take them (group_for_int8_products)
-            assert ops is not None
-            return ops.linear_int8(x if x.dtype == torch.bfloat16 else x.float(), self.data, self.code, *self.shape,
-                                   None if bias is None else bias.float().contiguous())
+        # (Grouped weights are made only where this holds: group_for_int8_products.)
         if (ops is not None and self.int8_activations
                 and ((ops.has_int8_gemm and self.qtype in BLOCK_BYTES)
                      or (self.qtype in INT8_TYPES and x.shape[0] < INT8_TILE_MAX_ROWS))):
-            return ops.linear_int8(x if x.dtype == torch.bfloat16 else x.float(), self.data, int(self.qtype),
+            return ops.linear_int8(x if x.dtype == torch.bfloat16 else x.float(), self.data, self.code,
                                    *self.shape, None if bias is None else bias.float().contiguous())
         if ops is None or x.shape[0] >= TORCH_GEMM_MIN_ROWS.get(x.dtype, 0):
             return F.linear(x, self.dequantize(x.dtype), bias)

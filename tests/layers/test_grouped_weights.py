@@ -46,7 +46,7 @@ def test_groups_hold_the_same_bytes_and_values(qtype):
     rows = torch.tensor([3, 70, 16])
     assert torch.equal(grouped.dequantize(torch.float32, rows), qw.dequantize(torch.float32, rows))
     assert torch.equal(grouped.select_rows(slice(16, 48)).data, qw.data[16:48])
-    fused = QuantizedWeight.cat([grouped, qw])  # a part left ungrouped: the whole fused rows as stored
+    fused = QuantizedWeight.cat([grouped, qw])  # fused parts: rows as stored
     assert not fused.grouped and torch.equal(fused.data, torch.cat([qw.data, qw.data]))
 
 

@@ -85,9 +85,10 @@ def test_the_decode_step_takes_the_few_row_products_in_the_default_mode_only(q4_
     """Deterministic mode: a request's bits are the same alone as among others (cpu_step.cpp:
     linear, were takes_kquant_rows asked without deterministic_, one to three rows would take the
     few-row sums and four and more the gemm's). Default mode, where the CPU has AVX-512 VNNI (and
-    both modes round every product's activations): a request alone decodes one row at a time
-    through kquant_rows.h, whose sums round otherwise than int8_gemm.h's: the same tokens up to a
-    near tie, close logprobs, not the same bits."""
+    both modes round every product's activations): a request alone decodes one row at a time, its
+    Q6_K and Q5_K matrices through kquant_rows.h (the Q4_K ones are grouped and take the gemm's
+    sums in both modes, int8_groups.h), whose sums round otherwise than int8_gemm.h's: the same
+    tokens up to a near tie, close logprobs, not the same bits."""
     ops = build_for("native", monkeypatch)  # the engine's build, whatever the `ops` tests above left
     with _engine(q4_k_m_llama, deterministic=True) as engine:
         gemm = _alone(engine)

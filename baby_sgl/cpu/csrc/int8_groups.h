@@ -70,11 +70,18 @@ inline void group_block_sums(const uint8_t* const (&blk)[NR], const Q8Rows& a, i
       for (int r = 0; r < NR; ++r) dot[m][r] = _mm512_add_epi32(dot[m][r], high[m][r]);
 }
 
-// out[m * ldo + 16 r + c] for activation rows m0 .. m0 + MR - 1 and groups g .. g + NR - 1 of w
-// (outputs c of group r where keep[r] has bit c).
+// A tile's sums plus the bias into out[m * ldo + 16 r + c] (groups g.. of w).
+template <int MR, int NR, typename Out>
+inline void store_group_tile(const __m512 (&acc)[MR][NR], const Weight& w, int64_t g, Out* out, int64_t ldo) {
+  for (int r = 0; r < NR; ++r) {
+    const __m512 bv = w.bias ? _mm512_loadu_ps(w.bias + (g + r) * kGroup) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) store_results(out + m * ldo + kGroup * r, 0xffff, _mm512_add_ps(acc[m][r], bv));
+  }
+}
+
+// out[m * ldo + 16 r + c] for activation rows m0 .. m0 + MR - 1 and groups g .. g + NR - 1 of w.
 template <int T, int MR, int NR, typename Out>
-inline void group_tile(const Weight& w, int64_t g, const Q8Rows& a, int64_t m0, const __mmask16* keep, Out* out,
-                       int64_t ldo) {
+inline void group_tile(const Weight& w, int64_t g, const Q8Rows& a, int64_t m0, Out* out, int64_t ldo) {
   constexpr int64_t bb = kGroup * block_bytes(T);
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
@@ -96,11 +103,11 @@ inline void group_tile(const Weight& w, int64_t g, const Q8Rows& a, int64_t m0, 
       }
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    const __m512 bv = w.bias ? _mm512_maskz_loadu_ps(keep[r], w.bias + (g + r) * kGroup) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) store_results(out + m * ldo + kGroup * r, keep[r], _mm512_add_ps(acc[m][r], bv));
-  }
+  store_group_tile(acc, w, g, out, ldo);
 }
+
+// Where a grouped Q4_K super-block's nibbles start: after the halves and three vectors of scales.
+constexpr int64_t kQ4KValuesAt = group_header_bytes(kQ4_K) + 3 * 64;
 
 // The scales d * sc_j and offsets -dmin * m_j (as int8_gemm.h's panels hold them) of the eight
 // sub-blocks of a grouped Q4_K super-block at blk, sixteen rows a vector: k4_scale_min_bytes's
@@ -122,7 +129,8 @@ inline void k4_group_scales(const uint8_t* blk, float (&scale)[8][kGroup], float
     const __m512i s = _mm512_and_si512(_mm512_srli_epi32(u[j / 4], 8 * (j % 4)), byte);
     const __m512i m = _mm512_and_si512(_mm512_srli_epi32(u[2 + j / 4], 8 * (j % 4)), byte);
     _mm512_storeu_ps(scale[j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(s)));
-    _mm512_storeu_ps(offset[j], _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m))));
+    const __m512i product = _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m)));  // negated exactly:
+    _mm512_storeu_ps(offset[j], _mm512_castsi512_ps(_mm512_xor_si512(product, _mm512_set1_epi32(INT32_MIN))));
   }
 }
 
@@ -130,10 +138,8 @@ inline void k4_group_scales(const uint8_t* blk, float (&scale)[8][kGroup], float
 // pairs of sub-blocks, each pair eight vectors of nibbles (sub-block 2p in the low nibbles, 2p + 1
 // in the high ones), two exact sums, and the two blocks' float steps in block order.
 template <int MR, int NR, typename Out>
-inline void k4_group_tile(const Weight& w, int64_t g, const Q8Rows& a, int64_t m0, const __mmask16* keep, Out* out,
-                          int64_t ldo) {
+inline void k4_group_tile(const Weight& w, int64_t g, const Q8Rows& a, int64_t m0, Out* out, int64_t ldo) {
   constexpr int64_t sb = kGroup * block_bytes(kQ4_K);
-  constexpr int64_t values = group_header_bytes(kQ4_K) + 3 * 64;  // after the halves and the scales
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -154,7 +160,7 @@ inline void k4_group_tile(const Weight& w, int64_t g, const Q8Rows& a, int64_t m
       for (int v = 0; v < 8; ++v) {
         __m512i lo[NR], hi[NR];
         for (int r = 0; r < NR; ++r) {
-          const __m512i q = _mm512_loadu_si512(blk[r] + values + 64 * (8 * p + v));
+          const __m512i q = _mm512_loadu_si512(blk[r] + kQ4KValuesAt + 64 * (8 * p + v));
           lo[r] = _mm512_and_si512(q, mask);
           hi[r] = _mm512_and_si512(_mm512_srli_epi16(q, 4), mask);
         }
@@ -179,10 +185,7 @@ inline void k4_group_tile(const Weight& w, int64_t g, const Q8Rows& a, int64_t m
         }
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    const __m512 bv = w.bias ? _mm512_maskz_loadu_ps(keep[r], w.bias + (g + r) * kGroup) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) store_results(out + m * ldo + kGroup * r, keep[r], _mm512_add_ps(acc[m][r], bv));
-  }
+  store_group_tile(acc, w, g, out, ldo);
 }
 
 // Group g of a Q4_K w into group pg of an int8_gemm.h panel: each 32-value sub-block's values as
@@ -199,7 +202,7 @@ inline void pack_from_groups(const Weight& w, int64_t g, Int8Panel& p, int64_t p
     _mm512_storeu_ps(p.d.data() + at * kGroup, _mm512_load_ps(scale[j]));
     _mm512_storeu_ps(p.m.data() + at * kGroup, _mm512_load_ps(offset[j]));
     for (int v = 0; v < 8; ++v) {
-      const __m512i q = _mm512_loadu_si512(blk + group_header_bytes(kQ4_K) + 3 * 64 + 64 * (8 * (j / 2) + v));
+      const __m512i q = _mm512_loadu_si512(blk + kQ4KValuesAt + 64 * (8 * (j / 2) + v));
       _mm512_store_si512(p.q.data() + at * 512 + 64 * v, _mm512_and_si512(j % 2 ? _mm512_srli_epi16(q, 4) : q, low4));
     }
   }
@@ -211,8 +214,8 @@ inline void pack_from_groups(const Weight& w, int64_t g, Int8Panel& p, int64_t p
 // fast or faster at any number of rows (Q4_0 at 512 rows 50 against 52 ms).
 constexpr int64_t kQ4KPanelRows = 32;
 
-// a (quantize_rows_q8) times grouped w's rows n0..n1-1 into out [rows, n] (row stride ldo).
-// One row goes four groups at a time (four independent sums). More rows go by panels of groups
+// a (quantize_rows_q8) times grouped w's rows n0..n1-1 into out [rows, n] (row stride ldo); n0
+// and n1 whole groups (multiples of kGroup, as every caller splits). One row goes four groups at a time (four independent sums). More rows go by panels of groups
 // (about 256 KB, which L2 holds) as int8_gemm.h's: every tile of rows meets a panel's groups in
 // pairs, so a panel is read from memory once and the activations once per panel.
 template <typename Out>
@@ -223,17 +226,12 @@ inline void product_grouped(const Weight& w, const Q8Rows& a, Out* out, int64_t 
     if constexpr (groupable(T)) {
       auto groups = [&](auto mr, auto nr, int64_t m, int64_t g) {
         constexpr int MR = decltype(mr)::value, NR = decltype(nr)::value;
-        __mmask16 keep[NR];
-        for (int r = 0; r < NR; ++r) {
-          const int64_t lo = std::max<int64_t>(n0 - (g + r) * kGroup, 0), hi = std::min<int64_t>(n1 - (g + r) * kGroup, kGroup);
-          keep[r] = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
-        }
-        if constexpr (T == kQ4_K) k4_group_tile<MR, NR>(w, g, a, m, keep, out + m * ldo + g * kGroup, ldo);
-        else group_tile<T, MR, NR>(w, g, a, m, keep, out + m * ldo + g * kGroup, ldo);
+        if constexpr (T == kQ4_K) k4_group_tile<MR, NR>(w, g, a, m, out + m * ldo + g * kGroup, ldo);
+        else group_tile<T, MR, NR>(w, g, a, m, out + m * ldo + g * kGroup, ldo);
       };
       using One = std::integral_constant<int, 1>;
       using Two = std::integral_constant<int, 2>;
-      const int64_t g0 = n0 / kGroup, g1 = (n1 + kGroup - 1) / kGroup;
+      const int64_t g0 = n0 / kGroup, g1 = n1 / kGroup;
       if (a.rows == 1) {
         int64_t g = g0;
         for (; g + 4 <= g1; g += 4) groups(One{}, std::integral_constant<int, 4>{}, 0, g);
@@ -241,7 +239,7 @@ inline void product_grouped(const Weight& w, const Q8Rows& a, Out* out, int64_t 
         return;
       }
       if constexpr (T == kQ4_K) {
-        if (a.rows >= kQ4KPanelRows && n0 % kGroup == 0) {
+        if (a.rows >= kQ4KPanelRows) {
           int8_panels<T>(w, a, out, ldo, n0, n1,
                          [&](int64_t j, int, Int8Panel& p, int64_t pg) { pack_from_groups(w, j / kGroup, p, pg); });
           return;

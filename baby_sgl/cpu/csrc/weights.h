@@ -27,7 +27,7 @@ struct Weight {
   int type = kF32;
   int64_t n = 0, k = 0, stride = 0;  // stride: bytes from one row to the next
   // Rows stored in groups of sixteen (int8_groups.h): stride is then the bytes from one group to
-  // the next, and only product_grouped reads the weight (row() does not apply).
+  // the next, and only product_grouped and dequantize_row read the weight (row() does not apply).
   bool grouped = false;
   const uint8_t* data = nullptr;
   const float* bias = nullptr;  // [n] or null
@@ -320,13 +320,12 @@ constexpr bool kHasBF16Products = false;
 #endif
 
 inline void dequantize_row(const Weight& w, int64_t i, float* out) {
-  const uint8_t* row = w.grouped ? nullptr : w.row(i);
-  thread_local std::vector<uint8_t> ungrouped;
+  thread_local std::vector<uint8_t> ungrouped;  // a grouped row put back as stored
   if (w.grouped) {
     ungrouped.resize(row_bytes(w.type, w.k));
     ungroup_row(w, i, ungrouped.data());
-    row = ungrouped.data();
   }
+  const uint8_t* row = w.grouped ? ungrouped.data() : w.row(i);
   with_format(w.type, [&](auto t) { dequantize_row_t<decltype(t)::value>(row, w.k, out); });
 }
 
