@@ -23,6 +23,19 @@ MAX_STOP_LEN = 1024
 MAX_TOP_LOGPROBS = 20
 
 
+def check_nesting(value: Any, limit: int, where: str) -> Any:
+    """Refuses JSON with dicts and lists nested more than limit deep, walked without recursion: the
+    code that reads such values next (schema rewriting, grammar compilers, templates) recurses."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise ValueError(f"{where} nests deeper than {limit} levels")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return value
+
+
 def _valid_unicode(s: str) -> str:
     try:
         s.encode("utf-8")

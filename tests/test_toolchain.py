@@ -67,13 +67,15 @@ def test_a_second_checkout_with_the_same_sources_loads_the_first_ones_build(tmp_
     # Before: toolchain.kernel_cache_dir named the build directory by torch's version and the CPU
     # only, and torch's loader rebuilt it whenever the sources' paths in its command lines changed,
     # so two checkouts took turns rebuilding it (1-2 minutes at each engine start).
-    env = {**os.environ, "PYTHONPATH": str(Path(baby_sgl.__file__).parent.parent)}
-    _load(env, timeout=600)
+    def first_on_path(checkout: Path) -> dict[str, str]:  # before what the environment adds (its packages)
+        return {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")])}
+
+    _load(first_on_path(Path(baby_sgl.__file__).parent.parent), timeout=600)
     build = toolchain.build_dir(ops.NAME, ops.SOURCES)
     library = build / (build / "built").read_text()
     built_at = library.stat().st_mtime_ns
     shutil.copytree(Path(baby_sgl.__file__).parent, tmp_path / "checkout" / "baby_sgl",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    out = _load({**env, "PYTHONPATH": str(tmp_path / "checkout")}, timeout=600)
+    out = _load(first_on_path(tmp_path / "checkout"), timeout=600)
     assert str(tmp_path / "checkout") in out  # the other checkout's code ran
     assert library.stat().st_mtime_ns == built_at

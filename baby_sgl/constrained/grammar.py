@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from baby_sgl.validation import check_nesting
+
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
@@ -55,6 +57,9 @@ _COMPILE_THREADS = 2
 # is large (reserved, not committed, until used), so any grammar within the size limits compiles or
 # fails there, instead of overflowing a default 8 MB stack and killing the process.
 _COMPILE_STACK_BYTES = 512 * 2**20
+# Dicts and lists inside one another in a json_schema (128 levels of anyOf): far past any real
+# schema, and within what the rewrite's recursion and the library's compiler take.
+MAX_SCHEMA_NESTING = 256
 _MAX_ERROR_CHARS = 400  # a library message may quote the whole grammar
 # JSON the model writes under a schema: compact separators, no free whitespace. Free whitespace
 # lets a model pad forever (a grammar cannot end while spaces are still allowed).
@@ -218,7 +223,10 @@ class GrammarCache:
                     return ValueError(f"json_schema is not valid JSON: {e}")
                 if schema is False:
                     return ValueError("invalid json_schema: false allows no value")
-                schema = {} if schema is True else closed_objects(schema)
+                try:
+                    schema = {} if schema is True else closed_objects(schema)
+                except ValueError as e:  # nested too deep
+                    return e
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_DEFAULTS)
             elif kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(text)
@@ -265,19 +273,27 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 
 def closed_objects(schema: Any) -> Any:
     """As SGLang's default (xgrammar's strict mode) and OpenAI's structured output: an object
-    schema that lists its properties and says nothing of others takes no others."""
+    schema that lists its properties and says nothing of others takes no others. A schema nested
+    deeper than MAX_SCHEMA_NESTING is refused first (ValueError naming json_schema): the rewrite
+    recurses, and how deep Python lets it go differs between versions (3.12 inlines the
+    comprehensions, so a schema 3.11 refused reached the library, which refused it in its words)."""
+    check_nesting(schema, MAX_SCHEMA_NESTING, "json_schema")
+    return _closed(schema)
+
+
+def _closed(schema: Any) -> Any:
     if isinstance(schema, list):
-        return [closed_objects(s) for s in schema]
+        return [_closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema: the names are data
-            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+            out[key] = {name: _closed(sub) for name, sub in value.items()}
         elif key in ("enum", "const", "default", "examples", "required"):
             out[key] = value
         else:
-            out[key] = closed_objects(value)
+            out[key] = _closed(value)
     if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

@@ -15,7 +15,7 @@ from baby_sgl.managers.io_struct import (CloseSessionReqInput, LogprobOptions, O
                                          SessionParams)
 from baby_sgl.core.sampling_params import (GRAMMAR_KINDS, MAX_LOGIT_BIAS, Grammar, LogitBias, SamplingParams,
                                            StopString, check_copies_budget, check_stop_budget)
-from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_BATCH, MAX_ID_LEN, MAX_N, MAX_STOP, Id, Int32,
+from baby_sgl.validation import (check_nesting, INT64_MAX, INT64_MIN, MAX_BATCH, MAX_ID_LEN, MAX_N, MAX_STOP, Id, Int32,
                                  NonNegInt32, StrictModel, Text, TokenId, TopLogprobsNum, SGLangInput)
 
 MAX_MESSAGES = 4096
@@ -194,16 +194,9 @@ class TextPart(StrictModel):
 
 
 def check_depth(value: Any, where: str = "the value") -> Any:
-    """Refuses JSON nested deeper than MAX_SCHEMA_DEPTH (walked without recursion): tool schemas
-    and arguments are rendered and compiled recursively."""
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels")
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-    return value
+    """Refuses JSON nested deeper than MAX_SCHEMA_DEPTH: tool schemas and arguments are rendered
+    and compiled recursively."""
+    return check_nesting(value, MAX_SCHEMA_DEPTH, where)
 
 
 # A JSON object from a client that holds a schema or a call's arguments

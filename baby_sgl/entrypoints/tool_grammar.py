@@ -66,8 +66,6 @@ def json_after_thinking(schema_text: str, reasoning: str) -> str:
         rules.append(_json_rule("answer", schema if schema is not True else {}))
     except json.JSONDecodeError as e:
         raise ValueError(f"json_schema is not valid JSON: {e}") from None
-    except RecursionError:  # as the grammar backend refuses it without a reasoning parser
-        raise ValueError("invalid json_schema: it nests too deeply to compile") from None
     return LARK_HEADER + "\n".join(rules) + "\n"
 
 

@@ -29,10 +29,6 @@ def decode_buckets(max_bs: int) -> list[int]:
     return [b for b in _BUCKETS if b < max_bs] + [max_bs]
 
 
-def device_needs_cxx(device: torch.device) -> bool:
-    return device.type == "cpu"
-
-
 class CompiledDense:
     def __init__(self, model: LlamaForCausalLM, max_bs: int) -> None:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))

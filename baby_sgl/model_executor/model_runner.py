@@ -21,7 +21,7 @@ from baby_sgl.core.forward_batch import ForwardBatch, ForwardMode, ModelWorkerBa
 from baby_sgl.layers import quantization
 from baby_sgl.layers.linear import Linear, can_prepack
 from baby_sgl.layers.moe import SparseMoE
-from baby_sgl.model_executor.compile import CompiledDense, device_needs_cxx
+from baby_sgl.model_executor.compile import CompiledDense
 from baby_sgl.cpu import decode_step
 from baby_sgl.lora.memory_pool import LoRABatch, LoRAMemoryPool
 from baby_sgl.models.llama import (EAGER, DenseFns, LlamaForCausalLM, attention_in, attention_out_mlp,
@@ -105,7 +105,9 @@ class ModelRunner:
             moe.prepack()
 
     def _enable_compile(self, max_bs: int) -> None:
-        if device_needs_cxx(self.device) and cxx_compiler() is None:
+        # Inductor builds its CPU kernels with the C++ compiler, and Triton its GPU launchers with the
+        # C compiler that comes beside it: without one, the first compiled call would fail.
+        if cxx_compiler() is None:
             logger.warning("--enable-torch-compile: no C++ compiler found (g++, c++ or clang++); running eager")
             return
         self.compiled = CompiledDense(self.model, max_bs)

@@ -131,6 +131,15 @@ def test_splits_the_model_does_not_allow_are_refused(tiny_llama, tp_size, messag
     assert _followers() == []
 
 
+def test_more_ranks_than_gpus_are_refused(tiny_llama, monkeypatch):
+    """On CUDA each rank takes a GPU of its own. Before: with one GPU and --tp-size 2, rank 1 died on
+    a missing cuda:1 and rank 0 waited for it until the collectives' timeout (a 240 s test limit)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="--tp-size 2 puts each rank on a GPU of its own, and torch sees 1"):
+        Engine(tiny_llama, dtype="float32", tp_size=2, device="cuda")
+    assert _followers() == []
+
+
 def test_compile_with_tp_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="--enable-torch-compile does not work with --tp-size"):
         Engine(tiny_llama, dtype="float32", tp_size=2, enable_torch_compile=True)

@@ -3,6 +3,8 @@ running requests' decode steps, so their streams never wait for the whole prompt
 
 from __future__ import annotations
 
+import pytest
+
 from baby_sgl import Engine
 from helpers import GREEDY, random_prompts
 
@@ -50,6 +52,7 @@ def test_mixing_needs_chunked_prefill(tiny_llama):
     assert "MIXED" not in {mode for mode, _, _ in passes}
 
 
+@pytest.mark.cpu_only("the CPU's default prefill chunk")
 def test_cpu_default_chunk_is_small_only_when_mixing(tiny_llama):
     with Engine(tiny_llama, dtype="float32", enable_mixed_chunk=True) as engine:
         assert engine.engine_args.chunked_prefill_size == 64

@@ -74,6 +74,7 @@ def test_one_byte_pools_keep_greedy_outputs(tiny_llama_head64, full_precision, n
     assert agree >= FLOORS[name]
 
 
+@pytest.mark.cpu_only("the CPU's one-call decode step")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("name", ONE_BYTE)
 def test_the_decode_step_writes_and_reads_what_the_python_path_does(tiny_llama_head64, arch, name, monkeypatch):
@@ -185,6 +186,7 @@ def test_perplexity_of_the_default_model_over_one_byte_pools():
     assert ppl["fp8_e5m2"] <= 1.06 * ppl["auto"]
 
 
+@pytest.mark.cpu_only("tensor parallelism between CPU processes over gloo")
 def test_tensor_parallel_ranks_keep_their_heads_in_int8(tiny_llama_head64):
     """Each rank's pool holds its own KV heads with their scales (InitPool carries the type): the
     split engine answers as the single one over the same type."""
