@@ -41,8 +41,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | StoredWeight, bias: torch.Ten
 
 
 def can_prepack(weight: torch.Tensor | StoredWeight) -> bool:
+    """oneDNN's blocked layout: float32 on any CPU, bfloat16 where oneDNN has bfloat16 kernels (it refuses
+    to reorder bfloat16 weights on a CPU without AVX-512 or AVX-NE-CONVERT, an AVX2-only EPYC say)."""
     return (isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and weight.dtype in (torch.float32, torch.bfloat16) and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and (weight.dtype == torch.float32
+                 or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())))
 
 
 def set_quantized(module: nn.Module, weight: StoredWeight) -> None:

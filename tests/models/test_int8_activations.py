@@ -46,8 +46,14 @@ def _decode(mode: str, batched: bool) -> list[dict]:
 @pytest.mark.cpu_only("quantized weights served by the CPU kernel")
 @pytest.mark.parametrize("arch,batched", [(a, False) for a in ARCHS if a != "x86-64"] + [("native", True)])
 def test_int8_activations_stay_close_to_the_float_path(arch, batched, monkeypatch):
-    build_for(arch, monkeypatch)
+    ops = build_for(arch, monkeypatch)
     exact, rounded = _decode("off", batched), _decode("on", batched)
+    if batched and not ops.has_int8_gemm:
+        # Without AVX-512 VNNI's many-row kernel, products of 4 rows and more stay float
+        # (int8_products.h, kInt8MaxRows): six requests decoding together give the float path's bits.
+        for key in ("output_token_logprobs", "output_top_logprobs"):
+            assert [o[key] for o in rounded] == [o[key] for o in exact]
+        return
     moved = []
     for ref, out in zip(exact, rounded):
         ref_ids = [t for _, t, _ in ref["output_token_logprobs"]]
