@@ -64,11 +64,10 @@ class Engine:
                             "`baby-sgl serve`), not of the engine")
         args = EngineArgs(model_path=model_path, **kwargs)
         self.device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and args.tp_size > torch.cuda.device_count():
-            # Each rank takes a GPU of its own (rank r on cuda:r); a missing one would leave the others
-            # waiting for it until the collectives' timeout.
-            raise ValueError(f"--tp-size {args.tp_size} puts each rank on a GPU of its own, and torch sees "
-                             f"{torch.cuda.device_count()}")
+        # Each rank takes a GPU of its own (rank r on cuda:r); a missing one would leave the others
+        # waiting for it until the collectives' timeout.
+        if self.device.type == "cuda" and args.tp_size > (gpus := torch.cuda.device_count()):
+            raise ValueError(f"--tp-size {args.tp_size} puts each rank on a GPU of its own, and torch sees {gpus}")
         # The settings as the engine runs them: the prefill chunk resolved (-1: unchunked).
         self.engine_args = dataclasses.replace(args, chunked_prefill_size=self._chunk_size(args))
         fit_threads_to_cores()

@@ -68,7 +68,8 @@ def test_a_second_checkout_with_the_same_sources_loads_the_first_ones_build(tmp_
     # only, and torch's loader rebuilt it whenever the sources' paths in its command lines changed,
     # so two checkouts took turns rebuilding it (1-2 minutes at each engine start).
     def first_on_path(checkout: Path) -> dict[str, str]:  # before what the environment adds (its packages)
-        return {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), os.environ.get("PYTHONPATH", "")])}
+        paths = [str(checkout), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}  # no empty entry: it would add the cwd
 
     _load(first_on_path(Path(baby_sgl.__file__).parent.parent), timeout=600)
     build = toolchain.build_dir(ops.NAME, ops.SOURCES)

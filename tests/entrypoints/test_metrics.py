@@ -111,3 +111,4 @@ def test_scrapes_that_would_show_the_same_values_share_one_rendering(server, mon
     httpx.post(server + "/generate", json=body).raise_for_status()
     assert scrape(server)["sglang:num_requests"]["sglang:num_requests_total"] == before + 1
     assert len(renders) == 1
+    wait_idle(server)
