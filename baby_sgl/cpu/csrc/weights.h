@@ -129,8 +129,18 @@ inline void matmul(const Weight& w, const float* x, int64_t ldx, int64_t rows, f
 // time: the same decoded values, the same partial sums per output in the same order and the same
 // final sum as tile(), so the results are the tiles' bits (a request's output still does not
 // depend on the size of its batch). Whole blocks only (k a multiple of 32).
-constexpr int kPanelMR = kLanes == 16 ? 4 : kLanes == 8 ? 3 : 1;  // 16, 12 or 8 accumulators
-constexpr int kPanelNR = kLanes == 16 ? 2 : 1;
+//
+// A tile's sums are taken one vector position of the block at a time: partial sum v of every
+// output (lanes v * kLanes.. of each block, over the blocks in order) before partial sum v + 1.
+// Each partial sum meets the same products in the same order as in tile(), but only MR x NR of
+// them are live at once instead of MR x NR x kBlockVecs, so the tile is larger and each loaded
+// vector feeds more FMAs: 4 x 3 on AVX2 (7 loads per 12 FMAs, where taking every partial sum at
+// once fitted 3 x 1: 4 loads per 3 FMAs). The blocks go in chunks of at most 16 (the tile's rows
+// of a chunk stay in L1 while each partial sum passes over them), the partial sums kept in
+// memory between chunks. One thread on a 2-core Zen 3, Q4_1 panels of 60 rows times 96 rows:
+// 2.1x (k = 576) and 1.6x (k = 1536) the old tile, ~60% of its FMA peak.
+constexpr int kPanelMR = 4;
+constexpr int kPanelNR = kLanes == 16 ? 4 : 3;  // 16 or 12 accumulators
 
 // Weight rows per panel: at most 64, and about 384 KB of them.
 inline int64_t panel_rows(int64_t k, int64_t elem_bytes, int nr) {
@@ -138,23 +148,48 @@ inline int64_t panel_rows(int64_t k, int64_t elem_bytes, int nr) {
   return std::max<int64_t>(nr, std::min<int64_t>(64, fit) / nr * nr);
 }
 
+// Keeps v in a register: GCC otherwise folds a tile's loads into its FMAs as memory operands,
+// loading each weight vector once per activation row (16 loads per 12 FMAs on AVX2, not 7).
+inline void in_register(fv& v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#elif defined(__SSE__)
+  asm("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
+
 template <int MR, int NR>
 inline void panel_tile(const float* wp, int64_t ldw, int64_t k, const float* x, int64_t ldx, float* out, int64_t ldo,
                        const float* bias) {
-  fv acc[MR][NR][kBlockVecs] = {};
-  for (int64_t i = 0; i < k; i += 32) {
+  fv part[MR][NR][kBlockVecs];
+  const int64_t blocks = k / 32, chunks = (blocks + 15) / 16;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t end = 32 * (blocks * (c + 1) / chunks);
     for (int v = 0; v < kBlockVecs; ++v) {
-      fv wv[NR];
-      for (int r = 0; r < NR; ++r) wv[r] = loadv(wp + r * ldw + i + kLanes * v);
-      for (int m = 0; m < MR; ++m) {
-        const fv xv = loadv(x + m * ldx + i + kLanes * v);
-        for (int r = 0; r < NR; ++r) acc[m][r][v] += wv[r] * xv;
+      fv acc[MR][NR];
+      for (int m = 0; m < MR; ++m)
+        for (int r = 0; r < NR; ++r) acc[m][r] = c ? part[m][r][v] : fv{};
+      for (int64_t i = 32 * (blocks * c / chunks) + kLanes * v; i < end; i += 32) {
+        fv wv[NR];
+        for (int r = 0; r < NR; ++r) {
+          wv[r] = loadv(wp + r * ldw + i);
+          in_register(wv[r]);
+        }
+        for (int m = 0; m < MR; ++m) {
+          fv xv = loadv(x + m * ldx + i);
+          in_register(xv);
+          for (int r = 0; r < NR; ++r) acc[m][r] += wv[r] * xv;
+        }
       }
+      for (int m = 0; m < MR; ++m)
+        for (int r = 0; r < NR; ++r) part[m][r][v] = acc[m][r];
     }
   }
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) {
-      const float s = hsum(fold(acc[m][r]));
+      const float s = hsum(fold(part[m][r]));
       out[m * ldo + r] = bias ? s + bias[r] : s;
     }
 }
