@@ -364,10 +364,11 @@ inline void dequantize_row(const Weight& w, int64_t i, float* out) {
   with_format(w.type, [&](auto t) { dequantize_row_t<decltype(t)::value>(row, w.k, out); });
 }
 
-// Rows from which a product goes by panels (both ways give the same bits): with 8 rows the
-// panels ran at 0.7-0.9x the tiles, with 16 at 1.0-1.3x, with 32 at 1.0-1.4x (2-core Zen 5,
-// AVX-512 and AVX2 builds, Q4_1).
-constexpr int64_t kPanelMinRows = 16;
+// Rows from which a product goes by panels (both ways give the same bits). AVX-512: with 8 rows
+// the panels ran at 0.7-0.9x the tiles, with 16 at 1.0-1.3x, with 32 at 1.0-1.4x (2-core Zen 5,
+// Q4_1, before the panels' 4 x 3 tiles). AVX2 (2-core Zen 3, default model's decode step, the
+// step's product time): 8 rows 0.62-0.9x the tiles' time, 12 rows 0.7-0.8x, 4 and 6 rows no gain.
+constexpr int64_t kPanelMinRows = kLanes == 16 ? 16 : 8;
 
 // x [rows, k] (float32, row stride ldx) times w's rows n0..n1-1 into out [rows, n] (row stride ldo).
 inline void product(const Weight& w, const float* x, int64_t ldx, int64_t rows, float* out, int64_t ldo, int64_t n0,
