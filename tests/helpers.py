@@ -6,9 +6,12 @@ import asyncio
 import inspect
 import platform
 import random
+import re
+import subprocess
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,9 +149,34 @@ def assert_first_step_logprobs(engine, hf, prompts: list[list[int]], top: int) -
     engine.check_memory()
 
 
-# Instruction sets the CPU kernels are built for in the tests: this CPU's, and on x86 also AVX2
-# (x86-64-v3) and no SIMD at all (x86-64), so every path runs whatever the machine.
-ARCHS = ["native", "x86-64-v3", "x86-64"] if platform.machine() == "x86_64" else ["native"]
+def _kernel_isa(arch: str) -> frozenset[str] | None:
+    """The instruction-set macros the CPU kernels' sources test (#if defined(__AVX2__), ...) that
+    the compiler defines for -march=arch; None without a compiler."""
+    from baby_sgl.cpu import toolchain
+
+    cxx = toolchain.cxx_compiler()
+    if cxx is None:
+        return None
+    csrc = Path(toolchain.__file__).parent / "csrc"
+    tested = {m for f in csrc.iterdir() for m in re.findall(r"defined\((__\w+__)\)", f.read_text())}
+    out = subprocess.run([cxx, f"-march={arch}", "-dM", "-E", "-x", "c++", "/dev/null"], capture_output=True,
+                         text=True, check=True).stdout
+    return frozenset(line.split()[1] for line in out.splitlines() if line.split()[1:2] and line.split()[1] in tested)
+
+
+def _archs() -> list[str]:
+    """Instruction sets the CPU kernels are built for in the tests: this CPU's, and on x86 also
+    AVX2 (x86-64-v3) and no SIMD at all (x86-64), so every path runs whatever the machine. Where
+    this CPU's build compiles the same paths as the AVX2 one (an AVX2-only CPU: the kernels test
+    the same macros), the AVX2 build would run them twice and is left out."""
+    if platform.machine() != "x86_64":
+        return ["native"]
+    native = _kernel_isa("native")
+    return ["native", "x86-64"] if native is not None and native == _kernel_isa("x86-64-v3") else \
+        ["native", "x86-64-v3", "x86-64"]
+
+
+ARCHS = _archs()
 
 
 def build_for(arch: str, monkeypatch, kernels: str = "ops"):
