@@ -81,6 +81,28 @@ inline fv loadv(const float* p) {
 
 inline void storev(float* p, fv v) { std::memcpy(p, &v, sizeof(v)); }
 
+// a * b + c in one rounding where the CPU has FMA (what the compiler's contraction makes of
+// `acc += a * b` elsewhere), spelled out where a kernel must not depend on whether the compiler
+// contracts: GCC left a panel tile of one row by one column as a multiply and an add.
+inline fv fmadd(fv a, fv b, fv c) {
+#if defined(__AVX512F__)
+  __m512 r;
+  static_assert(kLanes == 16);
+  r = _mm512_fmadd_ps(reinterpret_cast<__m512&>(a), reinterpret_cast<__m512&>(b), reinterpret_cast<__m512&>(c));
+  fv out;
+  std::memcpy(&out, &r, sizeof(out));
+  return out;
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 r = _mm256_fmadd_ps(reinterpret_cast<__m256&>(a), reinterpret_cast<__m256&>(b),
+                                   reinterpret_cast<__m256&>(c));
+  fv out;
+  std::memcpy(&out, &r, sizeof(out));
+  return out;
+#else
+  return a * b + c;
+#endif
+}
+
 inline fv splat(float x) {  // spelled out: compilers make the braces one broadcast
 #if defined(__AVX512F__)
   return fv{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
