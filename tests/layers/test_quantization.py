@@ -54,6 +54,9 @@ def test_a_rows_result_does_not_depend_on_its_batch(ops, kind, n):
     for i in range(11):
         assert torch.equal(ops.linear(x[i : i + 1], qw.data, int(qw.qtype), n, K, None)[0], batched[i])
         assert torch.equal(ops.linear(x[i : i + 5], qw.data, int(qw.qtype), n, K, None)[0], batched[i])
+        # 17 rows go by panels in tiles of 4, 4, 4, 4 and 1 row: the last row meets the panels'
+        # last columns (a thread's share of 67 leaves one) in a tile of one row by one column.
+        assert torch.equal(ops.linear(x[i : i + 17], qw.data, int(qw.qtype), n, K, None)[16], batched[i + 16])
 
 
 @pytest.mark.parametrize("kind", list(TYPES))
