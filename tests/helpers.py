@@ -161,7 +161,8 @@ def _kernel_isa(arch: str) -> frozenset[str] | None:
     tested = {m for f in csrc.iterdir() for m in re.findall(r"defined\((__\w+__)\)", f.read_text())}
     out = subprocess.run([cxx, f"-march={arch}", "-dM", "-E", "-x", "c++", "/dev/null"], capture_output=True,
                          text=True, check=True).stdout
-    return frozenset(line.split()[1] for line in out.splitlines() if line.split()[1:2] and line.split()[1] in tested)
+    defined = {words[1] for words in map(str.split, out.splitlines()) if len(words) > 1}
+    return frozenset(defined & tested)
 
 
 def _archs() -> list[str]:

@@ -85,21 +85,18 @@ inline void storev(float* p, fv v) { std::memcpy(p, &v, sizeof(v)); }
 // `acc += a * b` elsewhere), spelled out where a kernel must not depend on whether the compiler
 // contracts: GCC left a panel tile of one row by one column as a multiply and an add.
 inline fv fmadd(fv a, fv b, fv c) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #if defined(__AVX512F__)
-  __m512 r;
-  static_assert(kLanes == 16);
-  r = _mm512_fmadd_ps(reinterpret_cast<__m512&>(a), reinterpret_cast<__m512&>(b), reinterpret_cast<__m512&>(c));
-  fv out;
-  std::memcpy(&out, &r, sizeof(out));
-  return out;
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 r = _mm256_fmadd_ps(reinterpret_cast<__m256&>(a), reinterpret_cast<__m256&>(b),
-                                   reinterpret_cast<__m256&>(c));
+  const __m512 r = _mm512_fmadd_ps(reinterpret_cast<__m512&>(a), reinterpret_cast<__m512&>(b), reinterpret_cast<__m512&>(c));
+#else
+  const __m256 r = _mm256_fmadd_ps(reinterpret_cast<__m256&>(a), reinterpret_cast<__m256&>(b), reinterpret_cast<__m256&>(c));
+#endif
+  static_assert(sizeof(r) == sizeof(fv));
   fv out;
   std::memcpy(&out, &r, sizeof(out));
   return out;
 #else
-  return a * b + c;
+  return a * b + c;  // no FMA instruction here (SSE builds): nothing to contract either
 #endif
 }
 
