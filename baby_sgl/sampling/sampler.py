@@ -74,6 +74,8 @@ class Sampler:
         logit that penalties or a tiny temperature pushed to +inf becomes the largest finite one, a
         NaN -inf (never drawn)."""
         finfo = torch.finfo(logits.dtype)
+        if all(p.is_greedy for p in batch.params):  # every divisor 1: x / 1 is x, NaN and inf included
+            return logits.nan_to_num(nan=float("-inf"), posinf=finfo.max, neginf=float("-inf"))
         temps = [1.0 if p.is_greedy else min(p.temperature, finfo.max) for p in batch.params]
         scaled = logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
         return scaled.nan_to_num_(nan=float("-inf"), posinf=finfo.max, neginf=float("-inf"))

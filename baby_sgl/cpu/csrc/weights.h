@@ -7,6 +7,8 @@
 // the batch it is in.
 #pragma once
 
+#include <vector>
+
 #include "formats.h"
 
 namespace bsgl {
