@@ -83,7 +83,8 @@ inline void storev(float* p, fv v) { std::memcpy(p, &v, sizeof(v)); }
 
 // a * b + c in one rounding where the CPU has FMA (what the compiler's contraction makes of
 // `acc += a * b` elsewhere), spelled out where a kernel must not depend on whether the compiler
-// contracts: GCC left a panel tile of one row by one column as a multiply and an add.
+// contracts: weights.h's tiles and panel tiles, whose bits must be equal (GCC left a panel tile of
+// one row by one column as a multiply and an add).
 inline fv fmadd(fv a, fv b, fv c) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #if defined(__AVX512F__)

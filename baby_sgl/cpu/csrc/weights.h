@@ -101,7 +101,7 @@ inline void tile(const Weight& w, int64_t j, const float* x, int64_t ldx, float*
     fv wv[kBlockVecs];
     decode_block<T>(row, b, wv);
     for (int m = 0; m < MR; ++m)
-      for (int i = 0; i < kBlockVecs; ++i) acc[m][i] += wv[i] * loadv(x + m * ldx + 32 * b + kLanes * i);
+      for (int i = 0; i < kBlockVecs; ++i) acc[m][i] = fmadd(wv[i], loadv(x + m * ldx + 32 * b + kLanes * i), acc[m][i]);
   }
   for (int m = 0; m < MR; ++m) {
     float s = hsum(fold(acc[m]));
