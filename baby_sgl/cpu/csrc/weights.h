@@ -79,30 +79,27 @@ inline float decode_one(const uint8_t* row, int64_t i) {
 
 template <int T>
 void dequantize_row_t(const uint8_t* row, int64_t k, float* out) {
-  int64_t b = 0;
-  for (; 32 * (b + 1) <= k; ++b) {
-    fv w[kBlockVecs];
-    decode_block<T>(row, b, w);
+  for_each_block<T>(row, k / 32, [&](int64_t b, const fv* w) {
     for (int i = 0; i < kBlockVecs; ++i) storev(out + 32 * b + kLanes * i, w[i]);
-  }
-  for (int64_t i = 32 * b; i < k; ++i) out[i] = decode_one<T>(row, i);
+  });
+  for (int64_t i = k / 32 * 32; i < k; ++i) out[i] = decode_one<T>(row, i);
 }
 
 // out[m * ldo + j] = x[m] . w.row(j) (+ bias) for MR activation rows, which share each block's
 // decoding; x is float32 with row stride ldx. Each output keeps kLanes partial sums per vector of
 // the block, folded and summed in a fixed order at the end. One weight row at a time: reading two rows side by
 // side (two streams a row apart) ran at a quarter of the memory bandwidth (Q8_0, 2-core Zen 5).
+// Flattened: GCC left a K-quant row's unrolled super-block loop (for_each_block) a call of its own,
+// the accumulators passing through memory at every block.
 template <int T, int MR>
-inline void tile(const Weight& w, int64_t j, const float* x, int64_t ldx, float* out, int64_t ldo) {
+__attribute__((flatten)) inline void tile(const Weight& w, int64_t j, const float* x, int64_t ldx, float* out, int64_t ldo) {
   const int64_t blocks = w.k / 32;
   fv acc[MR][kBlockVecs] = {};
   const uint8_t* row = w.row(j);
-  for (int64_t b = 0; b < blocks; ++b) {
-    fv wv[kBlockVecs];
-    decode_block<T>(row, b, wv);
+  for_each_block<T>(row, blocks, [&](int64_t b, const fv* wv) {
     for (int m = 0; m < MR; ++m)
       for (int i = 0; i < kBlockVecs; ++i) acc[m][i] = fmadd(wv[i], loadv(x + m * ldx + 32 * b + kLanes * i), acc[m][i]);
-  }
+  });
   for (int m = 0; m < MR; ++m) {
     float s = hsum(fold(acc[m]));
     for (int64_t i = 32 * blocks; i < w.k; ++i) s += decode_one<T>(row, i) * x[m * ldx + i];  // dense tails
@@ -261,9 +258,7 @@ inline void tile_bf16(const Weight& w, int64_t j, const uint16_t* xb, float* out
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   const uint8_t* row = w.row(j);
-  for (int64_t b = 0; b < blocks; ++b) {
-    fv wv[2];
-    decode_block<T>(row, b, wv);
+  for_each_block<T>(row, blocks, [&](int64_t b, const fv* wv) {
     __m512 lo, hi;
     std::memcpy(&lo, &wv[0], 64);
     std::memcpy(&hi, &wv[1], 64);
@@ -274,7 +269,7 @@ inline void tile_bf16(const Weight& w, int64_t j, const uint16_t* xb, float* out
       std::memcpy(&xp, &xv, 64);
       acc[m] = _mm512_dpbf16_ps(acc[m], pairs, xp);
     }
-  }
+  });
   for (int m = 0; m < MR; ++m) {
     const float s = _mm512_reduce_add_ps(acc[m]);
     out[m * ldo + j] = w.bias ? s + w.bias[j] : s;
@@ -297,15 +292,13 @@ constexpr int kBF16PanelMR = 8, kBF16PanelNR = 2;
 // A row's blocks rounded to bfloat16, in order: the pairs tile_bf16() multiplies.
 template <int T>
 inline void decode_row_bf16(const uint8_t* row, int64_t k, uint16_t* dst) {
-  for (int64_t b = 0; b < k / 32; ++b) {
-    fv wv[2];
-    decode_block<T>(row, b, wv);
+  for_each_block<T>(row, k / 32, [&](int64_t b, const fv* wv) {
     __m512 lo, hi;
     std::memcpy(&lo, &wv[0], 64);
     std::memcpy(&hi, &wv[1], 64);
     const __m512bh pairs = _mm512_cvtne2ps_pbh(hi, lo);
     std::memcpy(dst + 32 * b, &pairs, 64);
-  }
+  });
 }
 
 template <int MR, int NR>
