@@ -1,7 +1,8 @@
 """Where baby-sgl keeps what it builds once and reuses across runs: $BABY_SGL_CACHE, else
 $XDG_CACHE_HOME/baby-sgl, else ~/.cache/baby-sgl. Under it: kernels/ (the CPU kernels, one
 directory per build, named by a hash of what it depends on: cpu/toolchain.py), tokenizers/ and
-weights/ (GGUF files converted), inductor/ (torch.compile's cache), hf-from-gguf/ (the
+weights/ (GGUF files converted, named by a hash of the file's contents; keys/ holds each path's
+hash), inductor/ (torch.compile's cache), hf-from-gguf/ (the
 benchmarks' Hugging Face copy of a GGUF, for peers that need one) and checkpoints/ (the
 benchmarks' random-weight checkpoints of real models' shapes, bench/checkpoints.py)."""
 

@@ -16,6 +16,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -99,8 +100,27 @@ def load_gguf(path: str, quantized: bool = False) -> tuple[dict, dict[str, torch
 
 
 def _cache_key(path: str) -> str:
+    """Names a GGUF's converted tokenizer and weights by the file's contents, so that copies of one
+    file (the default model installed in a second virtual environment, a reinstall, a file moved)
+    share them instead of each adding its own (a float32 copy of a 1.7B model is 6.8 GB). The key
+    of each (path, size, mtime) is kept under keys/, so a file is read for its hash once (~1.5 s
+    a GB)."""
     st = os.stat(path)
-    return hashlib.sha1(repr((path, st.st_size, st.st_mtime_ns, _CACHE_VERSION)).encode()).hexdigest()
+    known = cache_root() / "keys" / hashlib.sha1(
+        repr((path, st.st_size, st.st_mtime_ns, _CACHE_VERSION)).encode()).hexdigest()
+    if known.is_file():  # written whole (write_atomically)
+        return known.read_text()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    key = hashlib.sha1(repr((digest.hexdigest(), st.st_size, _CACHE_VERSION)).encode()).hexdigest()
+    write_atomically(str(known), lambda tmp: _write_text(key, tmp))
+    return key
+
+
+def _write_text(text: str, path: str) -> None:
+    Path(path).write_text(text)
 
 
 def _write_json(obj: Any, path: str) -> None:

@@ -64,9 +64,18 @@ def test_one_cache_directory_holds_what_is_built_once(tiny_llama, tmp_path, monk
     write_tiny_gguf(tiny_llama, path, GGMLQuantizationType.Q8_0)
     monkeypatch.setenv("BABY_SGL_CACHE", str(tmp_path / "cache"))
     _, _, tokenizer_dir = load_gguf(path)
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["tokenizers", "weights"]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["keys", "tokenizers", "weights"]
     assert tokenizer_dir.startswith(str(tmp_path / "cache" / "tokenizers"))
     assert toolchain.kernel_cache_dir() == tmp_path / "cache" / "kernels"
+    # A copy of the file elsewhere (a second environment, a reinstall) reuses what was converted;
+    # a file of other contents gets its own.
+    os.makedirs(tmp_path / "elsewhere")
+    shutil.copy(path, tmp_path / "elsewhere" / "tiny.gguf")
+    assert load_gguf(str(tmp_path / "elsewhere" / "tiny.gguf"))[2] == tokenizer_dir
+    write_tiny_gguf(tiny_llama, str(tmp_path / "q4.gguf"), GGMLQuantizationType.Q4_0)
+    assert load_gguf(str(tmp_path / "q4.gguf"))[2] != tokenizer_dir
+    assert len(list((tmp_path / "cache" / "weights").glob("*.safetensors"))) == 2
+    assert len(list((tmp_path / "cache" / "keys").iterdir())) == 3
     monkeypatch.delenv("BABY_SGL_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert toolchain.kernel_cache_dir() == tmp_path / "xdg" / "baby-sgl" / "kernels"
