@@ -253,7 +253,7 @@ inline void to_bf16_rows(const float* x, int64_t ldx, int64_t rows, int64_t k, u
 }
 
 template <int T, int MR>
-inline void tile_bf16(const Weight& w, int64_t j, const uint16_t* xb, float* out, int64_t ldo) {
+__attribute__((flatten)) inline void tile_bf16(const Weight& w, int64_t j, const uint16_t* xb, float* out, int64_t ldo) {
   const int64_t blocks = w.k / 32;
   __m512 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
