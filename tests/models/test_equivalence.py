@@ -79,6 +79,26 @@ def test_the_op_by_op_path_gives_the_same_tokens(case, monkeypatch):
         engine.check_memory()
 
 
+@pytest.mark.cpu_only("the CPU's one-call decode step")
+@pytest.mark.parametrize("kind", ["tiny_llama", "tiny_gemma3"])
+def test_long_decode_rows_attend_in_pieces(kind, request):
+    """Decode rows over more than 256 keys attend in pieces merged by their log-sum-exps
+    (cpu_step.cpp: plan_pieces), alone or batched, beside Gemma's windowed layers too, and give
+    transformers' greedy ids."""
+    path = request.getfixturevalue(kind)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = random_prompts(3, 512, 250, 700, seed=7)
+    expected = hf_greedy(hf, prompts, 16)
+    with Engine(path, dtype="float32") as engine:
+        assert engine.runner.step is not None
+        params = {**GREEDY, "max_new_tokens": 16}
+        alone = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]
+        batched = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+        assert alone == expected and batched == expected
+        assert engine.runner.step.step.split_rows() > 0
+        engine.check_memory()
+
+
 def test_first_step_logprobs_match_transformers(case):
     path, prompts, _, hf = case
     with Engine(path, dtype="float32") as engine:

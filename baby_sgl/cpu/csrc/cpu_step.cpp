@@ -272,6 +272,8 @@ class DecodeStep {
 
   // How many decode rows so far attended behind a prefix shared with other rows (attend_shared).
   int64_t shared_prefix_rows() const { return shared_prefix_rows_; }
+  // How many decode rows so far attended in more than one piece (plan_pieces).
+  int64_t split_rows() const { return split_rows_; }
 
   // The threads of its pool: the count asked for, at most the cores the process may use.
   int num_threads() const { return team_.size(); }
@@ -339,6 +341,7 @@ class DecodeStep {
       }
     }
     find_shared_prefixes(req, lens, req_to_token.data_ptr<int64_t>(), req_to_token.size(1));
+    plan_pieces(lens);
     if (!scratch_ || scratch_->rows < rows) {  // kept between steps: fresh pages each step cost faults
       scratch_ = std::make_unique<Scratch>(rows, hidden_, (heads_ + 2 * kv_heads_) * head_dim_, heads_ * head_dim_,
                                            inter_, num_experts_, top_k_, expert_size_);
@@ -933,15 +936,77 @@ class DecodeStep {
       if (!in_unit[r]) solo_runs_.push_back(r);
   }
 
+  // A decode row alone in its run (outside the deterministic mode, whose rows must keep a
+  // prefill's arithmetic) attends in pieces of at most kPiece keys, each piece a task of its own,
+  // and their results are merged by their log-sum-exps (merge_pieces): one request's attention no
+  // longer falls to one thread (a batch-1 step of the default model, 3 KV heads read together
+  // as one task, left the other thread idle). The pieces depend on the row's length alone, not on
+  // the threads or the batch. pieces_: the solo runs' tasks, in solo-run order; a piece's part
+  // (-1 for a run of one piece) names its output in part_out_ and part_lse_.
+  static constexpr int64_t kPiece = 256;
+  struct Piece {
+    int64_t run, lo, hi, part;  // solo run `run`'s keys lo .. hi - 1
+  };
+  struct Split {
+    int64_t row, part0, parts;  // the row whose attention is parts part0 .. part0 + parts - 1
+  };
+
+  void plan_pieces(const int64_t* lens) {
+    pieces_.clear();
+    splits_.clear();
+    int64_t parts = 0;
+    const bool windows_only = std::all_of(layers_.begin(), layers_.end(), [](const Layer& l) { return l.window > 0; });
+    for (size_t r = 0; r < solo_runs_.size(); ++r) {
+      const int64_t m0 = run_start_[solo_runs_[r]], len = lens[m0];
+      const bool whole = deterministic_ || windows_only || run_start_[solo_runs_[r] + 1] - m0 > 1;
+      const int64_t n = whole ? 1 : (len + kPiece - 1) / kPiece;
+      if (n == 1) {
+        pieces_.push_back({static_cast<int64_t>(r), 0, len, -1});
+        continue;
+      }
+      splits_.push_back({m0, parts, n});
+      ++split_rows_;
+      for (int64_t i = 0; i < n; ++i)  // near-equal pieces, whole blocks of 32 keys but the last
+        pieces_.push_back({static_cast<int64_t>(r), i * len / n / 32 * 32, i + 1 < n ? (i + 1) * len / n / 32 * 32 : len,
+                           parts++});
+    }
+    part_out_.resize(parts * heads_ * head_dim_);
+    part_lse_.resize(parts * heads_);
+  }
+
+  // Each split row's query heads: its pieces' outputs weighted by exp(lse - the largest lse),
+  // divided by the weights' sum, pieces in order.
+  void merge_pieces(Scratch& s, int tid, int nt) {
+    const int64_t D = head_dim_, items = static_cast<int64_t>(splits_.size()) * heads_;
+    for (int64_t t = tid; t < items; t += nt) {
+      const Split& sp = splits_[t / heads_];
+      const int64_t h = t % heads_;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < sp.parts; ++i) top = std::max(top, part_lse_[(sp.part0 + i) * heads_ + h]);
+      float* out = s.att.data() + sp.row * heads_ * D + h * D;
+      std::fill(out, out + D, 0.f);
+      float total = 0.f;
+      for (int64_t i = 0; i < sp.parts; ++i) {
+        const float w = std::exp(part_lse_[(sp.part0 + i) * heads_ + h] - top);
+        const float* o = part_out_.data() + ((sp.part0 + i) * heads_ + h) * D;
+        for (int64_t d = 0; d < D; ++d) out[d] += w * o[d];
+        total += w;
+      }
+      for (int64_t d = 0; d < D; ++d) out[d] /= total;
+    }
+  }
+
   template <typename T>
   void attend(const Batch& b, Scratch& s, size_t layer, int tid, int nt) {
     const int64_t D = head_dim_, G = heads_ / kv_heads_, qkv_n = (heads_ + 2 * kv_heads_) * D;
     const int64_t window = layers_[layer].window;
     const bool alone = window > 0;  // each row a run of its own, and no units
-    const int64_t runs = alone ? b.rows : static_cast<int64_t>(solo_runs_.size());
+    const int64_t runs = alone ? b.rows : static_cast<int64_t>(pieces_.size());  // a piece a task (per H heads)
     const int64_t units = alone ? 0 : static_cast<int64_t>(units_.size());
-    auto first_row = [&](int64_t run) { return alone ? run : run_start_[solo_runs_[run]]; };
-    auto run_rows = [&](int64_t run) { return alone ? 1 : run_start_[solo_runs_[run] + 1] - run_start_[solo_runs_[run]]; };
+    auto first_row = [&](int64_t run) { return alone ? run : run_start_[solo_runs_[pieces_[run].run]]; };
+    auto run_rows = [&](int64_t run) {
+      return alone ? 1 : run_start_[solo_runs_[pieces_[run].run] + 1] - run_start_[solo_runs_[pieces_[run].run]];
+    };
     const int64_t longest = alone ? 1 : longest_run_;
     // Decode rows alone take several KV heads a task: a key's heads are then read together, one
     // stretch of the slot's row (a batch-1 step of the 1.7B shape: 2.8 ms of attention with a head
@@ -980,15 +1045,22 @@ class DecodeStep {
     }
     for (int64_t t = (tid + nt - unit_tasks % nt) % nt; t < tasks - unit_tasks; t += nt) {
       const int64_t run = t % runs, m0 = first_row(run), R = run_rows(run), kvh0 = (t / runs) * H;
-      const int64_t first = window > 0 ? std::max<int64_t>(0, b.lens[m0] - window) : 0;
-      for (int64_t r = 0; r < R; ++r) lens[r] = b.lens[m0 + r] - first;
+      const int64_t first = alone ? std::max<int64_t>(0, b.lens[m0] - window) : pieces_[run].lo;
+      for (int64_t r = 0; r < R; ++r) lens[r] = (R == 1 && !alone ? pieces_[run].hi : b.lens[m0 + r]) - first;
+      const int64_t part = alone ? -1 : pieces_[run].part;
       const float* q = s.qkv.data() + m0 * qkv_n + kvh0 * G * D;
-      float* out = s.att.data() + m0 * heads_ * D + kvh0 * G * D;
+      float* out = (part < 0 ? s.att.data() + m0 * heads_ * D : part_out_.data() + part * heads_ * D) + kvh0 * G * D;
       const int64_t* slots = b.table + b.req[m0] * b.width + first;
       if (!deterministic_ && H == 1 && takes_lanes(R, G, D))
         attend_lanes(kv, q, qkv_n, attn_scale_, slots, lens, R, kvh0, G, out, heads_ * D, lanes, bf16_products_);
       else
         attend_rows(kv, q, qkv_n, attn_scale_, slots, lens, R, kvh0, H, G, out, heads_ * D, ws);
+      if (part >= 0)  // one row: ws holds its query heads' running maxima and sums
+        for (int64_t g = 0; g < H * G; ++g) part_lse_[part * heads_ + kvh0 * G + g] = ws.mx[g] + std::log(ws.sum[g]);
+    }
+    if (!alone && !splits_.empty()) {
+      team_.barrier();
+      merge_pieces(s, tid, nt);
     }
   }
 
@@ -1012,7 +1084,10 @@ class DecodeStep {
   std::vector<int64_t> run_start_;  // this pass's attention runs: run i is rows run_start_[i] .. [i + 1] - 1
   std::vector<SharedUnit> units_;  // decode rows behind a shared prefix (find_shared_prefixes)
   std::vector<int64_t> solo_runs_;  // the runs in no unit
-  int64_t shared_prefix_rows_ = 0;
+  std::vector<Piece> pieces_;  // the solo runs' attention tasks (plan_pieces)
+  std::vector<Split> splits_;  // the rows attending in more than one piece
+  std::vector<float> part_out_, part_lse_;  // each piece's output [parts, heads, head_dim] and log-sum-exp
+  int64_t shared_prefix_rows_ = 0, split_rows_ = 0;
   int64_t longest_run_ = 1;
   std::vector<float> lora_t_;  // x A^T of the current projection, [rows, rank] (lora_shrink)
   at::Tensor cos_, sin_, local_cos_, local_sin_;
@@ -1035,5 +1110,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("logits", &bsgl::DecodeStep::logits)
       .def("profile", &bsgl::DecodeStep::profile)
       .def("shared_prefix_rows", &bsgl::DecodeStep::shared_prefix_rows)
+      .def("split_rows", &bsgl::DecodeStep::split_rows)
       .def_property_readonly("num_threads", &bsgl::DecodeStep::num_threads);
 }
