@@ -936,14 +936,16 @@ class DecodeStep {
       if (!in_unit[r]) solo_runs_.push_back(r);
   }
 
-  // A decode row alone in its run (outside the deterministic mode, whose rows must keep a
-  // prefill's arithmetic) attends in pieces of at most kPiece keys, each piece a task of its own,
-  // and their results are merged by their log-sum-exps (merge_pieces): one request's attention no
-  // longer falls to one thread (a batch-1 step of the default model, 3 KV heads read together
-  // as one task, left the other thread idle). The pieces depend on the row's length alone, not on
-  // the threads or the batch. pieces_: the solo runs' tasks, in solo-run order; a piece's part
-  // (-1 for a run of one piece) names its output in part_out_ and part_lse_.
-  static constexpr int64_t kPiece = 256;
+  // Decode rows alone in their runs (outside the deterministic mode, whose rows must keep a
+  // prefill's arithmetic) attend in pieces, each piece a task of its own, their results merged by
+  // their log-sum-exps (merge_pieces): one long request's attention no longer falls to one thread
+  // (a batch-1 step of the default model, 3 KV heads read together as one task, left the other
+  // thread idle). A piece holds at least kMinPiece keys and about 1/kPieceTasks of all such rows'
+  // keys together, so a batch of many rows is not split (a batch of 32 rows of 400 keys, each in
+  // two pieces, took 1.05-1.3x the attention time of one piece each). The pieces depend on the
+  // batch's rows alone, not on the threads. pieces_: the solo runs' tasks, in solo-run order; a
+  // piece's part (-1 for a run of one piece) names its output in part_out_ and part_lse_.
+  static constexpr int64_t kMinPiece = 256, kPieceTasks = 16;
   struct Piece {
     int64_t run, lo, hi, part;  // solo run `run`'s keys lo .. hi - 1
   };
@@ -956,10 +958,16 @@ class DecodeStep {
     splits_.clear();
     int64_t parts = 0;
     const bool windows_only = std::all_of(layers_.begin(), layers_.end(), [](const Layer& l) { return l.window > 0; });
+    auto whole = [&](size_t r) {
+      return deterministic_ || windows_only || run_start_[solo_runs_[r] + 1] - run_start_[solo_runs_[r]] > 1;
+    };
+    int64_t keys = 0;
+    for (size_t r = 0; r < solo_runs_.size(); ++r)
+      if (!whole(r)) keys += lens[run_start_[solo_runs_[r]]];
+    const int64_t piece = std::max(kMinPiece, (keys + kPieceTasks - 1) / kPieceTasks);
     for (size_t r = 0; r < solo_runs_.size(); ++r) {
       const int64_t m0 = run_start_[solo_runs_[r]], len = lens[m0];
-      const bool whole = deterministic_ || windows_only || run_start_[solo_runs_[r] + 1] - m0 > 1;
-      const int64_t n = whole ? 1 : (len + kPiece - 1) / kPiece;
+      const int64_t n = whole(r) ? 1 : (len + piece - 1) / piece;
       if (n == 1) {
         pieces_.push_back({static_cast<int64_t>(r), 0, len, -1});
         continue;
