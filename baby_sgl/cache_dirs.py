@@ -21,7 +21,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "baby-sgl"
 
 
-def write_atomically(target: str, write: Callable[[str], None]) -> None:
+def write_atomically(target: str, write: Callable[[str], object]) -> None:
     """Has `write` create a file or dir at a fresh path beside `target`, then renames it into place, so
     a crash never leaves a half-written cache entry. Concurrent writers produce the same content, so
     losing the race for a directory (rename refuses a non-empty target) is fine."""

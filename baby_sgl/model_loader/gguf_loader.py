@@ -110,17 +110,11 @@ def _cache_key(path: str) -> str:
         repr((path, st.st_size, st.st_mtime_ns, _CACHE_VERSION)).encode()).hexdigest()
     if known.is_file():  # written whole (write_atomically)
         return known.read_text()
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    key = hashlib.sha1(repr((digest.hexdigest(), st.st_size, _CACHE_VERSION)).encode()).hexdigest()
-    write_atomically(str(known), lambda tmp: _write_text(key, tmp))
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    key = hashlib.sha1(repr((digest, st.st_size, _CACHE_VERSION)).encode()).hexdigest()
+    write_atomically(str(known), lambda tmp: Path(tmp).write_text(key))
     return key
-
-
-def _write_text(text: str, path: str) -> None:
-    Path(path).write_text(text)
 
 
 def _write_json(obj: Any, path: str) -> None:

@@ -947,7 +947,7 @@ class DecodeStep {
   // piece's part (-1 for a run of one piece) names its output in part_out_ and part_lse_.
   static constexpr int64_t kMinPiece = 256, kPieceTasks = 16;
   struct Piece {
-    int64_t run, lo, hi, part;  // solo run `run`'s keys lo .. hi - 1
+    int64_t row, rows, lo, hi, part;  // the run of `rows` rows from `row`; its (one row's) keys lo .. hi - 1
   };
   struct Split {
     int64_t row, part0, parts;  // the row whose attention is parts part0 .. part0 + parts - 1
@@ -969,14 +969,13 @@ class DecodeStep {
       const int64_t m0 = run_start_[solo_runs_[r]], len = lens[m0];
       const int64_t n = whole(r) ? 1 : (len + piece - 1) / piece;
       if (n == 1) {
-        pieces_.push_back({static_cast<int64_t>(r), 0, len, -1});
+        pieces_.push_back({m0, run_start_[solo_runs_[r] + 1] - m0, 0, len, -1});
         continue;
       }
       splits_.push_back({m0, parts, n});
       ++split_rows_;
       for (int64_t i = 0; i < n; ++i)  // near-equal pieces, whole blocks of 32 keys but the last
-        pieces_.push_back({static_cast<int64_t>(r), i * len / n / 32 * 32, i + 1 < n ? (i + 1) * len / n / 32 * 32 : len,
-                           parts++});
+        pieces_.push_back({m0, 1, i * len / n / 32 * 32, i + 1 < n ? (i + 1) * len / n / 32 * 32 : len, parts++});
     }
     part_out_.resize(parts * heads_ * head_dim_);
     part_lse_.resize(parts * heads_);
@@ -1011,10 +1010,8 @@ class DecodeStep {
     const bool alone = window > 0;  // each row a run of its own, and no units
     const int64_t runs = alone ? b.rows : static_cast<int64_t>(pieces_.size());  // a piece a task (per H heads)
     const int64_t units = alone ? 0 : static_cast<int64_t>(units_.size());
-    auto first_row = [&](int64_t run) { return alone ? run : run_start_[solo_runs_[pieces_[run].run]]; };
-    auto run_rows = [&](int64_t run) {
-      return alone ? 1 : run_start_[solo_runs_[pieces_[run].run] + 1] - run_start_[solo_runs_[pieces_[run].run]];
-    };
+    auto first_row = [&](int64_t run) { return alone ? run : pieces_[run].row; };
+    auto run_rows = [&](int64_t run) { return alone ? 1 : pieces_[run].rows; };
     const int64_t longest = alone ? 1 : longest_run_;
     // Decode rows alone take several KV heads a task: a key's heads are then read together, one
     // stretch of the slot's row (a batch-1 step of the 1.7B shape: 2.8 ms of attention with a head
