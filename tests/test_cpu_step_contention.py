@@ -87,3 +87,29 @@ def test_bench_offline_beside_neighbours(tiny_llama, tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [r["engine"] for r in rows] == ["baby-sgl", "baby-sgl beside a busy core", "baby-sgl beside a second engine"]
     assert all(r["slowdown"] > 0 and r["solo_speed_kept"] == pytest.approx(1 / r["slowdown"]) for r in rows[1:])
+
+
+# A lone request (attending in pieces) and a batch of four, greedy with logprobs, on N threads.
+_ON_THREADS = """
+import json, sys, torch
+from baby_sgl import Engine
+torch.set_num_threads(int(sys.argv[2]))
+params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate([150, 40, 300, 90])]
+with Engine(sys.argv[1], dtype="float32") as engine:
+    pool = engine.runner.step.step.num_threads
+    outs = [engine.generate(input_ids=prompts[0], sampling_params=params, return_logprob=True)]
+    outs += engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    print(json.dumps({"pool_threads": pool, "split_rows": engine.runner.step.step.split_rows(),
+                      "outs": [[o["output_ids"], [lp[0] for lp in o["meta_info"]["output_token_logprobs"]]] for o in outs]}))
+"""
+
+
+def test_results_do_not_depend_on_how_the_threads_share_the_work(tiny_llama):
+    # Each thread claims chunks of a product's columns and attention's tasks as it finishes the
+    # last (step_team.h, StepTeam::share): whoever computes a value, it is the same bits, so one
+    # thread doing everything gives what two sharing it at run time give.
+    one, two = _child(_ON_THREADS, tiny_llama, "1"), _child(_ON_THREADS, tiny_llama, "2")
+    assert (one["pool_threads"], two["pool_threads"]) == (1, 2)
+    assert one["split_rows"] > 0, "the lone request was meant to attend in pieces"
+    assert one["outs"] == two["outs"]

@@ -369,7 +369,7 @@ class DecodeStep {
     team_.run(static_cast<int>(std::max<int64_t>(1, num_threads)), [&](int tid, int nt) {
       const FlushDenormals flush;
       RowCopies xb;
-      head(hidden.data_ptr<float>(), hidden.size(0), out.data_ptr<float>(), tid, nt, xb);
+      head(hidden.data_ptr<float>(), hidden.size(0), out.data_ptr<float>(), xb);
     });
     return out;
   }
@@ -509,9 +509,9 @@ class DecodeStep {
     }
   }
 
-  // The second half: adds t_j times row j of B^T to the columns of out [rows, ldo] this thread
-  // computed in the projection (no barrier before the next op's), j in order, skipping the rows of
-  // B^T that are zero over a part.
+  // The second half: adds t_j times row j of B^T to this thread's fixed share of the columns of
+  // out [rows, ldo] (the barrier after lora_shrink put the projection's columns there, whichever
+  // thread computed them), j in order, skipping the rows of B^T that are zero over a part.
   template <typename E, typename W>
   void lora_expand(const LoRAStack& l, const W& w, const Batch& b, float* out, int64_t ldo, int tid, int nt) const {
     const Columns c = columns(w, tid, nt);
@@ -570,38 +570,48 @@ class DecodeStep {
     for (int64_t i = 0; i < hidden_; ++i) out[i] = w[i] * (x[i] * r);
   }
 
-  // Thread tid's share (its output columns) of out[rows, w.n] = x[rows, w.k] w^T; copies: its
-  // copy of x in the form the products take (every thread makes its own: no barrier, and the
-  // same values).
+  // The fewest output columns a thread claims at a time (a batch-1 chunk of the default model's
+  // 576-wide rows: ~1.5 us of work against ~0.1 us to claim it).
+  static constexpr int64_t kMinChunk = 16;
+
+  // This thread's share of out[rows, w.n] = x[rows, w.k] w^T: the chunks of output columns it
+  // claims (StepTeam::share), and after each, after(c0, c1) if given; copies: its copy of x in the
+  // form the products take (every thread makes its own: no barrier, and the same values).
   // ldo: out's row stride (w.n unless w is part of a fused projection).
-  void linear(const Weight& w, const float* x, int64_t rows, float* out, int tid, int nt, RowCopies& copies,
-              int64_t ldo = 0) const {
+  template <typename After = std::nullptr_t>
+  void linear(const Weight& w, const float* x, int64_t rows, float* out, RowCopies& copies, int64_t ldo = 0,
+              After after = nullptr) const {
     if (ldo == 0) ldo = w.n;
-    int64_t n0, n1;
-    split_columns(w, tid, nt, n0, n1);
+    auto each_chunk = [&](auto&& product) {
+      const int64_t unit = w.grouped ? kGroupRows : 1;
+      team_.share(w.n, unit, std::max<int64_t>(unit, kMinChunk), [&](int64_t n0, int64_t n1) {
+        product(n0, n1);
+        if constexpr (!std::is_same_v<After, std::nullptr_t>) after(n0, n1);
+      });
+    };
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (w.grouped) {
       quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
-      product_grouped(w, copies.int8, out, ldo, n0, n1);
+      each_chunk([&](int64_t n0, int64_t n1) { product_grouped(w, copies.int8, out, ldo, n0, n1); });
       return;
     }
 #endif
     if (int8_activations_ && takes_kquant_rows(w.type, rows, w.k, deterministic_)) {
       quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
-      product_kquant_rows(w, copies.int8, out, ldo, n0, n1);
+      each_chunk([&](int64_t n0, int64_t n1) { product_kquant_rows(w, copies.int8, out, ldo, n0, n1); });
       return;
     }
     if (int8_activations_ && (has_int8_products(w.type) || has_int8_gemm(w.type))) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if (takes_int8_gemm(w.type, rows, deterministic_)) {
         quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
-        product_int8(w, copies.int8, out, ldo, n0, n1);
+        each_chunk([&](int64_t n0, int64_t n1) { product_int8(w, copies.int8, out, ldo, n0, n1); });
         return;
       }
 #endif
       if (rows < kInt8MaxRows || deterministic_) {
         quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
-        product_q8(w, copies.int8, out, ldo, n0, n1);
+        each_chunk([&](int64_t n0, int64_t n1) { product_q8(w, copies.int8, out, ldo, n0, n1); });
         return;
       }
     }
@@ -609,18 +619,18 @@ class DecodeStep {
     if (bf16_products_ && (rows >= kBF16MinRows || deterministic_) && w.k % 32 == 0) {
       copies.bf16.resize(rows * w.k);
       to_bf16_rows(x, w.k, rows, w.k, copies.bf16.data());
-      product_bf16(w, copies.bf16.data(), rows, out, ldo, n0, n1);
+      each_chunk([&](int64_t n0, int64_t n1) { product_bf16(w, copies.bf16.data(), rows, out, ldo, n0, n1); });
       return;
     }
 #endif
-    product(w, x, w.k, rows, out, ldo, n0, n1);
+    each_chunk([&](int64_t n0, int64_t n1) { product(w, x, w.k, rows, out, ldo, n0, n1); });
   }
 
   // The same over a fused projection: each part's outputs in its columns of out [rows, f.n].
-  void linear(const Fused& f, const float* x, int64_t rows, float* out, int tid, int nt, RowCopies& copies) const {
+  void linear(const Fused& f, const float* x, int64_t rows, float* out, RowCopies& copies) const {
     int64_t first = 0;
     for (const Weight& w : f.parts) {
-      linear(w, x, rows, out + first, tid, nt, copies, f.n);
+      linear(w, x, rows, out + first, copies, f.n);
       first += w.n;
     }
   }
@@ -706,7 +716,7 @@ class DecodeStep {
       mark(kOther);
       for (size_t li = 0; li < layers_.size(); ++li) {
         const Layer& l = layers_[li];
-        linear(l.qkv, s.h.data(), M, s.qkv.data(), tid, nt, xb);
+        linear(l.qkv, s.h.data(), M, s.qkv.data(), xb);
         lora_add(l.lora_qkv, l.qkv, b, s.h.data(), s.qkv.data(), l.qkv.n, tid, nt);
         team_.barrier();
         mark(kMatmul);
@@ -716,7 +726,7 @@ class DecodeStep {
         attend<T>(b, s, li, tid, nt);
         team_.barrier();
         mark(kAttention);
-        linear(l.o, s.att.data(), M, s.tmp.data(), tid, nt, xb);
+        linear(l.o, s.att.data(), M, s.tmp.data(), xb);
         lora_add(l.lora_o, l.o, b, s.att.data(), s.tmp.data(), H, tid, nt);
         team_.barrier();
         mark(kMatmul);
@@ -732,7 +742,7 @@ class DecodeStep {
         if (l.experts) {
           experts(*l.experts, s, M, tid, nt, xb, mark);
         } else {
-          linear(l.gate_up, s.h.data(), M, s.gate_up.data(), tid, nt, xb);
+          linear(l.gate_up, s.h.data(), M, s.gate_up.data(), xb);
           lora_add(l.lora_gate_up, l.gate_up, b, s.h.data(), s.gate_up.data(), 2 * inter_, tid, nt);
           team_.barrier();
           mark(kMatmul);
@@ -741,7 +751,7 @@ class DecodeStep {
           for (int64_t m = 0; m < M; ++m) activate(s.gate_up.data() + m * 2 * inter_, inter_, s.act.data() + m * inter_, i0, i1);
           team_.barrier();
           mark(kOther);
-          linear(l.down, s.act.data(), M, s.tmp.data(), tid, nt, xb);
+          linear(l.down, s.act.data(), M, s.tmp.data(), xb);
           lora_add(l.lora_down, l.down, b, s.act.data(), s.tmp.data(), H, tid, nt);
           team_.barrier();
           mark(kMatmul);
@@ -772,22 +782,20 @@ class DecodeStep {
       split_range(b.num_logits, tid, nt, i0, i1);
       for (int64_t i = i0; i < i1; ++i) std::memcpy(s.tmp.data() + i * H, s.h.data() + b.logit_rows[i] * H, H * sizeof(float));
       team_.barrier();
-      head(s.tmp.data(), b.num_logits, b.logits, tid, nt, xb);
+      head(s.tmp.data(), b.num_logits, b.logits, xb);
       mark(kLogits);  // thread 0's share: the pool waits for the others before run() returns
     });
   }
 
   // Thread tid's columns of the logits of final hidden states h [rows, hidden] into out [rows, vocab].
-  void head(const float* h, int64_t rows, float* out, int tid, int nt, RowCopies& xb) const {
-    linear(lm_head_, h, rows, out, tid, nt, xb);
-    if (softcap_ > 0.f) {  // Gemma: this thread's columns squashed into (-cap, cap)
-      int64_t n0, n1;
-      split_columns(lm_head_, tid, nt, n0, n1);
+  void head(const float* h, int64_t rows, float* out, RowCopies& xb) const {
+    if (softcap_ <= 0.f) return linear(lm_head_, h, rows, out, xb);
+    linear(lm_head_, h, rows, out, xb, 0, [&](int64_t n0, int64_t n1) {  // Gemma: into (-cap, cap)
       for (int64_t m = 0; m < rows; ++m) {
         float* row = out + m * vocab_;
         for (int64_t j = n0; j < n1; ++j) row[j] = std::tanh(row[j] / softcap_) * softcap_;
       }
-    }
+    });
   }
 
   // A mixture of experts over s.h: the router's logits, each token's top-k experts (every thread
@@ -797,7 +805,7 @@ class DecodeStep {
   template <typename Mark>
   void experts(const Experts& x, Scratch& s, int64_t M, int tid, int nt, RowCopies& xb, Mark& mark) {
     const int64_t H = hidden_, S = expert_size_;
-    linear(x.router, s.h.data(), M, s.router.data(), tid, nt, xb);
+    linear(x.router, s.h.data(), M, s.router.data(), xb);
     team_.barrier();
     mark(kExperts);
     if (tid == 0) route(s.router.data(), M, routing_);
@@ -810,7 +818,7 @@ class DecodeStep {
     for (size_t p = 0; p < r.row.size(); ++p) std::memcpy(gathered.data() + p * H, s.h.data() + r.row[p] * H, H * sizeof(float));
     for (int64_t e = 0; e < num_experts_; ++e) {
       const int64_t p0 = r.start[e], n = r.start[e + 1] - p0;
-      if (n > 0) linear(x.gate_up[e], gathered.data() + p0 * H, n, s.expert_gate_up.data() + p0 * 2 * S, tid, nt, xb);
+      if (n > 0) linear(x.gate_up[e], gathered.data() + p0 * H, n, s.expert_gate_up.data() + p0 * 2 * S, xb);
     }
     team_.barrier();
     mark(kExperts);
@@ -821,7 +829,7 @@ class DecodeStep {
     mark(kExperts);
     for (int64_t e = 0; e < num_experts_; ++e) {
       const int64_t p0 = r.start[e], n = r.start[e + 1] - p0;
-      if (n > 0) linear(x.down[e], s.expert_act.data() + p0 * S, n, s.expert_out.data() + p0 * H, tid, nt, xb);
+      if (n > 0) linear(x.down[e], s.expert_act.data() + p0 * S, n, s.expert_out.data() + p0 * H, xb);
     }
     team_.barrier();
     mark(kExperts);
@@ -942,10 +950,13 @@ class DecodeStep {
   // (a batch-1 step of the default model, 3 KV heads read together as one task, left the other
   // thread idle). A piece holds at least kMinPiece keys and about 1/kPieceTasks of all such rows'
   // keys together, so a batch of many rows is not split (a batch of 32 rows of 400 keys, each in
-  // two pieces, took 1.05-1.3x the attention time of one piece each). The pieces depend on the
-  // batch's rows alone, not on the threads. pieces_: the solo runs' tasks, in solo-run order; a
-  // piece's part (-1 for a run of one piece) names its output in part_out_ and part_lse_.
-  static constexpr int64_t kMinPiece = 256, kPieceTasks = 16;
+  // two pieces, took 1.05-1.3x the attention time of one piece each). A batch of one row, which
+  // nothing else can balance, goes in pieces from kLoneMinPiece keys: on a 2-core EPYC (Zen 3)
+  // pieces of 64 keys took a batch-1 step of the default model at 130-160 keys from 1.22 to 1.01
+  // ms of attention, and made batches of 2 and 4 rows 2-3% slower. The pieces depend on the batch's rows alone, not on the
+  // threads. pieces_: the solo runs' tasks, in solo-run order; a piece's part (-1 for a run of one
+  // piece) names its output in part_out_ and part_lse_.
+  static constexpr int64_t kMinPiece = 256, kLoneMinPiece = 64, kPieceTasks = 16;
   struct Piece {
     int64_t row, rows, lo, hi, part;  // the run of `rows` rows from `row`; its (one row's) keys lo .. hi - 1
   };
@@ -964,7 +975,8 @@ class DecodeStep {
     int64_t keys = 0;
     for (size_t r = 0; r < solo_runs_.size(); ++r)
       if (!whole(r)) keys += lens[run_start_[solo_runs_[r]]];
-    const int64_t piece = std::max(kMinPiece, (keys + kPieceTasks - 1) / kPieceTasks);
+    const int64_t least = run_start_.back() == 1 ? kLoneMinPiece : kMinPiece;
+    const int64_t piece = std::max(least, (keys + kPieceTasks - 1) / kPieceTasks);
     for (size_t r = 0; r < solo_runs_.size(); ++r) {
       const int64_t m0 = run_start_[solo_runs_[r]], len = lens[m0];
       const int64_t n = whole(r) ? 1 : (len + piece - 1) / piece;
@@ -1032,7 +1044,7 @@ class DecodeStep {
     thread_local std::vector<const int64_t*> slot_rows;
     thread_local std::vector<int64_t> unit_lens;
     int64_t lens[kRunRows];
-    for (int64_t t = tid; t < unit_tasks; t += nt) {
+    auto unit_task = [&](int64_t t) {
       const SharedUnit& unit = units_[t % units];
       const int64_t kvh = t / units;
       q_rows.clear();
@@ -1047,8 +1059,8 @@ class DecodeStep {
       }
       attend_shared(kv, q_rows.data(), attn_scale_, slot_rows.data(), unit_lens.data(),
                     static_cast<int64_t>(unit.rows.size()), unit.shared, kvh, G, out_rows.data(), ws, lanes, bf16_products_);
-    }
-    for (int64_t t = (tid + nt - unit_tasks % nt) % nt; t < tasks - unit_tasks; t += nt) {
+    };
+    auto run_task = [&](int64_t t) {
       const int64_t run = t % runs, m0 = first_row(run), R = run_rows(run), kvh0 = (t / runs) * H;
       const int64_t first = alone ? std::max<int64_t>(0, b.lens[m0] - window) : pieces_[run].lo;
       for (int64_t r = 0; r < R; ++r) lens[r] = (R == 1 && !alone ? pieces_[run].hi : b.lens[m0 + r]) - first;
@@ -1062,7 +1074,10 @@ class DecodeStep {
         attend_rows(kv, q, qkv_n, attn_scale_, slots, lens, R, kvh0, H, G, out, heads_ * D, ws);
       if (part >= 0)  // one row: ws holds its query heads' running maxima and sums
         for (int64_t g = 0; g < H * G; ++g) part_lse_[part * heads_ + kvh0 * G + g] = ws.mx[g] + std::log(ws.sum[g]);
-    }
+    };
+    team_.share(tasks, 1, 1, [&](int64_t t0, int64_t t1) {  // the shared units' tasks first
+      for (int64_t t = t0; t < t1; ++t) t < unit_tasks ? unit_task(t) : run_task(t - unit_tasks);
+    });
     if (!alone && !splits_.empty()) {
       team_.barrier();
       merge_pieces(s, tid, nt);
