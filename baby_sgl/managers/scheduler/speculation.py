@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from baby_sgl.core.finish_reason import FinishAbort
+from baby_sgl.sampling.sampler import argmax_rows
 from baby_sgl.speculative.ngram import NgramDrafter, RequestDrafts
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class Speculation:
     def _accept(self, req: Req, rows: torch.Tensor, drafts: list[int]) -> None:
         """Appends the tokens decoding would produce from rows, up to the first that differs from
         its draft; the request's KV then covers the tokens before the last one appended."""
-        targets = rows[:, : self.vocab_size].argmax(dim=-1).tolist() if _plain_greedy(req) else None
+        targets = argmax_rows(rows[:, : self.vocab_size]).tolist() if _plain_greedy(req) else None
         appended = 0
         for j in range(len(drafts) + 1):
             token, logprobs = (targets[j], None) if targets is not None else self.output.sample_one(rows[j : j + 1], req)
