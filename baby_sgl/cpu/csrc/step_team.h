@@ -131,7 +131,7 @@ class StepTeam {
       claims_.store(0, std::memory_order_relaxed);  // the threads' start orders it before their claims
 #pragma omp parallel num_threads(n)
       {
-        lists_shared() = 0;
+        lists_seen() = 0;
         fn(omp_get_thread_num(), omp_get_num_threads());
       }
       return;
@@ -146,9 +146,9 @@ class StepTeam {
   // cold cache or another process does less of the list instead of making the others wait for it
   // at the next barrier (a batch-1 step of the default model on a 2-core EPYC, Zen 3: each thread
   // waited 1.9-2.8 ms of a 15-17 ms step at barriers when each took a fixed half of every
-  // product; claimed, the products took 9.8 ms of the step instead of 10.7). Every thread of the run must call it for the same lists in the same order; an item
-  // is computed by whichever thread claims it, in the same way, so the results do not depend on
-  // who did what.
+  // product; claimed, the products took 9.8 ms of the step instead of 10.7). Every thread of the
+  // run must call it for the same lists in the same order; an item is computed by whichever
+  // thread claims it, in the same way, so the results do not depend on who did what.
   template <typename F>
   void share(int64_t n, int64_t unit, int64_t min_chunk, F&& f) const {
 #if defined(_OPENMP)
@@ -163,7 +163,7 @@ class StepTeam {
     // The counter holds the number of the newest list anyone claimed from (high half) and its
     // next item: a list is numbered when a thread first claims from it, and a thread moves to the
     // next list only once its own is used up, so a newer number means this list is done.
-    const uint64_t list = ++lists_shared();
+    const uint64_t list = ++lists_seen();
     uint64_t word = claims_.load(std::memory_order_relaxed);
     for (;;) {
       if ((word >> 32) > list) return;
@@ -197,8 +197,8 @@ class StepTeam {
   }
 
  private:
-  // The lists this thread has claimed from in the current run().
-  static uint32_t& lists_shared() {
+  // How many lists this thread has called share() for in the current run().
+  static uint32_t& lists_seen() {
     static thread_local uint32_t lists = 0;
     return lists;
   }
