@@ -31,6 +31,7 @@ os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 with Engine(sys.argv[1], dtype="float32") as engine:
     out = engine.generate(input_ids=[1, 5, 9], sampling_params={"max_new_tokens": 8, "temperature": 0,
                                                                  "ignore_eos": True})
+    engine.check_memory()
     print(json.dumps({"torch_threads": torch.get_num_threads(), "pool_threads": engine.runner.step.step.num_threads,
                       "output_ids": out["output_ids"]}))
 """
@@ -67,7 +68,9 @@ with Engine(sys.argv[1], dtype="float32") as engine:
         os.sched_setaffinity(int(tid), {core})
     t0 = time.perf_counter()
     engine.generate(input_ids=[1, 5, 9], sampling_params=params)
-    print(json.dumps({"pool_threads": pool, "seconds": time.perf_counter() - t0}))
+    seconds = time.perf_counter() - t0
+    engine.check_memory()
+    print(json.dumps({"pool_threads": pool, "seconds": seconds}))
 """
 
 
@@ -100,6 +103,7 @@ with Engine(sys.argv[1], dtype="float32") as engine:
     pool = engine.runner.step.step.num_threads
     outs = [engine.generate(input_ids=prompts[0], sampling_params=params, return_logprob=True)]
     outs += engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    engine.check_memory()
     print(json.dumps({"pool_threads": pool, "split_rows": engine.runner.step.step.split_rows(),
                       "outs": [[o["output_ids"], [lp[0] for lp in o["meta_info"]["output_token_logprobs"]]] for o in outs]}))
 """
