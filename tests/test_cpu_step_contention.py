@@ -92,7 +92,9 @@ def test_bench_offline_beside_neighbours(tiny_llama, tmp_path):
     assert all(r["slowdown"] > 0 and r["solo_speed_kept"] == pytest.approx(1 / r["slowdown"]) for r in rows[1:])
 
 
-# A lone request (attending in pieces) and a batch of four, greedy with logprobs, on N threads.
+# A lone request (attending in pieces), a batch of four, and six behind a cached 64-token prefix
+# (units of rows sized by the thread count: one unit of six on one thread, four and two on two),
+# greedy with logprobs, on N threads.
 _ON_THREADS = """
 import json, sys, torch
 from baby_sgl import Engine
@@ -103,8 +105,13 @@ with Engine(sys.argv[1], dtype="float32") as engine:
     pool = engine.runner.step.step.num_threads
     outs = [engine.generate(input_ids=prompts[0], sampling_params=params, return_logprob=True)]
     outs += engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    prefix = [(11 * j) % 250 + 1 for j in range(64)]
+    engine.generate(input_ids=prefix, sampling_params={"max_new_tokens": 1})
+    tails = [prefix + [(5 * i + j) % 250 + 1 for j in range(8)] for i in range(6)]
+    outs += engine.generate(input_ids=tails, sampling_params=params, return_logprob=True)
     engine.check_memory()
-    print(json.dumps({"pool_threads": pool, "split_rows": engine.runner.step.step.split_rows(),
+    step = engine.runner.step.step
+    print(json.dumps({"pool_threads": pool, "split_rows": step.split_rows(), "shared": step.shared_prefix_rows(),
                       "outs": [[o["output_ids"], [lp[0] for lp in o["meta_info"]["output_token_logprobs"]]] for o in outs]}))
 """
 
@@ -116,4 +123,5 @@ def test_results_do_not_depend_on_how_the_threads_share_the_work(tiny_llama):
     one, two = _child(_ON_THREADS, tiny_llama, "1"), _child(_ON_THREADS, tiny_llama, "2")
     assert (one["pool_threads"], two["pool_threads"]) == (1, 2)
     assert one["split_rows"] > 0, "the lone request was meant to attend in pieces"
+    assert one["shared"] > 0 and two["shared"] > 0, "the six were meant to attend behind their shared prefix"
     assert one["outs"] == two["outs"]
