@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "blas_products.h"
 #include "int8_gemm.h"
 #include "int8_products.h"
 #include "kquant_rows.h"
@@ -584,8 +585,8 @@ class DecodeStep {
   void linear(const Weight& w, const float* x, int64_t rows, float* out, RowCopies& copies, int64_t ldo = 0,
               After after = nullptr) const {
     if (ldo == 0) ldo = w.n;
-    auto each_chunk = [&](auto&& product) {
-      const int64_t unit = w.grouped ? kGroupRows : 1;
+    auto each_chunk = [&](auto&& product, int64_t unit = 0) {
+      if (unit == 0) unit = w.grouped ? kGroupRows : 1;
       team_.share(w.n, unit, std::max<int64_t>(unit, kMinChunk), [&](int64_t n0, int64_t n1) {
         product(n0, n1);
         if constexpr (!std::is_same_v<After, std::nullptr_t>) after(n0, n1);
@@ -625,6 +626,10 @@ class DecodeStep {
       return;
     }
 #endif
+    if (kHasBlasProducts && !deterministic_ && rows >= kBlasMinRows && w.k % 32 == 0) {  // whole panels a claim
+      each_chunk([&](int64_t n0, int64_t n1) { product_blas(w, x, rows, out, ldo, n0, n1); }, kBlasPanel);
+      return;
+    }
     each_chunk([&](int64_t n0, int64_t n1) { product(w, x, w.k, rows, out, ldo, n0, n1); });
   }
 
