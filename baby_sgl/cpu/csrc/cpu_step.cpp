@@ -19,9 +19,9 @@
 #include <chrono>
 #include <cstring>
 #include <cstdlib>
-#include <numeric>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -916,8 +916,8 @@ class DecodeStep {
   // lanes are each their own arithmetic, so how rows are grouped changes only the speed). Each
   // unit reads the shared keys once. On a 2-core EPYC (Zen 3, G = 3), 16 rows behind a 512-token
   // prefix took 0.72 s of attention over 16 decode rounds in two units of 8 against 0.88 s in
-  // eight units of 2 (one row more than a vector of 8 lanes, the old rule); a round 120 against
-  // 132 ms (5 runs of each, alternated in one process).
+  // eight units of 2 (the old rule: 6 of a vector's 8 lanes); a round 120 against 132 ms (5 runs
+  // of each, alternated in one process).
   static size_t rows_per_unit(int64_t G) {
     const int64_t whole = kLanes / std::gcd<int64_t>(kLanes, G);  // rows that fill whole vectors
     const int64_t least = (2 * kLanes + G - 1) / G;
