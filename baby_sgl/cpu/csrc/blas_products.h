@@ -20,8 +20,6 @@
 
 #include <ATen/Config.h>
 
-#include <algorithm>
-
 #include "weights.h"
 
 #if AT_MKL_ENABLED()
@@ -42,29 +40,25 @@ constexpr bool kHasBlasProducts = false;
 constexpr int64_t kBlasMinRows = 16, kBlasPanel = 128;
 
 // x [rows, k] (float32, row stride k) times w's rows n0..n1-1 into out [rows, n] (row stride
-// ldo), n0 a multiple of kBlasPanel; w.k a multiple of 32.
+// ldo), n0 a multiple of kBlasPanel; w.k a multiple of 32; w not in groups (int8_groups.h).
 inline void product_blas(const Weight& w, const float* x, int64_t rows, float* out, int64_t ldo, int64_t n0,
                          int64_t n1) {
 #if AT_MKL_ENABLED()
   const int before = MKL_Set_Num_Threads_Local(1);  // this thread alone: the step's threads share the columns
-  const bool in_place = w.type == kF32 && !w.grouped;
-  thread_local AlignedBuffer<float> buf;
-  if (!in_place) buf.reserve(kBlasPanel * w.k);
-  for (int64_t j0 = n0; j0 < n1; j0 += kBlasPanel) {
-    const int64_t np = std::min(kBlasPanel, n1 - j0);
-    const float* panel = in_place ? reinterpret_cast<const float*>(w.row(j0)) : buf.data();
-    if (!in_place)
-      for (int64_t r = 0; r < np; ++r) dequantize_row(w, j0 + r, buf.data() + r * w.k);
-    // Column-major terms: out^T [np, rows] = panel [k, np]^T x^T [k, rows].
-    const char ta = 'T', tb = 'N';
-    const int m = static_cast<int>(np), n = static_cast<int>(rows), k = static_cast<int>(w.k);
-    const int lda = in_place ? static_cast<int>(w.stride / 4) : k, ldb = k, ldc = static_cast<int>(ldo);
-    const float one = 1.f, zero = 0.f;
-    sgemm_(&ta, &tb, &m, &n, &k, &one, panel, &lda, x, &ldb, &zero, out + j0, &ldc);
-    if (w.bias)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t i = 0; i < np; ++i) out[r * ldo + j0 + i] += w.bias[j0 + i];
-  }
+  with_format(w.type, [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    by_panels<float, T>(w, n0, n1, 1, dequantize_row_t<T>, [&](const float* wp, int64_t ldw, int64_t j0, int64_t np) {
+      // Column-major terms: out^T [np, rows] = panel [k, np]^T x^T [k, rows].
+      const char ta = 'T', tb = 'N';
+      const int m = static_cast<int>(np), n = static_cast<int>(rows), k = static_cast<int>(w.k);
+      const int lda = static_cast<int>(ldw), ldb = k, ldc = static_cast<int>(ldo);
+      const float one = 1.f, zero = 0.f;
+      sgemm_(&ta, &tb, &m, &n, &k, &one, wp, &lda, x, &ldb, &zero, out + j0, &ldc);
+      if (w.bias)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t i = 0; i < np; ++i) out[r * ldo + j0 + i] += w.bias[j0 + i];
+    }, kBlasPanel);
+  });
   MKL_Set_Num_Threads_Local(before);
 #else
   (void)w, (void)x, (void)rows, (void)out, (void)ldo, (void)n0, (void)n1;

@@ -195,11 +195,12 @@ inline void panel_tile(const float* wp, int64_t ldw, int64_t k, const float* x, 
 }
 
 // Calls f(panel, ldw, j0, np) for panels of w's rows n0..n1-1 as Elem (float, or bfloat16 bits):
-// stored rows of that type are used in place, others are decoded by decode(row, k, dst).
+// stored rows of that type are used in place, others are decoded by decode(row, k, dst). A panel
+// holds `rows` weight rows (0: panel_rows' choice, a multiple of nr).
 template <typename Elem, int T, typename Decode, typename F>
-inline void by_panels(const Weight& w, int64_t n0, int64_t n1, int nr, Decode&& decode, F&& f) {
+inline void by_panels(const Weight& w, int64_t n0, int64_t n1, int nr, Decode&& decode, F&& f, int64_t rows = 0) {
   constexpr bool in_place = std::is_same_v<Elem, float> ? T == kF32 : T == kBF16;
-  const int64_t rows = panel_rows(w.k, sizeof(Elem), nr);
+  if (rows == 0) rows = panel_rows(w.k, sizeof(Elem), nr);
   thread_local AlignedBuffer<Elem> buf;
   if (!in_place) buf.reserve(rows * w.k);
   for (int64_t j0 = n0; j0 < n1; j0 += rows) {
@@ -218,8 +219,7 @@ inline void matmul_panels(const Weight& w, const float* x, int64_t ldx, int64_t 
                           int64_t n0, int64_t n1) {
   with_format(w.type, [&](auto t) {
     constexpr int T = decltype(t)::value;
-    auto decode = [](const uint8_t* row, int64_t k, float* dst) { dequantize_row_t<T>(row, k, dst); };
-    by_panels<float, T>(w, n0, n1, kPanelNR, decode, [&](const float* wp, int64_t ldw, int64_t j0, int64_t np) {
+    by_panels<float, T>(w, n0, n1, kPanelNR, dequantize_row_t<T>, [&](const float* wp, int64_t ldw, int64_t j0, int64_t np) {
       by_row_tiles<kPanelMR>(rows, [&](auto mr, int64_t m) {
         constexpr int MR = decltype(mr)::value;
         const float* xm = x + m * ldx;
