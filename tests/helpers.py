@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
 import platform
 import random
@@ -20,6 +21,16 @@ TINY_KW = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def sglang_package_dir() -> Path:
+    """Where the installed sglang package lives (found, never imported); the calling test (or its
+    module, when called at import) is skipped with the reason if it is not installed."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("SGLang's package is not installed (scripts/setup.sh installs it without its dependencies)",
+                    allow_module_level=True)
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def wait_until(condition: Callable[[], object], what: str, timeout: float = 60.0, interval: float = 0.02):

@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 
@@ -23,17 +24,22 @@ from helpers import wait_until
 
 
 def start_server(model: str, *flags: str, script: list[str] | None = None, ready: str = "/health",
-                 timeout: float = 120, stderr=subprocess.PIPE) -> tuple[subprocess.Popen, str]:
+                 timeout: float = 120) -> tuple[subprocess.Popen, str]:
     """`baby-sgl serve` (or script) on model with these flags on a free loopback port; returns
-    (process, base URL) once GET ready answers 200. Fails if it exits or is not up in time."""
+    (process, base URL) once GET ready answers 200. Fails if it exits or is not up in time,
+    saying the end of what it wrote to stderr (kept in a file: a pipe nobody reads would stall
+    a server that logs much)."""
     port = free_port()
     cmd = (script or [sys.executable, "-m", "baby_sgl.launch_server"]) + ["--model-path", model, "--port", str(port),
                                                                            *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     base = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else "the server exited while starting"
+        if proc.poll() is not None:  # read only once it exited: the child shares the file's offset
+            log.seek(0)
+            raise AssertionError(f"the server exited while starting:\n{log.read()[-4000:]}")
         try:
             return httpx.get(base + ready, timeout=2).status_code == 200
         except httpx.HTTPError:

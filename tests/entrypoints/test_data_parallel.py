@@ -23,7 +23,7 @@ from baby_sgl.entrypoints.data_parallel import router_executable
 @pytest.fixture(scope="module")
 def dp_server(tiny_llama_long):  # its long requests must still run when a worker is killed
     proc, base = start_server(tiny_llama_long, "--dtype", "float32", "--dp-size", "2", "--max-total-tokens", "32768",
-                              ready="/v1/models", timeout=180, stderr=subprocess.DEVNULL)
+                              ready="/v1/models", timeout=180)
     yield base, proc
     if proc.poll() is None:  # a test stopped early: stop it as a supervisor would
         proc.terminate()
@@ -221,7 +221,7 @@ def test_no_child_outlives_a_killed_front(tiny_llama):
     """kill -9 of the front process (it cannot stop anything itself): the workers and the router
     are told by the kernel and stop."""
     proc, base = start_server(tiny_llama, "--dtype", "float32", "--dp-size", "2", "--max-total-tokens", "1024",
-                              ready="/v1/models", timeout=180, stderr=subprocess.DEVNULL)
+                              ready="/v1/models", timeout=180)
     try:
         _wait_ready(base, 2, timeout=180)
         children = child_pids(proc.pid)

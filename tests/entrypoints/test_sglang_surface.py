@@ -6,9 +6,7 @@ OpenAI features built on it (structured output, echo with logprobs, streaming lo
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
-import os
 
 import httpx
 import jsonschema
@@ -18,12 +16,12 @@ import pytest
 from baby_sgl import Engine
 from baby_sgl.server_args import ServerArgs
 from entrypoints.conftest import serve_checked
+from helpers import sglang_package_dir
 
 
 def _contract(cls_name: str) -> dict:
     """Field -> default of one msgspec Struct in SGLang's HTTP contract."""
-    spec = importlib.util.find_spec("sglang")
-    path = os.path.join(spec.submodule_search_locations[0], "api", "v1", "api_types.py")
+    path = sglang_package_dir() / "api" / "v1" / "api_types.py"
     tree = ast.parse(open(path).read())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
     return {n.target.id: ast.literal_eval(n.value) if n.value is not None else None

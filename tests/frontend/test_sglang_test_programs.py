@@ -13,7 +13,6 @@ with it off, as SGLang's CI runs test_select. The programs run once, in a child 
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import subprocess
@@ -26,6 +25,7 @@ import sglang_test_programs
 from baby_sgl import Engine
 from baby_sgl.server_args import ServerArgs
 from entrypoints.conftest import serve_in_thread, wait_idle
+from helpers import sglang_package_dir
 
 RUN = {
     "test_mt_bench": {}, "test_select": {"check_answer": False}, "test_expert_answer": {"check_answer": False},
@@ -55,8 +55,7 @@ TIMEOUT_S = 600
 
 
 def _sglang_programs() -> set[str]:
-    spec = importlib.util.find_spec("sglang")
-    path = Path(spec.submodule_search_locations[0]) / "test" / "test_programs.py"
+    path = sglang_package_dir() / "test" / "test_programs.py"
     tree = ast.parse(path.read_text())
     return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
 
