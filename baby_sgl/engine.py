@@ -220,15 +220,25 @@ class Engine:
             full = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype)
             per_token = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.kv_cache_dtype)
             if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
                 # Slots past every running request at full context only cache prefixes: for a small
                 # model, 80% of a large GPU would be hundreds of millions of them, each tracked by
                 # the allocator and walked by the memory check.
-                budget = min(int(torch.cuda.mem_get_info(self.device)[0] * 0.8),
-                             args.max_running_requests * self.context_len * full)
+                cap, default_share = args.max_running_requests * self.context_len * full, 0.8
             else:
-                avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-                budget = min(int(avail * 0.2), _CPU_MAX_TOTAL_TOKENS * full)
-            size = budget // per_token
+                page = os.sysconf("SC_PAGE_SIZE")
+                free, total = os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+                cap, default_share = _CPU_MAX_TOTAL_TOKENS * full, 0.2
+            if args.mem_fraction_static is None:
+                budget = int(free * default_share)
+            else:  # SGLang's rule: once the pool is allocated, (1 - fraction) of the total stays free
+                budget = int(free - total * (1 - args.mem_fraction_static))
+                if budget < 2 * args.page_size * per_token:
+                    raise ValueError(
+                        f"--mem-fraction-static {args.mem_fraction_static} leaves no room for the KV pool: "
+                        f"{free / 2**30:.2f} GiB of {total / 2**30:.2f} GiB free after the weights, and "
+                        f"{(1 - args.mem_fraction_static) * total / 2**30:.2f} GiB must stay free; raise it")
+            size = min(budget, cap) // per_token
         size = size // args.page_size * args.page_size
         if size < 2 * args.page_size:
             raise ValueError(f"max_total_tokens={args.max_total_tokens} is too small for page_size={args.page_size}")

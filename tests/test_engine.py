@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import pytest
 
 from baby_sgl import Engine
-from helpers import GREEDY, random_prompts, wait_until
+from helpers import GREEDY, TINY_KW, random_prompts, wait_until
 
 
 def test_result_shape(engine):
@@ -169,6 +170,30 @@ def test_context_manager_and_server_info(tiny_llama):
         info = eng.get_server_info()
         assert info["page_size"] == 8 and info["max_total_tokens"] == 1000 // 8 * 8
         eng.check_memory()
+
+
+def test_mem_fraction_static_sizes_the_pool_as_sglang(tiny_llama, monkeypatch):
+    """SGLang's rule, on RAM here: the pool takes the memory free after the weights less
+    (1 - fraction) of the total, at most the default cap; a fraction that leaves no room, or one
+    outside (0, 1), is refused by name. The memory figures are fixed so the sizes are exact."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total, free = 8 << 30, (4 << 30) + (2 << 20)  # half the total and 2 MiB free
+    fixed = {"SC_PHYS_PAGES": total // page, "SC_AVPHYS_PAGES": free // page}
+    real = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: fixed[name] if name in fixed else real(name))
+    head_dim = TINY_KW["hidden_size"] // TINY_KW["num_attention_heads"]
+    per_token = 2 * TINY_KW["num_hidden_layers"] * TINY_KW["num_key_value_heads"] * head_dim * 4  # float32 K and V
+    with Engine(tiny_llama, dtype="float32", mem_fraction_static=0.5) as eng:
+        assert eng.get_server_info()["max_total_tokens"] == (2 << 20) // per_token
+        assert eng.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": 4})["output_ids"]
+        eng.check_memory()
+    with Engine(tiny_llama, dtype="float32", mem_fraction_static=0.9) as eng:  # 3.2 GiB: the CPU's cap rules
+        assert eng.get_server_info()["max_total_tokens"] == 32768
+    with pytest.raises(ValueError, match=r"--mem-fraction-static 0.4 leaves no room for the KV pool.*raise it"):
+        Engine(tiny_llama, dtype="float32", mem_fraction_static=0.4)
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="mem_fraction_static must be between 0 and 1"):
+            Engine(tiny_llama, mem_fraction_static=bad)
 
 
 def test_chat_template_file_replaces_the_models(tiny_llama, tmp_path):
