@@ -27,8 +27,9 @@ LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate
                        "gate_up_proj", "all")
 
 
-def _setting(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _setting(default: Any, help: str, aliases: tuple[str, ...] = ()) -> Any:
+    """A setting's default and help; aliases: other flags SGLang's command line accepts for it."""
+    return field(default=default, metadata={"help": help, "aliases": aliases})
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ class EngineArgs:
                                                  "--torch-compile-max-bs")
     torch_compile_max_bs: int = _setting(32, "largest decode batch with a compiled graph")
     max_sessions: int = _setting(1024, "open sessions at most")
-    tp_size: int = _setting(1, "split the model over this many processes (tensor parallelism, torch.distributed)")
+    tp_size: int = _setting(1, "split the model over this many processes (tensor parallelism, torch.distributed)",
+                            aliases=("--tensor-parallel-size", "--tp"))
     speculative_algorithm: str | None = _setting(
         None, "NGRAM: decode several tokens per pass where the text repeats what the request or the prefix "
               "cache already holds (drafts by n-gram match, verified in one pass)")
@@ -179,18 +181,18 @@ class EngineArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         """One --flag per field, with the field's help."""
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ("--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ()))
             shown = f.type != "bool" and f.default not in (None, ())
             help_ = f.metadata["help"] + (f" (default: {f.default})" if shown else "")
             if f.type == "bool":
-                parser.add_argument(flag, action="store_true", default=f.default, help=help_)
+                parser.add_argument(*flags, action="store_true", default=f.default, help=help_)
             elif f.metadata.get("whole_items"):  # a list of items that may hold commas and spaces (JSON)
-                parser.add_argument(flag, nargs="+", action="extend", default=None, help=help_)
+                parser.add_argument(*flags, nargs="+", action="extend", default=None, help=help_)
             elif f.type.startswith("tuple"):  # a list: comma or space separated, or the flag repeated
-                parser.add_argument(flag, action="extend", type=split_list, default=None, help=help_)
+                parser.add_argument(*flags, action="extend", type=split_list, default=None, help=help_)
             else:
                 kind = int if "int" in f.type else float if "float" in f.type else str
-                parser.add_argument(flag, type=kind, default=f.default, help=help_)
+                parser.add_argument(*flags, type=kind, default=f.default, help=help_)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace):
@@ -202,6 +204,9 @@ class ServerArgs(EngineArgs):
     host: str = _setting("127.0.0.1", "address to listen on (anything but loopback wants --api-key)")
     port: int = _setting(30000, "port to listen on")
     log_level: str = _setting("warning", "logging level: debug, info, warning or error")
+    served_model_name: str | None = _setting(
+        None, "the model's name in /v1/models, in the answers' model field and in the metrics' model_name "
+              "label (default: the last part of the model path)")
     api_key: str | None = _setting(None, "required as `Authorization: Bearer <key>` on every route but /health")
     allowed_hosts: tuple[str, ...] = _setting(
         (), "Host header names (or addresses) the server answers besides its loopback names, comma or space "
@@ -221,7 +226,8 @@ class ServerArgs(EngineArgs):
     incremental_streaming_output: bool = _setting(
         False, "streamed /generate events carry only what is new (text, output_ids, output logprob lists) "
                "instead of everything so far")
-    dp_size: int = _setting(1, "this many engine processes behind SGLang's router (sglang-router) on the one port")
+    dp_size: int = _setting(1, "this many engine processes behind SGLang's router (sglang-router) on the one port",
+                            aliases=("--data-parallel-size", "--dp"))
     router_policy: str = _setting("cache_aware", "the router's choice of worker with --dp-size: "
                                                  + ", ".join(ROUTER_POLICIES))
     reasoning_parser: str | None = _setting(
@@ -237,6 +243,8 @@ class ServerArgs(EngineArgs):
         super().__post_init__()
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key is empty: give a key, or leave the flag out to serve without one")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("--served-model-name is empty: give a name, or leave the flag out for the model path's")
         object.__setattr__(self, "allowed_hosts", tuple(split_list(self.allowed_hosts or ())))  # as parsed
         if not self.graceful_shutdown_timeout >= 0:
             raise ValueError("graceful_shutdown_timeout must be >= 0 seconds")

@@ -45,7 +45,9 @@ def _table(fields: list[dataclasses.Field]) -> list[str]:
     rows = ["| flag | default | what it sets |", "|---|---|---|"]
     for f in fields:
         help_ = _cell(f.metadata["help"])
-        rows.append(f"| `--{f.name.replace('_', '-')}` | {_default(f)} | {help_} |")
+        aliases = ", ".join(f"`{a}`" for a in f.metadata.get("aliases", ()))
+        aliases = f" (also {aliases})" if aliases else ""
+        rows.append(f"| `--{f.name.replace('_', '-')}`{aliases} | {_default(f)} | {help_} |")
     return rows
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from baby_sgl import Engine, EngineArgs, ServerArgs
+from baby_sgl.launch_server import build_parser
 from baby_sgl.server_args import SERVER_ONLY, engine_kwargs
 
 
@@ -43,6 +44,22 @@ def test_engine_commands_take_engine_settings_only():
     assert {"--" + f.name.replace("_", "-") for f in dataclasses.fields(ServerArgs)} <= serve
 
 
+@pytest.mark.parametrize("argv, setting, value", [
+    (["--tp", "2"], "tp_size", 2), (["--tensor-parallel-size", "2"], "tp_size", 2),
+    (["--dp", "2"], "dp_size", 2), (["--data-parallel-size", "3"], "dp_size", 3),
+    (["--served-model-name", "m"], "served_model_name", "m")])
+def test_sglang_command_lines_parse(argv, setting, value):
+    """The flags of SGLang's own launch commands (`--tp 2`, `--dp 2` from its docs) and its long
+    aliases set the same settings."""
+    args = ServerArgs.from_cli_args(build_parser().parse_args(argv))
+    assert getattr(args, setting) == value
+
+
+def test_an_empty_served_model_name_is_refused():
+    with pytest.raises(ValueError, match="--served-model-name is empty"):
+        ServerArgs(served_model_name=" ")
+
+
 def test_generate_refuses_a_server_flag(tiny_llama):
     proc = subprocess.run([sys.executable, "-m", "baby_sgl.cli", "generate", "hi", "--model-path", tiny_llama,
                            "--dp-size", "2"], capture_output=True, text=True, timeout=120)
@@ -68,7 +85,7 @@ def test_settings_are_frozen_and_split():
     engine_args = args.engine_args()
     assert type(engine_args) is EngineArgs and engine_args.page_size == 4
     assert not set(engine_kwargs(args)) & set(SERVER_ONLY)
-    assert set(SERVER_ONLY) == {"host", "port", "log_level", "api_key", "allowed_hosts", "graceful_shutdown_timeout",
+    assert set(SERVER_ONLY) == {"host", "port", "log_level", "served_model_name", "api_key", "allowed_hosts", "graceful_shutdown_timeout",
                                 "max_request_bytes", "request_body_timeout", "stream_send_timeout",
                                 "max_queued_requests", "disable_dashboard", "incremental_streaming_output",
                                 "reasoning_parser", "tool_call_parser", "dp_size", "router_policy", "dp_rank"}

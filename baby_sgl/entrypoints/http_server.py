@@ -44,7 +44,7 @@ def create_app(engine: Engine, server_args: ServerArgs | None = None) -> FastAPI
     app.state.engine = engine
     # What /get_server_info reports of the server's own settings (never the key).
     app.state.server_settings = {name: getattr(args, name) for name in SERVER_ONLY if name != "api_key"}
-    app.state.model_name = os.path.basename(engine.model_path.rstrip("/"))
+    app.state.model_name = args.served_model_name or os.path.basename(engine.model_path.rstrip("/"))
     app.state.metrics = Metrics(app.state.model_name)
     app.state.async_engine = AsyncEngine(engine, app.state.metrics, args.max_queued_requests)
     app.add_middleware(RequestGuard, api_key=args.api_key, max_request_bytes=args.max_request_bytes,

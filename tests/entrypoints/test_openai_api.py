@@ -8,6 +8,9 @@ import httpx
 import openai
 import pytest
 
+from baby_sgl import Engine, ServerArgs
+from entrypoints.conftest import serve_checked
+
 CHAT = [{"role": "user", "content": "hi"}]
 
 
@@ -15,6 +18,19 @@ def test_models(client):
     models = client.models.list().data
     assert len(models) == 1 and models[0].id
     assert abs(models[0].created - time.time()) < 24 * 3600  # a real time (when the server started)
+
+
+def test_served_model_name_is_the_models_name_everywhere(tiny_llama):
+    """--served-model-name (SGLang's): /v1/models lists it, an answer to a request that names no
+    model carries it, and so do the metrics' model_name labels."""
+    engine = Engine(tiny_llama, dtype="float32", max_total_tokens=256)
+    with serve_checked(engine, ServerArgs(served_model_name="team/chat-v2")) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+        assert [m.id for m in client.models.list().data] == ["team/chat-v2"]
+        r = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "team/chat-v2"
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        assert 'model_name="team/chat-v2"' in metrics and tiny_llama.rsplit("/", 1)[-1] not in metrics
 
 
 def test_completion_usage_and_cached_tokens(client):
