@@ -32,7 +32,7 @@ def start_server(model: str, *flags: str, script: list[str] | None = None, ready
     port = free_port()
     cmd = (script or [sys.executable, "-m", "baby_sgl.launch_server"]) + ["--model-path", model, "--port", str(port),
                                                                            *flags]
-    log = tempfile.TemporaryFile(mode="w+")
+    log = tempfile.TemporaryFile(mode="w+", errors="replace")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     base = f"http://127.0.0.1:{port}"
 
