@@ -76,6 +76,8 @@ class Engine:
 
     def _build(self) -> None:
         args = self.engine_args
+        # --mem-fraction-static is a share of what is free before the weights load (SGLang's).
+        self._free_at_start = self._free_memory() if args.mem_fraction_static is not None else None
         loaded = load_model(args.model_path, quantized=self._serve_quantized())
         self.model_config = cfg = ModelConfig.from_hf(loaded.hf_config, args.context_length)
         self.dtype = self._pick_dtype(loaded.hf_config)
@@ -207,42 +209,59 @@ class Engine:
         return sorted(ids)
 
     def _pool_size(self, cfg: ModelConfig) -> int:
+        """KV slots: --max-total-tokens, or what --mem-fraction-static leaves (the smaller of the
+        two if both are given), else a share of the free memory; the last two at most the cap."""
         args = self.engine_args
-        if args.max_total_tokens:
-            size = args.max_total_tokens
+        # Tensor parallelism: on CPU the ranks share the memory, so count every rank's KV heads;
+        # on CUDA each rank has its own device, so count the largest share.
+        kv_heads = tp_plan.kv_heads_per_token(cfg, args.tp_size) if self.device.type == "cpu" else \
+            max(s.kv_heads[1] - s.kv_heads[0] for s in tp_plan.plan(cfg, args.tp_size))
+        # The pool is sized in bytes: a smaller --kv-cache-dtype holds more tokens in the same
+        # memory (the caps are tokens of the model's dtype, as bytes).
+        full = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.kv_cache_dtype)
+        if self.device.type == "cuda":
+            # Slots past every running request at full context only cache prefixes: for a small
+            # model, 80% of a large GPU would be hundreds of millions of them, each tracked by
+            # the allocator and walked by the memory check.
+            cap = args.max_running_requests * self.context_len * full
         else:
-            # Tensor parallelism: on CPU the ranks share the memory, so count every rank's KV heads;
-            # on CUDA each rank has its own device, so count the largest share.
-            kv_heads = tp_plan.kv_heads_per_token(cfg, args.tp_size) if self.device.type == "cpu" else \
-                max(s.kv_heads[1] - s.kv_heads[0] for s in tp_plan.plan(cfg, args.tp_size))
-            # The pool is sized in bytes: a smaller --kv-cache-dtype holds more tokens in the same
-            # memory (the caps below are tokens of the model's dtype, as bytes).
-            full = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype)
-            per_token = KVPool.bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.kv_cache_dtype)
+            cap = _CPU_MAX_TOTAL_TOKENS * full
+        sizes = [args.max_total_tokens] if args.max_total_tokens else []
+        if args.mem_fraction_static is not None:
+            # SGLang's rule: the weights and the pool take this share of the memory free at start.
+            assert self._free_at_start is not None
+            free = self._free_memory()
+            budget = int(free - self._free_at_start * (1 - args.mem_fraction_static))
+            if budget < 2 * args.page_size * per_token:
+                raise ValueError(
+                    f"--mem-fraction-static {args.mem_fraction_static} leaves no room for the KV pool: "
+                    f"{self._free_at_start / 2**30:.2f} GiB were free at start and {free / 2**30:.2f} GiB are "
+                    f"after the weights, of which {(1 - args.mem_fraction_static) * self._free_at_start / 2**30:.2f} "
+                    "GiB must stay free; raise it")
+            sizes.append(min(budget, cap) // per_token)
+        if not sizes:
             if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                # Slots past every running request at full context only cache prefixes: for a small
-                # model, 80% of a large GPU would be hundreds of millions of them, each tracked by
-                # the allocator and walked by the memory check.
-                cap, default_share = args.max_running_requests * self.context_len * full, 0.8
+                budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.8)
             else:
-                page = os.sysconf("SC_PAGE_SIZE")
-                free, total = os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-                cap, default_share = _CPU_MAX_TOTAL_TOKENS * full, 0.2
-            if args.mem_fraction_static is None:
-                budget = int(free * default_share)
-            else:  # SGLang's rule: once the pool is allocated, (1 - fraction) of the total stays free
-                budget = int(free - total * (1 - args.mem_fraction_static))
-                if budget < 2 * args.page_size * per_token:
-                    raise ValueError(
-                        f"--mem-fraction-static {args.mem_fraction_static} leaves no room for the KV pool: "
-                        f"{free / 2**30:.2f} GiB of {total / 2**30:.2f} GiB free after the weights, and "
-                        f"{(1 - args.mem_fraction_static) * total / 2**30:.2f} GiB must stay free; raise it")
-            size = min(budget, cap) // per_token
-        size = size // args.page_size * args.page_size
+                budget = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.2)
+            sizes.append(min(budget, cap) // per_token)
+        size = min(sizes) // args.page_size * args.page_size
         if size < 2 * args.page_size:
             raise ValueError(f"max_total_tokens={args.max_total_tokens} is too small for page_size={args.page_size}")
         return size
+
+    def _free_memory(self) -> int:
+        """Bytes the device can still give: a GPU's free memory (torch's cached blocks returned
+        first), or RAM's MemAvailable (the page cache counted free, as SGLang counts it)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            return torch.cuda.mem_get_info(self.device)[0]
+        try:
+            with open("/proc/meminfo") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration):
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
     # ---- requests ------------------------------------------------------------------------
     def submit(self, prompt: str | None = None, sampling_params: dict | None = None,

@@ -67,10 +67,11 @@ class EngineArgs:
                                                   "32768 on CPU and max_running_requests x the context on "
                                                   "a GPU)")
     mem_fraction_static: float | None = _setting(
-        None, "as SGLang: the KV pool takes the memory free after the weights less (1 - this) of the total, "
-              "so at most this share of the device (a GPU, or RAM on CPU) is in use, by any process, once "
-              "it is allocated; still at most the --max-total-tokens default's cap (default: 0.8 of the "
-              "free GPU memory, 0.2 of free RAM)")
+        None, "as SGLang: the weights and the KV pool take at most this share of the memory free at start "
+              "(a GPU's, or RAM's available memory on CPU), so engines sharing a device can each be given "
+              "a part (--dp-size workers start together: each takes it of the same free memory); the pool "
+              "stays under the --max-total-tokens default's cap and under --max-total-tokens if given "
+              "(default: 0.8 of the free GPU memory, 0.2 of free RAM)")
     max_running_requests: int = _setting(64, "requests decoding at once at most")
     schedule_policy: str = _setting("fcfs", "order of admission of waiting requests: " + ", ".join(SCHEDULE_POLICIES)
                                             + " (lpm and dfs-weight use the radix tree)")
@@ -142,6 +143,9 @@ class EngineArgs:
             raise ValueError("max_running_requests must be >= 1")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be between 0 and 1, got {self.mem_fraction_static}")
+        if self.mem_fraction_static is not None and self.tp_size > 1:
+            raise ValueError("--mem-fraction-static does not work with --tp-size > 1 yet (rank 0 alone sizes the "
+                             "pool, before the other ranks' weights are in memory); give --max-total-tokens")
         for name in ("max_sessions", "torch_compile_max_bs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

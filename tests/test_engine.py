@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 import pytest
@@ -173,27 +172,32 @@ def test_context_manager_and_server_info(tiny_llama):
 
 
 def test_mem_fraction_static_sizes_the_pool_as_sglang(tiny_llama, monkeypatch):
-    """SGLang's rule, on RAM here: the pool takes the memory free after the weights less
-    (1 - fraction) of the total, at most the default cap; a fraction that leaves no room, or one
-    outside (0, 1), is refused by name. The memory figures are fixed so the sizes are exact."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    total, free = 8 << 30, (4 << 30) + (2 << 20)  # half the total and 2 MiB free
-    fixed = {"SC_PHYS_PAGES": total // page, "SC_AVPHYS_PAGES": free // page}
-    real = os.sysconf
-    monkeypatch.setattr(os, "sysconf", lambda name: fixed[name] if name in fixed else real(name))
+    """SGLang's rule: the weights and the pool take the fraction of the memory free at start, so
+    the pool is what is free after the weights less (1 - fraction) of that; --max-total-tokens,
+    if given too, bounds it; a fraction that leaves no room, one outside (0, 1) or one with
+    --tp-size > 1 is refused by name. The device's free memory is fixed here (1 GiB at start, 1 MiB
+    less after the weights) so the sizes are exact on any device."""
+    start, after = 1 << 30, (1 << 30) - (1 << 20)
+    readings: list[int] = []
+    monkeypatch.setattr(Engine, "_free_memory", lambda self: readings.pop(0))
     head_dim = TINY_KW["hidden_size"] // TINY_KW["num_attention_heads"]
     per_token = 2 * TINY_KW["num_hidden_layers"] * TINY_KW["num_key_value_heads"] * head_dim * 4  # float32 K and V
-    with Engine(tiny_llama, dtype="float32", mem_fraction_static=0.5) as eng:
-        assert eng.get_server_info()["max_total_tokens"] == (2 << 20) // per_token
+    readings[:] = [start, after]
+    with Engine(tiny_llama, dtype="float32", mem_fraction_static=3 / 1024) as eng:  # 3 MiB: 1 for weights, 2 pool
+        assert not readings and eng.get_server_info()["max_total_tokens"] == (2 << 20) // per_token
         assert eng.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": 4})["output_ids"]
         eng.check_memory()
-    with Engine(tiny_llama, dtype="float32", mem_fraction_static=0.9) as eng:  # 3.2 GiB: the CPU's cap rules
-        assert eng.get_server_info()["max_total_tokens"] == 32768
-    with pytest.raises(ValueError, match=r"--mem-fraction-static 0.4 leaves no room for the KV pool.*raise it"):
-        Engine(tiny_llama, dtype="float32", mem_fraction_static=0.4)
+    readings[:] = [start, after]
+    with Engine(tiny_llama, dtype="float32", mem_fraction_static=3 / 1024, max_total_tokens=1000) as eng:
+        assert eng.get_server_info()["max_total_tokens"] == 1000
+    readings[:] = [start, after]
+    with pytest.raises(ValueError, match=r"--mem-fraction-static 0.0005 leaves no room for the KV pool.*raise it"):
+        Engine(tiny_llama, dtype="float32", mem_fraction_static=0.0005)  # 0.5 MiB: less than the weights
     for bad in (0.0, 1.0, 1.5):
         with pytest.raises(ValueError, match="mem_fraction_static must be between 0 and 1"):
             Engine(tiny_llama, mem_fraction_static=bad)
+    with pytest.raises(ValueError, match="--mem-fraction-static does not work with --tp-size > 1"):
+        Engine(tiny_llama, mem_fraction_static=0.5, tp_size=2)
 
 
 def test_chat_template_file_replaces_the_models(tiny_llama, tmp_path):

@@ -27,29 +27,29 @@ def start_server(model: str, *flags: str, script: list[str] | None = None, ready
                  timeout: float = 120) -> tuple[subprocess.Popen, str]:
     """`baby-sgl serve` (or script) on model with these flags on a free loopback port; returns
     (process, base URL) once GET ready answers 200. Fails if it exits or is not up in time,
-    saying the end of what it wrote to stderr (kept in a file: a pipe nobody reads would stall
-    a server that logs much)."""
+    with the end of what it wrote to stderr (kept in a file: a pipe nobody reads would stall a
+    server that logs much)."""
     port = free_port()
     cmd = (script or [sys.executable, "-m", "baby_sgl.launch_server"]) + ["--model-path", model, "--port", str(port),
                                                                            *flags]
-    log = tempfile.TemporaryFile(mode="w+", errors="replace")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
-    base = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile() as log:  # the children keep their own descriptors of it
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+        base = f"http://127.0.0.1:{port}"
 
-    def up() -> bool:
-        if proc.poll() is not None:  # read only once it exited: the child shares the file's offset
-            log.seek(0)
-            raise AssertionError(f"the server exited while starting:\n{log.read()[-4000:]}")
+        def up() -> bool:
+            assert proc.poll() is None, "the server exited while starting"
+            try:
+                return httpx.get(base + ready, timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
         try:
-            return httpx.get(base + ready, timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(up, f"the server to answer {ready}", timeout=timeout, interval=0.1)
-    except AssertionError:
-        proc.kill()
-        raise
+            wait_until(up, f"the server to answer {ready}", timeout=timeout, interval=0.1)
+        except AssertionError as e:
+            proc.kill()
+            end = os.fstat(log.fileno()).st_size  # read where it is, not at the offset the children share
+            tail = os.pread(log.fileno(), 4000, max(0, end - 4000)).decode(errors="replace")
+            raise AssertionError(f"{e}; the end of its stderr:\n{tail}") from None
     return proc, base
 
 
