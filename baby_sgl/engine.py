@@ -82,8 +82,15 @@ class Engine:
         self.model_config = cfg = ModelConfig.from_hf(loaded.hf_config, args.context_length)
         self.dtype = self._pick_dtype(loaded.hf_config)
         self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
-        self.tokenizer_path = loaded.tokenizer_path  # a directory AutoTokenizer loads (also for a .gguf)
-        self.tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_path)
+        # A directory AutoTokenizer loads (for a .gguf, its vocabulary converted), or --tokenizer-path.
+        self.tokenizer_path = resolve_model_path(args.tokenizer_path) if args.tokenizer_path else loaded.tokenizer_path
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=args.trust_remote_code)
+        except ValueError as e:
+            if "trust_remote_code" not in str(e):
+                raise
+            raise ValueError(f"the tokenizer at {self.tokenizer_path} runs code of its own (auto_map): pass "
+                             "--trust-remote-code (Engine(trust_remote_code=True)) to let it") from None
         if args.chat_template is not None:
             self.tokenizer.chat_template = self._read_chat_template(args.chat_template)
         self.eos_token_ids = self._eos_ids(loaded.generation_config, cfg)

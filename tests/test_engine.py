@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -198,6 +200,33 @@ def test_mem_fraction_static_sizes_the_pool_as_sglang(tiny_llama, monkeypatch):
             Engine(tiny_llama, mem_fraction_static=bad)
     with pytest.raises(ValueError, match="--mem-fraction-static does not work with --tp-size > 1"):
         Engine(tiny_llama, mem_fraction_static=0.5, tp_size=2)
+
+
+def test_tokenizer_path_and_trust_remote_code(tiny_llama, tmp_path):
+    """--tokenizer-path loads the tokenizer from another directory: here the model's own files
+    with a tokenizer class of their own (auto_map), which runs only with --trust-remote-code and
+    is refused by name without it; the same vocabulary gives the same greedy ids."""
+    tok_dir = tmp_path / "tokenizer"
+    shutil.copytree(tiny_llama, tok_dir, ignore=shutil.ignore_patterns("*.safetensors", "config.json",
+                                                                       "generation_config.json"))
+    (tok_dir / "tokenization_shout.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\nclass ShoutTokenizerFast(PreTrainedTokenizerFast):\n"
+        "    pass\n")
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="ShoutTokenizerFast",
+                  auto_map={"AutoTokenizer": [None, "tokenization_shout.ShoutTokenizerFast"]})
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    params = {**GREEDY, "max_new_tokens": 6}
+    with pytest.raises(ValueError, match="runs code of its own .*--trust-remote-code"):
+        Engine(tiny_llama, dtype="float32", tokenizer_path=str(tok_dir))
+    with Engine(tiny_llama, dtype="float32", tokenizer_path=str(tok_dir), trust_remote_code=True) as eng:
+        assert type(eng.tokenizer).__name__ == "ShoutTokenizerFast" and Path(eng.tokenizer_path) == tok_dir
+        shouted = eng.generate("Hello there", params)["output_ids"]
+        eng.check_memory()
+    with Engine(tiny_llama, dtype="float32") as eng:
+        assert eng.generate("Hello there", params)["output_ids"] == shouted
+    with pytest.raises(ValueError, match="--tokenizer-path takes a tokenizer's directory"):
+        Engine(tiny_llama, tokenizer_path="model.gguf")
 
 
 def test_chat_template_file_replaces_the_models(tiny_llama, tmp_path):
