@@ -8,6 +8,7 @@ import gc
 import logging
 import os
 import queue
+import resource
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -77,7 +78,8 @@ class Engine:
     def _build(self) -> None:
         args = self.engine_args
         # --mem-fraction-static is a share of what is free before the weights load (SGLang's).
-        self._free_at_start = self._free_memory() if args.mem_fraction_static is not None else None
+        self._memory_at_start = (self._free_memory(), self._memory_in_use()) \
+            if args.mem_fraction_static is not None else None
         loaded = load_model(args.model_path, quantized=self._serve_quantized())
         self.model_config = cfg = ModelConfig.from_hf(loaded.hf_config, args.context_length)
         self.dtype = self._pick_dtype(loaded.hf_config)
@@ -237,15 +239,17 @@ class Engine:
         sizes = [args.max_total_tokens] if args.max_total_tokens else []
         if args.mem_fraction_static is not None:
             # SGLang's rule: the weights and the pool take this share of the memory free at start.
-            assert self._free_at_start is not None
-            free = self._free_memory()
-            budget = int(free - self._free_at_start * (1 - args.mem_fraction_static))
+            # What this process took since is counted, not what the device lost: engines starting
+            # together on one device (--dp-size workers) do not count each other's weights.
+            assert self._memory_at_start is not None
+            free_at_start, in_use_at_start = self._memory_at_start
+            share, taken = int(free_at_start * args.mem_fraction_static), self._memory_in_use() - in_use_at_start
+            budget = share - taken
             if budget < 2 * args.page_size * per_token:
                 raise ValueError(
                     f"--mem-fraction-static {args.mem_fraction_static} leaves no room for the KV pool: "
-                    f"{self._free_at_start / 2**30:.2f} GiB were free at start and {free / 2**30:.2f} GiB are "
-                    f"after the weights, of which {(1 - args.mem_fraction_static) * self._free_at_start / 2**30:.2f} "
-                    "GiB must stay free; raise it")
+                    f"{share / 2**30:.2f} GiB of the {free_at_start / 2**30:.2f} GiB free at start, and the "
+                    f"weights took {taken / 2**30:.2f} GiB; raise it")
             sizes.append(min(budget, cap) // per_token)
         if not sizes:
             if self.device.type == "cuda":
@@ -257,6 +261,17 @@ class Engine:
         if size < 2 * args.page_size:
             raise ValueError(f"max_total_tokens={args.max_total_tokens} is too small for page_size={args.page_size}")
         return size
+
+    def _memory_in_use(self) -> int:
+        """Bytes this process holds: torch's reserved GPU memory, or its resident set in RAM."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            return torch.cuda.memory_reserved(self.device)
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:  # no procfs: the peak resident set (kB on Linux) stands in
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def _free_memory(self) -> int:
         """Bytes the device can still give: a GPU's free memory (torch's cached blocks returned

@@ -41,8 +41,8 @@ class EngineArgs:
         None, "as SGLang: the tokenizer's directory, or a hub id already in the local cache (default: the "
               "model's own, or the one a GGUF file holds)")
     trust_remote_code: bool = _setting(
-        False, "as SGLang: a tokenizer whose files name code of their own (auto_map) may run it; a model's code "
-               "never runs here (baby-sgl runs its own model families)")
+        False, "as SGLang: a tokenizer whose files name code of their own (auto_map) may run it, and so may "
+               "the config code its directory names; the model itself always runs on baby-sgl's own families")
     dtype: str = _setting("auto", "activations and KV pool: auto (bfloat16 on CPUs with native bf16, else "
                                   "float32; the checkpoint's on GPUs), float32, bfloat16 or float16")
     quantization: str | None = _setting(
@@ -75,9 +75,9 @@ class EngineArgs:
     mem_fraction_static: float | None = _setting(
         None, "as SGLang: the weights and the KV pool take at most this share of the memory free at start "
               "(a GPU's, or RAM's available memory on CPU), so engines sharing a device can each be given "
-              "a part (--dp-size workers start together: each takes it of the same free memory); the pool "
-              "stays under the --max-total-tokens default's cap and under --max-total-tokens if given "
-              "(default: 0.8 of the free GPU memory, 0.2 of free RAM)")
+              "a part (each counts only its own use: --dp-size workers, which start together, each take "
+              "this share of the same free memory); the pool stays under the --max-total-tokens default's "
+              "cap and under --max-total-tokens if given (default: 0.8 of the free GPU memory, 0.2 of free RAM)")
     max_running_requests: int = _setting(64, "requests decoding at once at most")
     schedule_policy: str = _setting("fcfs", "order of admission of waiting requests: " + ", ".join(SCHEDULE_POLICIES)
                                             + " (lpm and dfs-weight use the radix tree)")

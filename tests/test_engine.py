@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from baby_sgl import Engine
 from helpers import GREEDY, TINY_KW, random_prompts, wait_until
@@ -175,24 +177,34 @@ def test_context_manager_and_server_info(tiny_llama):
 
 def test_mem_fraction_static_sizes_the_pool_as_sglang(tiny_llama, monkeypatch):
     """SGLang's rule: the weights and the pool take the fraction of the memory free at start, so
-    the pool is what is free after the weights less (1 - fraction) of that; --max-total-tokens,
-    if given too, bounds it; a fraction that leaves no room, one outside (0, 1) or one with
-    --tp-size > 1 is refused by name. The device's free memory is fixed here (1 GiB at start, 1 MiB
-    less after the weights) so the sizes are exact on any device."""
-    start, after = 1 << 30, (1 << 30) - (1 << 20)
-    readings: list[int] = []
-    monkeypatch.setattr(Engine, "_free_memory", lambda self: readings.pop(0))
+    the pool is that share less what the engine took for its weights (its own use: engines
+    starting together on one device do not count each other's); --max-total-tokens, if given
+    too, bounds it; a fraction that leaves no room, one outside (0, 1) or one with --tp-size > 1
+    is refused by name. The readings are fixed here (1 GiB free at start, 1 MiB taken by the
+    weights) so the sizes are exact on any device; each is taken once, before the weights load
+    and after."""
+    free_at_start, in_use = 1 << 30, [100 << 20, (100 << 20) + (1 << 20)]
+    calls: list[tuple[str, bool]] = []
+
+    def reading(name: str):
+        def read(self) -> int:
+            calls.append((name, hasattr(self, "model_config")))  # set once the checkpoint is read
+            return free_at_start if name == "free" else in_use[sum(c[0] == "in use" for c in calls) - 1]
+        return read
+
+    monkeypatch.setattr(Engine, "_free_memory", reading("free"))
+    monkeypatch.setattr(Engine, "_memory_in_use", reading("in use"))
     head_dim = TINY_KW["hidden_size"] // TINY_KW["num_attention_heads"]
     per_token = 2 * TINY_KW["num_hidden_layers"] * TINY_KW["num_key_value_heads"] * head_dim * 4  # float32 K and V
-    readings[:] = [start, after]
     with Engine(tiny_llama, dtype="float32", mem_fraction_static=3 / 1024) as eng:  # 3 MiB: 1 for weights, 2 pool
-        assert not readings and eng.get_server_info()["max_total_tokens"] == (2 << 20) // per_token
+        assert calls == [("free", False), ("in use", False), ("in use", True)]
+        assert eng.get_server_info()["max_total_tokens"] == (2 << 20) // per_token
         assert eng.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": 4})["output_ids"]
         eng.check_memory()
-    readings[:] = [start, after]
+    calls.clear()
     with Engine(tiny_llama, dtype="float32", mem_fraction_static=3 / 1024, max_total_tokens=1000) as eng:
         assert eng.get_server_info()["max_total_tokens"] == 1000
-    readings[:] = [start, after]
+    calls.clear()
     with pytest.raises(ValueError, match=r"--mem-fraction-static 0.0005 leaves no room for the KV pool.*raise it"):
         Engine(tiny_llama, dtype="float32", mem_fraction_static=0.0005)  # 0.5 MiB: less than the weights
     for bad in (0.0, 1.0, 1.5):
@@ -200,6 +212,14 @@ def test_mem_fraction_static_sizes_the_pool_as_sglang(tiny_llama, monkeypatch):
             Engine(tiny_llama, mem_fraction_static=bad)
     with pytest.raises(ValueError, match="--mem-fraction-static does not work with --tp-size > 1"):
         Engine(tiny_llama, mem_fraction_static=0.5, tp_size=2)
+
+
+def test_the_memory_readings_are_of_this_machine(engine):
+    """What --mem-fraction-static reads: free memory within the device's, and this process's own."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = torch.cuda.mem_get_info()[1] if engine.device.type == "cuda" else os.sysconf("SC_PHYS_PAGES") * page
+    assert 0 < engine._free_memory() <= total
+    assert 0 < engine._memory_in_use() <= total
 
 
 def test_tokenizer_path_and_trust_remote_code(tiny_llama, tmp_path):

@@ -61,7 +61,7 @@ def load_tokenizer(args: argparse.Namespace):
 
         if name.endswith(".gguf"):  # a GGUF file carries its own vocabulary (our default model is one)
             return AutoTokenizer.from_pretrained(os.path.dirname(name), gguf_file=os.path.basename(name))
-        return AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=False)  # never a question on stdin
     except Exception as e:  # any server or model: fall back to word text rather than give up
         print(f"no tokenizer ({e!r:.200}); prompts are random words", file=sys.stderr)
         return None
