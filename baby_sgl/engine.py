@@ -252,10 +252,7 @@ class Engine:
                     f"weights took {taken / 2**30:.2f} GiB; raise it")
             sizes.append(min(budget, cap) // per_token)
         if not sizes:
-            if self.device.type == "cuda":
-                budget = int(torch.cuda.mem_get_info(self.device)[0] * 0.8)
-            else:
-                budget = int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.2)
+            budget = int(self._free_memory() * (0.8 if self.device.type == "cuda" else 0.2))
             sizes.append(min(budget, cap) // per_token)
         size = min(sizes) // args.page_size * args.page_size
         if size < 2 * args.page_size:

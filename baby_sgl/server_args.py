@@ -77,7 +77,7 @@ class EngineArgs:
               "(a GPU's, or RAM's available memory on CPU), so engines sharing a device can each be given "
               "a part (each counts only its own use: --dp-size workers, which start together, each take "
               "this share of the same free memory); the pool stays under the --max-total-tokens default's "
-              "cap and under --max-total-tokens if given (default: 0.8 of the free GPU memory, 0.2 of free RAM)")
+              "cap and under --max-total-tokens if given (default: 0.8 of the free GPU memory, 0.2 of the available RAM)")
     max_running_requests: int = _setting(64, "requests decoding at once at most")
     schedule_policy: str = _setting("fcfs", "order of admission of waiting requests: " + ", ".join(SCHEDULE_POLICIES)
                                             + " (lpm and dfs-weight use the radix tree)")

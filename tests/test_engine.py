@@ -204,6 +204,7 @@ def test_mem_fraction_static_sizes_the_pool_as_sglang(tiny_llama, monkeypatch):
     calls.clear()
     with Engine(tiny_llama, dtype="float32", mem_fraction_static=3 / 1024, max_total_tokens=1000) as eng:
         assert eng.get_server_info()["max_total_tokens"] == 1000
+        eng.check_memory()
     calls.clear()
     with pytest.raises(ValueError, match=r"--mem-fraction-static 0.0005 leaves no room for the KV pool.*raise it"):
         Engine(tiny_llama, dtype="float32", mem_fraction_static=0.0005)  # 0.5 MiB: less than the weights
@@ -245,6 +246,7 @@ def test_tokenizer_path_and_trust_remote_code(tiny_llama, tmp_path):
         eng.check_memory()
     with Engine(tiny_llama, dtype="float32") as eng:
         assert eng.generate("Hello there", params)["output_ids"] == shouted
+        eng.check_memory()
     with pytest.raises(ValueError, match="--tokenizer-path takes a tokenizer's directory"):
         Engine(tiny_llama, tokenizer_path="model.gguf")
 
