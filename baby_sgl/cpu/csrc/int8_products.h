@@ -207,6 +207,18 @@ inline __m256i iq4_bytes(__m256i nibbles) {
   return _mm256_shuffle_epi8(_mm256_set_m128i(levels, levels), nibbles);
 }
 
+// Q6_K sub-block j's 32 values as stored, unsigned bytes 0..63 (each value plus 32): its low
+// nibbles, and bits 2 (j % 4) and 2 (j % 4) + 1 of the high bytes moved to bits 4 and 5 (a 16-bit
+// shift by at most 4 moves none of those bits across a byte).
+inline __m256i k6_stored_values(const uint8_t* p, int j) {
+  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sub_block_values<kQ6_K>(p, j)));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + high_bits_at(kQ6_K) + 32 * (j / 4)));
+  const __m256i lo = _mm256_and_si256(j % 4 < 2 ? ql : _mm256_srli_epi16(ql, 4), _mm256_set1_epi8(0x0f));
+  const int at = 2 * (j % 4);
+  const __m256i hi = at <= 4 ? _mm256_slli_epi16(qh, 4 - at) : _mm256_srli_epi16(qh, at - 4);
+  return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+}
+
 // The 32 values of a block from int_block as bytes, in order.
 template <int T>
 inline __m256i int_values(const uint8_t* p, int j) {
@@ -216,13 +228,8 @@ inline __m256i int_values(const uint8_t* p, int j) {
   else if constexpr (T == kQ5_0 || T == kQ5_1)
     return _mm256_or_si256(unpack_nibbles(q), _mm256_and_si256(bytes_from_bits(p + high_bits_at(T)), _mm256_set1_epi8(0x10)));
   else if constexpr (T == kIQ4_NL || T == kIQ4_XS) return iq4_bytes(unpack_nibbles(q));
-  else if constexpr (T == kQ6_K) {
-    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + high_bits_at(T) + 32 * (j / 4)));
-    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (j % 4 / 2)), _mm256_set1_epi8(0x0f));
-    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * (j % 4)), _mm256_set1_epi8(3)), 4);
-    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
-  } else {
+  else if constexpr (T == kQ6_K) return _mm256_sub_epi8(k6_stored_values(p, j), _mm256_set1_epi8(32));
+  else {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
     const __m256i low = _mm256_and_si256(_mm256_srli_epi16(v, 4 * (j % 2)), _mm256_set1_epi8(0x0f));
     if constexpr (T == kQ4_K) {

@@ -38,14 +38,26 @@ constexpr bool takes_kquant_rows(int type, int64_t rows, int64_t k, bool same_bi
 
 // The activation rows as the tiles read them. AVX-512: Q4_K's and Q5_K's sub-blocks reordered
 // 0, 2, 1, 3, 4, 6, 5, 7 in each super-block, as one 64-byte load of weight nibbles holds them
-// (sub-blocks 0 and 2 in the low halves, 1 and 3 in the high halves); Q6_K's sums of each 16
-// values times 32 (its values are stored plus 32), [rows][k / 16].
+// (sub-blocks 0 and 2 in the low halves, 1 and 3 in the high halves). Q6_K, AVX-512 and AVX2:
+// the sums of each 16 values times 32 (its values are stored plus 32), [rows][k / 16], in the
+// order each build's krows_sums takes them (q6_half_at).
 struct KRowsInput {
   const Q8Rows* a = nullptr;
   const int8_t* q = nullptr;  // [rows][k]: a->q, or the reordered copy
   const int32_t* half_sums = nullptr;
   const int8_t* block(int64_t m, int64_t b) const { return q + m * a->k + 32 * b; }
 };
+
+// Where the sum of 16-value half h of a row goes in KRowsInput::half_sums: AVX-512 in order; AVX2
+// per super-block the first halves of sub-blocks 0..3, their second halves, then 4..7's.
+constexpr int64_t q6_half_at(int64_t h) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return h;
+#else
+  const int64_t j = h % 16 / 2;
+  return h - h % 16 + j / 4 * 8 + h % 2 * 4 + j % 4;
+#endif
+}
 
 template <int T>
 inline KRowsInput krows_input(const Q8Rows& a, AlignedBuffer<int8_t>& reordered, AlignedBuffer<int32_t>& half_sums) {
@@ -59,6 +71,10 @@ inline KRowsInput krows_input(const Q8Rows& a, AlignedBuffer<int8_t>& reordered,
         std::memcpy(reordered.data() + m * a.k + 32 * b, a.block(m, b - b % 8 + order[b % 8]), 32);
     in.q = reordered.data();
   }
+#else
+  (void)reordered;
+#endif
+#if defined(__AVX2__)
   if constexpr (T == kQ6_K) {
     half_sums.reserve(a.rows * a.k / 16);
     for (int64_t m = 0; m < a.rows; ++m)
@@ -66,12 +82,11 @@ inline KRowsInput krows_input(const Q8Rows& a, AlignedBuffer<int8_t>& reordered,
         const int8_t* q = a.q.data() + m * a.k + 16 * h;
         int32_t s = 0;
         for (int i = 0; i < 16; ++i) s += q[i];
-        half_sums[m * (a.k / 16) + h] = 32 * s;
+        half_sums[m * (a.k / 16) + q6_half_at(h)] = 32 * s;
       }
     in.half_sums = half_sums.data();
   }
 #else
-  (void)reordered;
   (void)half_sums;
 #endif
   return in;
@@ -148,32 +163,37 @@ inline __m256i krows_sums(const __m512i z[4], const KRowsInput& in, int64_t m, i
   }
 }
 #elif defined(__AVX2__)
-// The sums of eight vectors' lanes, in order.
-inline __m256i sums8(const __m256i z[8]) {
-  const __m256i a0 = _mm256_hadd_epi32(z[0], z[1]), a1 = _mm256_hadd_epi32(z[2], z[3]);
-  const __m256i a2 = _mm256_hadd_epi32(z[4], z[5]), a3 = _mm256_hadd_epi32(z[6], z[7]);
-  const __m256i b0 = _mm256_hadd_epi32(a0, a1), b1 = _mm256_hadd_epi32(a2, a3);  // lanes 0..3, then 4..7
-  return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+// The sums of each half (lanes 0..3, lanes 4..7) of four vectors: [z0..z3 low halves | z0..z3 high].
+inline __m256i half_sums4(const __m256i* z) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(z[0], z[1]), _mm256_hadd_epi32(z[2], z[3]));
 }
 
-// The exact integer sums of a super-block's 8 sub-blocks with activation row m, in order; Q6_K's
-// values signed (the sign trick of tile_q8), each half's sum times its scale.
+// The exact integer sums of a super-block's 8 sub-blocks with activation row m, in order. Q6_K's
+// values are taken as stored (plus 32, unsigned): each 16-value half's dot product less 32 times
+// its activations' sum (KRowsInput::half_sums), times the half's scale (q6_scales, in the halves'
+// order here: sub-blocks 0..3's first halves, their second halves, then 4..7's).
 template <int T>
-inline __m256i krows_sums(const uint8_t* p, const KRowsInput& in, int64_t m, int64_t s) {
+inline __m256i krows_sums(const uint8_t* p, const KRowsInput& in, int64_t m, int64_t s, const __m256i q6_scales[2]) {
   __m256i dots[8];
   for (int j = 0; j < 8; ++j) {
-    const __m256i v = int_values<T>(p, j);
-    __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.block(m, 8 * s + j)));
-    if constexpr (T == kQ6_K) {
-      q = _mm256_sign_epi8(q, v);
-      int32_t lo, hi;
-      k6_sub_scales(p, j, lo, hi);
-      dots[j] = _mm256_mullo_epi32(dot_u8s8(_mm256_sign_epi8(v, v), q), _mm256_setr_m128i(_mm_set1_epi32(lo), _mm_set1_epi32(hi)));
-    } else {
-      dots[j] = dot_u8s8(v, q);
-    }
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.block(m, 8 * s + j)));
+    dots[j] = dot_u8s8(T == kQ6_K ? k6_stored_values(p, j) : int_values<T>(p, j), q);
   }
-  return sums8(dots);
+  __m256i h0 = half_sums4(dots), h1 = half_sums4(dots + 4);
+  if constexpr (T == kQ6_K) {
+    const __m256i* hs = reinterpret_cast<const __m256i*>(in.half_sums + m * (in.a->k / 16) + 16 * s);
+    h0 = _mm256_mullo_epi32(_mm256_sub_epi32(h0, _mm256_loadu_si256(hs)), q6_scales[0]);
+    h1 = _mm256_mullo_epi32(_mm256_sub_epi32(h1, _mm256_loadu_si256(hs + 1)), q6_scales[1]);
+  }
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+}
+
+// Q6_K's 16 scales of the super-block at p as two vectors of int32 in krows_sums's halves' order.
+inline void k6_half_scales(const uint8_t* p, __m256i scales[2]) {
+  const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  for (int i = 0; i < 2; ++i)
+    scales[i] = _mm256_permutevar8x32_epi32(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + kQ6ScalesAt + 8 * i))), order);
 }
 #endif
 
@@ -196,12 +216,15 @@ inline void krows_tile(const Weight& w, int64_t j, const KRowsInput& in, int64_t
     krows_values<T>(p, z);
     const __m512i q6_scales = T == kQ6_K ? _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kQ6ScalesAt)))
                                          : _mm512_setzero_si512();
+#else
+    __m256i q6_scales[2] = {};
+    if constexpr (T == kQ6_K) k6_half_scales(p, q6_scales);
 #endif
     for (int m = 0; m < MR; ++m) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       const __m256i isum = krows_sums<T>(z, in, m0 + m, s, q6_scales);
 #else
-      const __m256i isum = krows_sums<T>(p, in, m0 + m, s);
+      const __m256i isum = krows_sums<T>(p, in, m0 + m, s, q6_scales);
 #endif
       const int64_t at = (m0 + m) * blocks + 8 * s;
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scale, _mm256_loadu_ps(a.d.data() + at)), acc[m]);
