@@ -85,7 +85,7 @@ class Engine:
         self.dtype = self._pick_dtype(loaded.hf_config)
         self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         # A directory AutoTokenizer loads (for a .gguf, its vocabulary converted), or --tokenizer-path.
-        self.tokenizer_path = resolve_model_path(args.tokenizer_path) if args.tokenizer_path else loaded.tokenizer_path
+        self.tokenizer_path = resolve_model_path(args.tokenizer_path, "tokenizer") if args.tokenizer_path else loaded.tokenizer_path
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=args.trust_remote_code)
         except ValueError as e:

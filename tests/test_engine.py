@@ -249,6 +249,8 @@ def test_tokenizer_path_and_trust_remote_code(tiny_llama, tmp_path):
         eng.check_memory()
     with pytest.raises(ValueError, match="--tokenizer-path takes a tokenizer's directory"):
         Engine(tiny_llama, tokenizer_path="model.gguf")
+    with pytest.raises(FileNotFoundError, match="tokenizer 'no-such/tokenizer' is neither a local path"):
+        Engine(tiny_llama, tokenizer_path="no-such/tokenizer")
 
 
 def test_chat_template_file_replaces_the_models(tiny_llama, tmp_path):

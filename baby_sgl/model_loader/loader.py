@@ -39,7 +39,9 @@ def default_model_path() -> str:
     return files[0]
 
 
-def resolve_model_path(model_path: str | None) -> str:
+def resolve_model_path(model_path: str | None, what: str = "model") -> str:
+    """A local path, or a hub id's snapshot in the local Hugging Face cache; `what` names it in the
+    error when it is neither ("model", "tokenizer")."""
     if model_path is None:
         return default_model_path()
     if os.path.exists(model_path):
@@ -50,7 +52,7 @@ def resolve_model_path(model_path: str | None) -> str:
     try:
         return snapshot_download(model_path, local_files_only=True)
     except Exception as e:
-        raise FileNotFoundError(f"model {model_path!r} is neither a local path nor in the local HF cache") from e
+        raise FileNotFoundError(f"{what} {model_path!r} is neither a local path nor in the local HF cache") from e
 
 
 def is_gguf(path: str) -> bool:
