@@ -585,8 +585,8 @@ class DecodeStep {
   void linear(const Weight& w, const float* x, int64_t rows, float* out, RowCopies& copies, int64_t ldo = 0,
               After after = nullptr) const {
     if (ldo == 0) ldo = w.n;
-    auto each_chunk = [&](auto&& product, int64_t unit = 0) {
-      if (unit == 0) unit = w.grouped ? kGroupRows : 1;
+    const int64_t rows_unit = w.grouped ? kGroupRows : 1;  // a grouped weight's rows are claimed by whole groups
+    auto each_chunk = [&](int64_t unit, auto&& product) {
       team_.share(w.n, unit, std::max<int64_t>(unit, kMinChunk), [&](int64_t n0, int64_t n1) {
         product(n0, n1);
         if constexpr (!std::is_same_v<After, std::nullptr_t>) after(n0, n1);
@@ -595,26 +595,26 @@ class DecodeStep {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (w.grouped) {
       quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
-      each_chunk([&](int64_t n0, int64_t n1) { product_grouped(w, copies.int8, out, ldo, n0, n1); });
+      each_chunk(rows_unit, [&](int64_t n0, int64_t n1) { product_grouped(w, copies.int8, out, ldo, n0, n1); });
       return;
     }
 #endif
     if (int8_activations_ && takes_kquant_rows(w.type, rows, w.k, deterministic_)) {
       quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
-      each_chunk([&](int64_t n0, int64_t n1) { product_kquant_rows(w, copies.int8, out, ldo, n0, n1); });
+      each_chunk(rows_unit, [&](int64_t n0, int64_t n1) { product_kquant_rows(w, copies.int8, out, ldo, n0, n1); });
       return;
     }
     if (int8_activations_ && (has_int8_products(w.type) || has_int8_gemm(w.type))) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if (takes_int8_gemm(w.type, rows, deterministic_)) {
         quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
-        each_chunk([&](int64_t n0, int64_t n1) { product_int8(w, copies.int8, out, ldo, n0, n1); });
+        each_chunk(rows_unit, [&](int64_t n0, int64_t n1) { product_int8(w, copies.int8, out, ldo, n0, n1); });
         return;
       }
 #endif
       if (rows < kInt8MaxRows || deterministic_) {
         quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
-        each_chunk([&](int64_t n0, int64_t n1) { product_q8(w, copies.int8, out, ldo, n0, n1); });
+        each_chunk(rows_unit, [&](int64_t n0, int64_t n1) { product_q8(w, copies.int8, out, ldo, n0, n1); });
         return;
       }
     }
@@ -622,15 +622,15 @@ class DecodeStep {
     if (bf16_products_ && (rows >= kBF16MinRows || deterministic_) && w.k % 32 == 0) {
       copies.bf16.resize(rows * w.k);
       to_bf16_rows(x, w.k, rows, w.k, copies.bf16.data());
-      each_chunk([&](int64_t n0, int64_t n1) { product_bf16(w, copies.bf16.data(), rows, out, ldo, n0, n1); });
+      each_chunk(rows_unit, [&](int64_t n0, int64_t n1) { product_bf16(w, copies.bf16.data(), rows, out, ldo, n0, n1); });
       return;
     }
 #endif
     if (kHasBlasProducts && !deterministic_ && rows >= kBlasMinRows && w.k % 32 == 0) {  // whole panels a claim
-      each_chunk([&](int64_t n0, int64_t n1) { product_blas(w, x, rows, out, ldo, n0, n1); }, kBlasPanel);
+      each_chunk(kBlasPanel, [&](int64_t n0, int64_t n1) { product_blas(w, x, rows, out, ldo, n0, n1); });
       return;
     }
-    each_chunk([&](int64_t n0, int64_t n1) { product(w, x, w.k, rows, out, ldo, n0, n1); });
+    each_chunk(rows_unit, [&](int64_t n0, int64_t n1) { product(w, x, w.k, rows, out, ldo, n0, n1); });
   }
 
   // The same over a fused projection: each part's outputs in its columns of out [rows, f.n].
