@@ -21,11 +21,12 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
 from baby_sgl.cache_dirs import cache_root, write_atomically
+from baby_sgl.model_loader.gguf_header import GGUFTensor, read_gguf_header
 from baby_sgl.layers.quantization import BLOCK_BYTES, DENSE_WEIGHT_TYPES, QuantizedWeight, WeightType, block_values
 
 logger = logging.getLogger(__name__)
@@ -134,9 +135,9 @@ def convert_tokenizer(path: str, out_dir: str) -> None:
 
 def _convert_weights(path: str, keep_quantized: bool = False) \
         -> tuple[dict[str, Any], dict[str, torch.Tensor | QuantizedWeight]]:
-    reader = GGUFReader(path)
-    tensors = {t.name: t for t in reader.tensors}
-    config = _hf_config(reader, tensors)
+    header = read_gguf_header(path)
+    tensors = {t.name: t for t in header.tensors}
+    config = _hf_config(header.metadata, tensors)
     state_dict: dict[str, torch.Tensor | QuantizedWeight] = {}
     for name, tensor in tensors.items():
         if name in (_ROPE_FREQS, *_LONGROPE_FACTORS.values()):  # already folded into config["rope_scaling"]
@@ -211,10 +212,9 @@ def _unpermute_rows(weight: torch.Tensor | QuantizedWeight, heads: int) -> torch
     return per_head.transpose(1, 2).reshape(weight.shape)
 
 
-def _hf_config(reader: GGUFReader, tensors: dict[str, ReaderTensor]) -> dict:
+def _hf_config(metadata: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict:
     def meta(key: str, default: Any = None) -> Any:
-        field = reader.fields.get(key)
-        return default if field is None else field.contents()
+        return metadata.get(key, default)
 
     arch = meta("general.architecture")
     if arch not in _ARCHITECTURES:
@@ -271,7 +271,7 @@ def _hf_config(reader: GGUFReader, tensors: dict[str, ReaderTensor]) -> dict:
     }
 
 
-def _gemma3_config(meta: Callable[..., Any], tensors: dict[str, ReaderTensor], head_dim: int, theta: float) -> dict:
+def _gemma3_config(meta: Callable[..., Any], tensors: dict[str, GGUFTensor], head_dim: int, theta: float) -> dict:
     """Gemma 3's own settings, with llama.cpp's defaults where a file leaves them out: every sixth
     layer global, the windowed layers' rope base 10000, the attention scaled by head_dim ** -0.5."""
     layers = meta("gemma3.block_count")
@@ -292,7 +292,7 @@ def _gemma3_config(meta: Callable[..., Any], tensors: dict[str, ReaderTensor], h
 
 
 def _rope_scaling(
-    meta: Callable[..., Any], arch: str, tensors: dict[str, ReaderTensor], head_dim: int, theta: float
+    meta: Callable[..., Any], arch: str, tensors: dict[str, GGUFTensor], head_dim: int, theta: float
 ) -> dict | None:
     if _LONGROPE_FACTORS["long_factor"] in tensors:  # Phi-3's longrope, its factors as tensors
         factors = {key: np.asarray(dequantize(tensors[t].data, tensors[t].tensor_type), np.float64).tolist()
