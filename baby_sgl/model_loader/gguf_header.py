@@ -78,18 +78,29 @@ class _Cursor:
 
 def read_gguf_header(path: str) -> GGUFHeader:
     file = np.memmap(path, mode="r")
+    try:
+        return _read(path, file)
+    except struct.error as e:  # a length or count pointing past the end
+        raise ValueError(f"{path}: the GGUF header ends early ({e})") from e
+
+
+def _read(path: str, file: np.memmap) -> GGUFHeader:
     cur = _Cursor(memoryview(file.data))
     if bytes(cur.buf[:4]) != _MAGIC:
         raise ValueError(f"{path} is not a GGUF file (it does not start with {_MAGIC!r})")
     cur.at = 4
     version = cur.take("I")
+    if version & 0xFFFF == 0:
+        raise ValueError(f"{path} is a big-endian GGUF file: not supported (llama.cpp's tools write little-endian)")
     if version not in (2, 3):
-        raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3, little-endian, are)")
+        raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
     n_tensors, n_keys = cur.take("Q"), cur.take("Q")
     metadata: dict[str, Any] = {}
     for _ in range(n_keys):
         key = cur.string()
         value = cur.value(cur.take("I"))
+        if key in metadata:
+            raise ValueError(f"{path}: the key {key!r} appears twice")
         if value is not None:
             metadata[key] = value
     table = []
@@ -97,17 +108,26 @@ def read_gguf_header(path: str) -> GGUFHeader:
         name = cur.string()
         dims = tuple(cur.take("Q") for _ in range(cur.take("I")))
         table.append((name, dims, GGMLQuantizationType(cur.take("I")), cur.take("Q")))
-    align = int(metadata.get("general.alignment", 32))
+    if len({name for name, *_ in table}) != len(table):
+        raise ValueError(f"{path}: a tensor name appears twice")
+    align = metadata.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise ValueError(f"{path}: general.alignment must be a power of two, got {align!r}")
     start = -(-cur.at // align) * align
     tensors = []
     for name, dims, kind, offset in table:
         block, size = GGML_QUANT_SIZES[kind]
+        outer = tuple(reversed(dims))  # outermost first
+        if kind not in _ELEMENTS and outer and outer[-1] % block:
+            raise ValueError(f"{path}: tensor {name}'s rows of {outer[-1]} values are not whole {kind.name} blocks of {block}")
         count = int(np.prod(dims, dtype=np.int64))
         at = start + offset
-        outer = tuple(reversed(dims))  # outermost first
+        nbytes = count * np.dtype(_ELEMENTS[kind]).itemsize if kind in _ELEMENTS else count // block * size
+        if at + nbytes > len(file):
+            raise ValueError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
         if kind in _ELEMENTS:
-            data = file[at:at + count * np.dtype(_ELEMENTS[kind]).itemsize].view(_ELEMENTS[kind]).reshape(outer)
+            data = file[at:at + nbytes].view(_ELEMENTS[kind]).reshape(outer)
         else:
-            data = file[at:at + count // block * size].reshape(*outer[:-1], outer[-1] // block * size)
+            data = file[at:at + nbytes].reshape(*outer[:-1], outer[-1] // block * size)
         tensors.append(GGUFTensor(name, kind, dims, data))
     return GGUFHeader(metadata, tensors)

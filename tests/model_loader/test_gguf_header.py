@@ -1,13 +1,14 @@
 """model_loader/gguf_header.py against gguf's own GGUFReader: the same settings (every key but the
 arrays of strings, which it steps over), the same tensor table and bytes, on the default model's
-file and on a mixed K-quant file; and a clear error for what it cannot read."""
+file, a mixed K-quant file and a file of every value type and element tensor type; and a clear
+error for what it cannot read."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as G
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFEndian, GGUFReader, GGUFValueType, GGUFWriter
 
 from baby_sgl.model_loader.gguf_header import read_gguf_header
 from baby_sgl.model_loader.loader import default_model_path
@@ -35,7 +36,48 @@ def test_a_mixed_k_quant_file_reads_as_gguf_reads_it(wide_llama, tmp_path):
     _same_as_gguf_reader(path)
 
 
+def _write(path, endian: GGUFEndian = GGUFEndian.LITTLE) -> None:
+    w = GGUFWriter(str(path), "llama", endianess=endian)
+    w.add_bool("t.bool", True)
+    w.add_uint8("t.u8", 200)
+    w.add_int16("t.i16", -300)
+    w.add_uint64("t.u64", 2**40 + 3)
+    w.add_int64("t.i64", -(2**40))
+    w.add_float64("t.f64", 0.1)
+    w.add_float32("t.f32", 1e-5)
+    w.add_array("t.ints", [1, 2, 3])
+    w.add_array("t.floats", [0.5, 1.5])
+    w.add_array("t.strings", ["a", "bc", ""])
+    w.add_string("t.string", "héllo")
+    for name, values in {"f16": np.arange(12, dtype=np.float16).reshape(3, 4), "f32": np.ones((2, 5), np.float32),
+                         "i8": np.arange(-4, 4, dtype=np.int8), "i32": np.arange(6, dtype=np.int32).reshape(2, 3)}.items():
+        w.add_tensor(name, values)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_every_value_type_and_element_tensor_reads_as_gguf_reads_it(tmp_path):
+    _write(tmp_path / "types.gguf")
+    _same_as_gguf_reader(str(tmp_path / "types.gguf"))
+    header = read_gguf_header(str(tmp_path / "types.gguf"))
+    assert header.metadata["t.u64"] == 2**40 + 3 and header.metadata["t.string"] == "héllo"
+    assert "t.strings" not in header.metadata  # stepped over
+
+
 def test_what_it_cannot_read_is_named(tmp_path):
+    _write(tmp_path / "big.gguf", GGUFEndian.BIG)
+    with pytest.raises(ValueError, match="big-endian GGUF file"):
+        read_gguf_header(str(tmp_path / "big.gguf"))
+    _write(tmp_path / "cut.gguf")
+    data = (tmp_path / "cut.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:-16])  # past the padding after the last tensor
+    with pytest.raises(ValueError, match="tensor i32 runs past the end of the file"):
+        read_gguf_header(str(tmp_path / "cut.gguf"))
+    (tmp_path / "cut.gguf").write_bytes(data[:40])
+    with pytest.raises(ValueError, match="the GGUF header ends early"):
+        read_gguf_header(str(tmp_path / "cut.gguf"))
     not_gguf = tmp_path / "model.gguf"
     not_gguf.write_bytes(b"PK\x03\x04" + bytes(60))
     with pytest.raises(ValueError, match="is not a GGUF file"):
