@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 _MAGIC = b"GGUF"
-_STRING, _ARRAY = 8, 9
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
-          10: np.uint64, 11: np.int64, 12: np.float64}
+# The numeric value types as stored (little-endian); STRING and ARRAY are read by _Cursor.value.
+_NUMBERS: dict[int, str] = {GGUFValueType.UINT8: "u1", GGUFValueType.INT8: "i1", GGUFValueType.UINT16: "<u2",
+            GGUFValueType.INT16: "<i2", GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
+            GGUFValueType.FLOAT32: "<f4", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "<u8",
+            GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8"}
 # Tensor types stored as elements (the others as blocks of bytes).
 _ELEMENTS = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
              GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
@@ -58,22 +59,25 @@ class _Cursor:
 
     def value(self, kind: int) -> Any:
         """The value of a type; None for an array of strings, which is stepped over."""
-        if kind in _SCALARS:
-            return self.take(_SCALARS[kind])
-        if kind == _STRING:
+        if kind in _NUMBERS:
+            return self.numbers(_NUMBERS[kind], 1)[0]
+        if kind == GGUFValueType.STRING:
             return self.string()
-        if kind != _ARRAY:
+        if kind != GGUFValueType.ARRAY:
             raise ValueError(f"GGUF value type {kind} is not one the format defines")
         item, count = self.take("I"), self.take("Q")
-        if item in _NUMPY:
-            values: np.ndarray = np.frombuffer(self.buf, _NUMPY[item], count, self.at)
-            self.at += values.nbytes
-            return values.tolist()
-        if item == _STRING:
+        if item in _NUMBERS:
+            return self.numbers(_NUMBERS[item], count)
+        if item == GGUFValueType.STRING:
             for _ in range(count):
                 self.at += 8 + struct.unpack_from("<Q", self.buf, self.at)[0]
             return None
         return [self.value(item) for _ in range(count)]
+
+    def numbers(self, dtype: str, count: int) -> list:
+        values: np.ndarray = np.frombuffer(self.buf, dtype, count, self.at)
+        self.at += values.nbytes
+        return values.tolist()
 
 
 def read_gguf_header(path: str) -> GGUFHeader:
@@ -122,12 +126,11 @@ def _read(path: str, file: np.memmap) -> GGUFHeader:
             raise ValueError(f"{path}: tensor {name}'s rows of {outer[-1]} values are not whole {kind.name} blocks of {block}")
         count = int(np.prod(dims, dtype=np.int64))
         at = start + offset
-        nbytes = count * np.dtype(_ELEMENTS[kind]).itemsize if kind in _ELEMENTS else count // block * size
+        element = _ELEMENTS.get(kind)
+        nbytes = count * np.dtype(element).itemsize if element else count // block * size
         if at + nbytes > len(file):
             raise ValueError(f"{path}: tensor {name} runs past the end of the file (truncated?)")
-        if kind in _ELEMENTS:
-            data = file[at:at + nbytes].view(_ELEMENTS[kind]).reshape(outer)
-        else:
-            data = file[at:at + nbytes].reshape(*outer[:-1], outer[-1] // block * size)
+        raw = file[at:at + nbytes]
+        data = raw.view(element).reshape(outer) if element else raw.reshape(*outer[:-1], outer[-1] // block * size)
         tensors.append(GGUFTensor(name, kind, dims, data))
     return GGUFHeader(metadata, tensors)

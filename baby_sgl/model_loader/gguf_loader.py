@@ -26,8 +26,8 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file, save_file
 
 from baby_sgl.cache_dirs import cache_root, write_atomically
-from baby_sgl.model_loader.gguf_header import GGUFTensor, read_gguf_header
 from baby_sgl.layers.quantization import BLOCK_BYTES, DENSE_WEIGHT_TYPES, QuantizedWeight, WeightType, block_values
+from baby_sgl.model_loader.gguf_header import GGUFTensor, read_gguf_header
 
 logger = logging.getLogger(__name__)
 
