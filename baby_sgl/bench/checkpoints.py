@@ -19,12 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from baby_sgl.bench.byte_bpe import ByteBpeVocab, add_to_gguf, byte_bpe_vocab, save_hf_tokenizer
 from baby_sgl.cache_dirs import cache_root, write_atomically
+from baby_sgl.model_loader.gguf_header import read_gguf_header
 from baby_sgl.model_loader.gguf_loader import convert_tokenizer
 from baby_sgl.model_loader.gguf_writer import gguf_tensor_name, new_gguf_writer, permute_rows, permuted_for_llama_cpp
 from baby_sgl.model_loader.loader import default_model_path
@@ -229,8 +230,8 @@ def quantize_q4_0_exact(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _bos_eos(shape: ModelShape, vocab: ByteBpeVocab | None) -> tuple[int, int]:
     if vocab is not None:
         return vocab.special_id(shape.bos), vocab.special_id(shape.eos)
-    fields = GGUFReader(default_model_path()).fields
-    return fields["tokenizer.ggml.bos_token_id"].contents(), fields["tokenizer.ggml.eos_token_id"].contents()
+    settings = read_gguf_header(default_model_path()).metadata
+    return settings["tokenizer.ggml.bos_token_id"], settings["tokenizer.ggml.eos_token_id"]
 
 
 def _add_tokenizer(shape: ModelShape, vocab: ByteBpeVocab | None, w: GGUFWriter, hf_dir: str) -> None:
@@ -240,8 +241,9 @@ def _add_tokenizer(shape: ModelShape, vocab: ByteBpeVocab | None, w: GGUFWriter,
         save_hf_tokenizer(vocab, hf_dir, shape.bos, shape.eos)
         return
     default = default_model_path()  # located, never imported
-    for field in GGUFReader(default).fields.values():  # its vocabulary, as it is stored
-        if field.name.startswith("tokenizer."):
-            sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-            w.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    header = read_gguf_header(default, strings=True)
+    for key, value in header.metadata.items():  # its vocabulary, as it is stored
+        if key.startswith("tokenizer."):
+            kind, item = header.types[key]
+            w.add_key_value(key, value, kind, sub_type=item)
     convert_tokenizer(default, hf_dir)

@@ -4,8 +4,9 @@ gguf's GGUFReader builds numpy views of every value of every key, the tokenizer'
 and merges included: 8-9 s of every engine start on the default model (a 2-core Zen 3), though
 the weights need only the scalar settings and where each tensor lies. This reader walks the
 string arrays by their lengths (the tokenizer is converted once, by transformers, and cached) and
-maps the tensors' bytes as GGUFReader does. Little-endian GGUF versions 2 and 3 (what llama.cpp
-and gguf-py write)."""
+maps the tensors' bytes as GGUFReader does; asked for them, it reads the strings too (the
+benchmarks' checkpoint builder copies the default model's vocabulary), as plain Python strings.
+Little-endian GGUF versions 2 and 3 (what llama.cpp and gguf-py write)."""
 
 from __future__ import annotations
 
@@ -39,13 +40,14 @@ class GGUFTensor:
 
 @dataclass(frozen=True)
 class GGUFHeader:
-    metadata: dict[str, Any]  # each key's value (arrays as lists), but arrays of strings
+    metadata: dict[str, Any]  # each key's value (arrays as lists); arrays of strings only if asked for
+    types: dict[str, tuple[GGUFValueType, GGUFValueType | None]]  # each key's type and an array's item type
     tensors: list[GGUFTensor]
 
 
 class _Cursor:
-    def __init__(self, buf: memoryview) -> None:
-        self.buf, self.at = buf, 0
+    def __init__(self, buf: memoryview, strings: bool) -> None:
+        self.buf, self.at, self.strings = buf, 0, strings
 
     def take(self, fmt: str) -> Any:
         (value,) = struct.unpack_from("<" + fmt, self.buf, self.at)
@@ -58,7 +60,7 @@ class _Cursor:
         return bytes(self.buf[self.at - n:self.at]).decode("utf-8")
 
     def value(self, kind: int) -> Any:
-        """The value of a type; None for an array of strings, which is stepped over."""
+        """The value of a type; None for an array of strings unless they are asked for (stepped over)."""
         if kind in _NUMBERS:
             return self.numbers(_NUMBERS[kind], 1)[0]
         if kind == GGUFValueType.STRING:
@@ -68,6 +70,8 @@ class _Cursor:
         item, count = self.take("I"), self.take("Q")
         if item in _NUMBERS:
             return self.numbers(_NUMBERS[item], count)
+        if item == GGUFValueType.STRING and self.strings:
+            return [self.string() for _ in range(count)]
         if item == GGUFValueType.STRING:
             for _ in range(count):
                 self.at += 8 + struct.unpack_from("<Q", self.buf, self.at)[0]
@@ -80,16 +84,17 @@ class _Cursor:
         return values.tolist()
 
 
-def read_gguf_header(path: str) -> GGUFHeader:
+def read_gguf_header(path: str, strings: bool = False) -> GGUFHeader:
+    """The file's settings and tensors; strings: also the arrays of strings (the vocabulary)."""
     file = np.memmap(path, mode="r")
     try:
-        return _read(path, file)
+        return _read(path, file, strings)
     except struct.error as e:  # a length or count pointing past the end
         raise ValueError(f"{path}: the GGUF header ends early ({e})") from e
 
 
-def _read(path: str, file: np.memmap) -> GGUFHeader:
-    cur = _Cursor(memoryview(file.data))
+def _read(path: str, file: np.memmap, strings: bool) -> GGUFHeader:
+    cur = _Cursor(memoryview(file.data), strings)
     if bytes(cur.buf[:4]) != _MAGIC:
         raise ValueError(f"{path} is not a GGUF file (it does not start with {_MAGIC!r})")
     cur.at = 4
@@ -100,11 +105,15 @@ def _read(path: str, file: np.memmap) -> GGUFHeader:
         raise ValueError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
     n_tensors, n_keys = cur.take("Q"), cur.take("Q")
     metadata: dict[str, Any] = {}
+    types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}
     for _ in range(n_keys):
         key = cur.string()
-        value = cur.value(cur.take("I"))
-        if key in metadata:
+        kind = cur.take("I")
+        item = struct.unpack_from("<I", cur.buf, cur.at)[0] if kind == GGUFValueType.ARRAY else None
+        value = cur.value(kind)  # refuses a type the format does not define
+        if key in types:
             raise ValueError(f"{path}: the key {key!r} appears twice")
+        types[key] = (GGUFValueType(kind), None if item is None else GGUFValueType(item))
         if value is not None:
             metadata[key] = value
     table = []
@@ -133,4 +142,4 @@ def _read(path: str, file: np.memmap) -> GGUFHeader:
         raw = file[at:at + nbytes]
         data = raw.view(element).reshape(outer) if element else raw.reshape(*outer[:-1], outer[-1] // block * size)
         tensors.append(GGUFTensor(name, kind, dims, data))
-    return GGUFHeader(metadata, tensors)
+    return GGUFHeader(metadata, types, tensors)

@@ -1,7 +1,7 @@
-"""model_loader/gguf_header.py against gguf's own GGUFReader: the same settings (every key but the
-arrays of strings, which it steps over), the same tensor table and bytes, on the default model's
-file, a mixed K-quant file and a file of every value type and element tensor type; and a clear
-error for what it cannot read."""
+"""model_loader/gguf_header.py against gguf's own GGUFReader: the same settings and their types (the
+arrays of strings stepped over, or read when asked for), the same tensor table and bytes, on the
+default model's file, a mixed K-quant file and a file of every value type and element tensor type;
+and a clear error for what it cannot read."""
 
 from __future__ import annotations
 
@@ -17,9 +17,13 @@ from gguf_writer import write_tiny_gguf
 
 def _same_as_gguf_reader(path: str) -> None:
     ours, theirs = read_gguf_header(path), GGUFReader(path)
-    expected = {name: field.contents() for name, field in theirs.fields.items()
-                if not name.startswith("GGUF.") and not (field.types[:2] == [GGUFValueType.ARRAY, GGUFValueType.STRING])}
+    fields = {name: field for name, field in theirs.fields.items() if not name.startswith("GGUF.")}
+    expected = {name: field.contents() for name, field in fields.items()
+                if field.types[:2] != [GGUFValueType.ARRAY, GGUFValueType.STRING]}
     assert ours.metadata == expected
+    assert read_gguf_header(path, strings=True).metadata == {name: field.contents() for name, field in fields.items()}
+    assert ours.types == {name: (field.types[0], field.types[1] if field.types[0] == GGUFValueType.ARRAY else None)
+                          for name, field in fields.items()}
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
     for a, b in zip(ours.tensors, theirs.tensors):
         assert a.tensor_type == b.tensor_type and a.shape == tuple(int(d) for d in b.shape)
@@ -64,6 +68,7 @@ def test_every_value_type_and_element_tensor_reads_as_gguf_reads_it(tmp_path):
     header = read_gguf_header(str(tmp_path / "types.gguf"))
     assert header.metadata["t.u64"] == 2**40 + 3 and header.metadata["t.string"] == "héllo"
     assert "t.strings" not in header.metadata  # stepped over
+    assert read_gguf_header(str(tmp_path / "types.gguf"), strings=True).metadata["t.strings"] == ["a", "bc", ""]
 
 
 def test_what_it_cannot_read_is_named(tmp_path):
