@@ -542,6 +542,8 @@ class Engine:
         ended = self.scheduler.shutdown()
         if self.tp is not None:
             self.tp.stop(in_step=ended and not isinstance(self.scheduler.failure(), GroupBroken))
+        if ended:  # no pass runs over the KV pool any more: its memory goes back now
+            self.runner.release_memory()
 
     def __enter__(self) -> Engine:
         return self

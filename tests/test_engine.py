@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,21 @@ def test_context_manager_and_server_info(tiny_llama):
         info = eng.get_server_info()
         assert info["page_size"] == 8 and info["max_total_tokens"] == 1000 // 8 * 8
         eng.check_memory()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_closing_an_engine_lets_go_of_its_kv_pool(tiny_llama, kv_cache_dtype):
+    """The pool's memory goes back when the engine stops, not when the engine object is collected
+    (it sits in reference cycles until the garbage collector runs), so engines made one after
+    another never hold two pools."""
+    eng = Engine(tiny_llama, dtype="float32", max_total_tokens=1000, kv_cache_dtype=kv_cache_dtype)
+    eng.generate("hello there", {**GREEDY, "max_new_tokens": 4})
+    eng.check_memory()
+    pool = eng.runner.kv_pool
+    buffers = [weakref.ref(t) for t in pool.k_buffers + pool.v_buffers + pool.k_scales + pool.v_scales]
+    assert len(buffers) >= 2 * eng.runner.cfg.num_layers
+    eng.shutdown()
+    assert [b for b in buffers if b() is not None] == []
 
 
 def test_mem_fraction_static_sizes_the_pool_as_sglang(tiny_llama, monkeypatch):

@@ -87,6 +87,10 @@ class KVPool:
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
+    def release(self) -> None:
+        """Lets go of the buffers once nothing runs over them any more (the engine stopped)."""
+        self.k_buffers, self.v_buffers, self.k_scales, self.v_scales = [], [], [], []
+
     def layer(self, layer_id: int) -> LayerKV:
         if not self.k_scales:
             return LayerKV(self.k_buffers[layer_id], self.v_buffers[layer_id], None, None)

@@ -154,6 +154,13 @@ class ModelRunner:
                                                self.lora_pool)
         return self.req_to_token_pool
 
+    def release_memory(self) -> None:
+        """Lets go of the KV pool and the decode step that reads it, once no pass runs (the
+        engine stopped): their memory goes back then, not when the engine itself is collected."""
+        self.step = None
+        if self._kv_pool is not None:
+            self._kv_pool.release()
+
     def forward(self, b: ModelWorkerBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Next-token logits, one row per request, and the hidden states of input_logprob_rows
         (turned into logits by compute_logits, a slice at a time); (None, None) on ranks but 0."""
