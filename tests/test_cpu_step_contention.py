@@ -15,6 +15,7 @@ from baby_sgl.cpu import toolchain
 from baby_sgl.bench.offline import main
 
 pytestmark = [
+    pytest.mark.serial,
     pytest.mark.cpu_only("the CPU's one-call decode step and its thread pool"),
     pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                        reason="needs an affinity mask of two cores or more"),

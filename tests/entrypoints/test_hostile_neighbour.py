@@ -19,6 +19,8 @@ from baby_sgl.server_args import ServerArgs
 from entrypoints.conftest import serve_in_thread, start_server, wait_idle
 from helpers import GREEDY, wait_until
 
+pytestmark = pytest.mark.serial  # latencies alone and beside a load, moments apart
+
 RATIO = 3.0  # the innocent beside a hostile load, at most this many times its latency alone
 FLOOR_S = 0.25  # "alone" is at least this: below it a scheduler's jitter is not a neighbour's doing
 HOSTILE_S = 60.0  # no load runs longer than this, whatever happens

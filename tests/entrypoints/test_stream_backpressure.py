@@ -144,6 +144,7 @@ def test_token_ids_past_the_context_are_refused_before_the_body_is_validated(ser
                                                 f"the context length 1024")
 
 
+@pytest.mark.serial  # /health's latency against the parse's time
 def test_megabytes_of_tool_call_arguments_are_parsed_off_the_event_loop(server):
     # Failed before: openai_api.chat_completions built the turn (`body.chat_request(constraint)`,
     # which parses every call's arguments) on the event loop, so /health waited for it.
