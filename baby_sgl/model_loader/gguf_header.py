@@ -68,6 +68,8 @@ class _Cursor:
         if kind != GGUFValueType.ARRAY:
             raise ValueError(f"GGUF value type {kind} is not one the format defines")
         item, count = self.take("I"), self.take("Q")
+        if item not in _NUMBERS and item not in (GGUFValueType.STRING, GGUFValueType.ARRAY):  # even with no items
+            raise ValueError(f"GGUF array item type {item} is not one the format defines")
         if item in _NUMBERS:
             return self.numbers(_NUMBERS[item], count)
         if item == GGUFValueType.STRING and self.strings:
@@ -91,6 +93,10 @@ def read_gguf_header(path: str, strings: bool = False) -> GGUFHeader:
         return _read(path, file, strings)
     except struct.error as e:  # a length or count pointing past the end
         raise ValueError(f"{path}: the GGUF header ends early ({e})") from e
+    except ValueError as e:  # the cursor's refusals (a value or tensor type, a string's bytes) name no file
+        if path in str(e):
+            raise
+        raise ValueError(f"{path}: {e}") from e
 
 
 def _read(path: str, file: np.memmap, strings: bool) -> GGUFHeader:

@@ -91,3 +91,10 @@ def test_what_it_cannot_read_is_named(tmp_path):
     old.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(56))
     with pytest.raises(ValueError, match="GGUF version 1 is not supported"):
         read_gguf_header(str(old))
+    key = b"t.empty"
+    odd = tmp_path / "odd.gguf"  # an array of no items whose item type the format does not define
+    odd.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (1).to_bytes(8, "little")
+                    + len(key).to_bytes(8, "little") + key + (9).to_bytes(4, "little") + (99).to_bytes(4, "little")
+                    + (0).to_bytes(8, "little"))
+    with pytest.raises(ValueError, match=r"odd\.gguf: GGUF array item type 99 is not one the format defines"):
+        read_gguf_header(str(odd))
