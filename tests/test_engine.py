@@ -176,17 +176,29 @@ def test_context_manager_and_server_info(tiny_llama):
         eng.check_memory()
 
 
+@pytest.mark.parametrize("op_by_op", [False, True], ids=["step", "op-by-op"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_closing_an_engine_lets_go_of_its_kv_pool(tiny_llama, kv_cache_dtype):
+def test_closing_an_engine_lets_go_of_its_kv_pool(tiny_llama, kv_cache_dtype, op_by_op, monkeypatch):
     """The pool's memory goes back when the engine stops, not when the engine object is collected
     (it sits in reference cycles until the garbage collector runs), so engines made one after
-    another never hold two pools."""
+    another never hold two pools; on the op-by-op path (a GPU, tensor parallelism, no compiler)
+    the decode's gathers of the pool go too."""
+    if op_by_op:  # and the portable decode (gathers of the pool), as on a GPU
+        from baby_sgl.attention import torch_native
+        from baby_sgl.cpu import decode_step
+
+        monkeypatch.setattr(decode_step, "can_run", lambda *a, **k: False)
+        monkeypatch.setattr(torch_native, "decode_kernel", lambda: None)
     eng = Engine(tiny_llama, dtype="float32", max_total_tokens=1000, kv_cache_dtype=kv_cache_dtype)
     eng.generate("hello there", {**GREEDY, "max_new_tokens": 4})
     eng.check_memory()
     pool = eng.runner.kv_pool
     buffers = [weakref.ref(t) for t in pool.k_buffers + pool.v_buffers + pool.k_scales + pool.v_scales]
     assert len(buffers) >= 2 * eng.runner.cfg.num_layers
+    gathers = list(eng.runner.attn_backend.workspace.buffers.values())
+    assert (eng.runner.step is None) == op_by_op and (len(gathers) > 0) == op_by_op
+    buffers += [weakref.ref(t) for t in gathers]
+    del gathers
     eng.shutdown()
     assert [b for b in buffers if b() is not None] == []
 

@@ -141,6 +141,9 @@ class _Workspace:
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
 
+    def release(self) -> None:
+        self.buffers.clear()
+
     def gather(self, name: str, buf: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         n = indices.numel() * buf[0].numel()
         ws = self.buffers.get(name)

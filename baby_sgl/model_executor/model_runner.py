@@ -155,9 +155,11 @@ class ModelRunner:
         return self.req_to_token_pool
 
     def release_memory(self) -> None:
-        """Lets go of the KV pool and the decode step that reads it, once no pass runs (the
-        engine stopped): their memory goes back then, not when the engine itself is collected."""
+        """Lets go of the KV pool, the decode step that reads it and the op-by-op path's gathers
+        of it, once no pass runs (the engine stopped): their memory goes back then, not when the
+        engine itself is collected."""
         self.step = None
+        self.attn_backend.workspace.release()
         if self._kv_pool is not None:
             self._kv_pool.release()
 
