@@ -27,7 +27,7 @@ def _has_products(ops, qtype: WeightType) -> bool:
     if qtype != WeightType.Q6_K or ops.has_int8_gemm:
         return True
     qw = _random_blocks(WeightType.Q6_K, k=K)
-    with pytest.raises(RuntimeError, match="Q6_K only with AVX-512 VNNI"):
+    with pytest.raises(RuntimeError, match="Q6_K: with AVX-512 VNNI"):
         ops.linear_int8(torch.randn(1, K), qw.data, int(WeightType.Q6_K), N, K, None)
     return False
 

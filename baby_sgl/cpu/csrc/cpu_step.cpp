@@ -30,6 +30,7 @@
 #include "attention.h"
 #include "blas_products.h"
 #include "int8_gemm.h"
+#include "int8_panels.h"
 #include "int8_products.h"
 #include "kquant_rows.h"
 #include "ops.h"
@@ -602,6 +603,11 @@ class DecodeStep {
     if (int8_activations_ && takes_kquant_rows(w.type, rows, w.k, deterministic_)) {
       quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
       each_chunk(rows_unit, [&](int64_t n0, int64_t n1) { product_kquant_rows(w, copies.int8, out, ldo, n0, n1); });
+      return;
+    }
+    if (int8_activations_ && takes_int8_panels(w.type, rows, deterministic_)) {
+      quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
+      each_chunk(kPanelGroup, [&](int64_t n0, int64_t n1) { product_int8_panels(w, copies.int8, out, ldo, n0, n1); });
       return;
     }
     if (int8_activations_ && (has_int8_products(w.type) || has_int8_gemm(w.type))) {

@@ -1,5 +1,5 @@
 // Products of many activation rows (a prefill, a large decode batch) with block-quantized
-// weights in int8, on CPUs with AVX-512 VNNI. int8_products.h multiplies one weight row at a
+// weights in int8, on CPUs with AVX-512 VNNI (int8_panels.h is AVX2's form, with the same bits). int8_products.h multiplies one weight row at a
 // time, 32 values per instruction and a horizontal sum per output; here sixteen weight rows
 // travel side by side, one per 32-bit lane, so one vpdpbusd does 64 multiply-adds for sixteen
 // outputs and nothing is summed across lanes.
@@ -56,8 +56,6 @@ constexpr bool takes_int8_gemm(int type, int64_t rows, bool same_bits_for_any_ro
 template <int T>
 constexpr int32_t byte_offset() { return signed_values(T) ? 128 : T == kQ4_0 ? 8 : T == kQ5_0 ? 16 : 0; }
 
-// Formats whose blocks add a float offset times the activation block's scaled sum (int_block's).
-constexpr bool has_offset_term(int type) { return type == kQ4_1 || type == kQ5_1 || type == kQ4_K || type == kQ5_K; }
 
 struct Int8Panel {
   int64_t groups = 0, blocks = 0;
@@ -100,17 +98,13 @@ inline void store_transposed(const __m256i v[kGroup], uint8_t* dst) {
 // block's values as int8_products.h reads them (int_block, int_values), made unsigned.
 template <int T>
 inline void pack_group(const Weight& w, int64_t j, int valid, Int8Panel& p, int64_t g) {
-  const uint8_t* rows[kGroup];
-  for (int c = 0; c < kGroup; ++c) rows[c] = w.row(c < valid ? j + c : j);
-  constexpr bool k4 = T == kQ4_K || T == kQ5_K;
-  float k4_scales[kGroup][8], k4_offsets[kGroup][8];  // a super-block's, unpacked once for its 8 blocks
+  BlockWalk<T> rows[kGroup];
+  for (int c = 0; c < kGroup; ++c) rows[c].row = w.row(c < valid ? j + c : j);
   for (int64_t b = 0; b < p.blocks; ++b) {
     const int64_t at = g * p.blocks + b;
-    if (k4 && b % 8 == 0)
-      for (int c = 0; c < kGroup; ++c) k4_super_scales(rows[c] + block_bytes(T) * (b / 8), k4_scales[c], k4_offsets[c]);
     if (b % 2 == 0)  // sixteen streams a row apart, which the hardware prefetchers follow poorly
       for (int c = 0; c < kGroup; ++c) {
-        const char* ahead = reinterpret_cast<const char*>(rows[c]) + row_bytes(T, 32 * (b + 16));
+        const char* ahead = reinterpret_cast<const char*>(rows[c].row) + row_bytes(T, 32 * (b + 16));
         _mm_prefetch(ahead, _MM_HINT_T0);
         _mm_prefetch(ahead + 64, _MM_HINT_T0);
       }
@@ -118,12 +112,7 @@ inline void pack_group(const Weight& w, int64_t j, int valid, Int8Panel& p, int6
     for (int c = 0; c < kGroup; ++c) {
       int sub;
       float d, offset;
-      const uint8_t* blk = k4 ? rows[c] + block_bytes(T) * (b / 8) : int_block<T>(rows[c], b, sub, d, offset);
-      if constexpr (k4) {
-        sub = static_cast<int>(b % 8);
-        d = k4_scales[c][sub];
-        offset = -k4_offsets[c][sub];
-      }
+      const uint8_t* blk = rows[c].block(b, sub, d, offset);
       p.d[at * kGroup + c] = d;
       if constexpr (has_offset_term(T)) p.m[at * kGroup + c] = offset;
       if constexpr (T == kQ6_K) k6_sub_scales(blk, sub, p.sc[at * 2 * kGroup + c], p.sc[(at * 2 + 1) * kGroup + c]);

@@ -165,6 +165,30 @@ inline const uint8_t* int_block(const uint8_t* row, int64_t b, int& j, float& d,
   }
 }
 
+// Formats whose blocks add a float offset times the activation block's scaled sum (int_block's).
+constexpr bool has_offset_term(int type) { return type == kQ4_1 || type == kQ5_1 || type == kQ4_K || type == kQ5_K; }
+
+// One weight row read block after block (b = 0, 1, ...) by the many-row products, which rearrange
+// it into panels (int8_gemm.h, int8_panels.h): int_block's fields, the K-quants' from their
+// super-block's scales and mins unpacked once for its eight blocks.
+template <int T>
+struct BlockWalk {
+  const uint8_t* row = nullptr;
+  float k4_scales[8], k4_offsets[8];
+  const uint8_t* block(int64_t b, int& sub, float& d, float& offset) {
+    if constexpr (T == kQ4_K || T == kQ5_K) {
+      const uint8_t* p = row + block_bytes(T) * (b / 8);
+      if (b % 8 == 0) k4_super_scales(p, k4_scales, k4_offsets);
+      sub = static_cast<int>(b % 8);
+      d = k4_scales[sub];
+      offset = -k4_offsets[sub];
+      return p;
+    } else {
+      return int_block<T>(row, b, sub, d, offset);
+    }
+  }
+};
+
 // Value i of a 32-value block from int_block, as an integer.
 template <int T>
 inline int32_t int_value(const uint8_t* p, int j, int i) {
@@ -308,9 +332,10 @@ inline void tile_q8(const Weight& w, int64_t j, const Q8Rows& a, int64_t m0, flo
 constexpr int kQ8MR = 2;
 
 // Products of fewer rows than this take these tiles when the mode is on (from 4 rows they gained
-// nothing on float32 tiles: more go to the float32 or bfloat16 products). Where the CPU has
-// AVX-512 VNNI, only single rows do (int8_gemm.h takes two rows and more). In the default mode the
-// K-quants' products of up to three rows take kquant_rows.h's tiles instead.
+// nothing on float32 tiles: more go to AVX2's int8_panels.h, else to the float32 or bfloat16
+// products), and so do all row counts where a row's bits must not depend on its batch. Where the
+// CPU has AVX-512 VNNI, only single rows do (int8_gemm.h takes two rows and more). In the default
+// mode the K-quants' products of up to three rows take kquant_rows.h's tiles instead.
 constexpr int64_t kInt8MaxRows = 4;
 
 

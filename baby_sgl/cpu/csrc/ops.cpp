@@ -7,6 +7,7 @@
 
 #include "attention.h"
 #include "int8_gemm.h"
+#include "int8_panels.h"
 #include "int8_products.h"
 #include "kquant_rows.h"
 #include "ops.h"
@@ -52,8 +53,10 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
   TORCH_CHECK(!w.grouped || kHasInt8Gemm, "weights in groups of sixteen rows are multiplied on CPUs with AVX-512 VNNI "
               "only (this build has none)");
   const bool kquant_rows = !w.grouped && takes_kquant_rows(w.type, rows, k, same_bits_for_any_rows);
-  TORCH_CHECK(kquant_rows || has_int8_products(w.type) || has_int8_gemm(w.type),
-              "int8 activations meet block-quantized weights only (Q6_K only with AVX-512 VNNI)");
+  const bool panels = !w.grouped && takes_int8_panels(w.type, rows, same_bits_for_any_rows);
+  TORCH_CHECK(kquant_rows || panels || has_int8_products(w.type) || has_int8_gemm(w.type),
+              "int8 activations meet block-quantized weights only (Q6_K: with AVX-512 VNNI, or where a row's bits may "
+              "depend on its batch, in one to three rows or, with AVX2, from ", kInt8PanelMinRows, ")");
   const at::Tensor xc = x.contiguous();
   Q8Rows a;
   reserve_q8(rows, k, a);
@@ -95,6 +98,10 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
 #endif
   at::Tensor out = at::empty({rows, n}, x.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
+  if (panels) {
+    at::parallel_for(0, n, kPanelGroup, [&](int64_t begin, int64_t end) { product_int8_panels(w, a, op, n, begin, end); });
+    return out.to(x.scalar_type());
+  }
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { product_q8(w, a, op, n, begin, end); });
   return out.to(x.scalar_type());
 }
@@ -304,6 +311,7 @@ void register_ops(pybind11::module& m) {
         py::arg("data"), py::arg("type"), py::arg("n"), py::arg("k"), py::arg("bias"),
         py::arg("same_bits_for_any_rows") = true);
   m.attr("has_int8_gemm") = kHasInt8Gemm;  // many rows in int8 as fast as few (int8_gemm.h)
+  m.attr("has_int8_panels") = kHasInt8Panels;  // AVX2's many-row int8 products (int8_panels.h)
   m.def("dequantize", &dequantize, "rows of a stored weight as float32 or bfloat16 (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, rounding as transformers does (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of [gate | up] rows (CPU)");

@@ -1,0 +1,104 @@
+"""AVX2's many-row int8 products (cpu/csrc/int8_panels.h: panels of eight weight rows a lane group,
+vpmaddubsw int16 sums widened before they can overflow), taken from four activation rows on where a
+row's bits may depend on its batch (the decode step's default mode, same_bits_for_any_rows=False),
+on every block format, against float64 products of the dequantized weights with the activations
+rounded to Q8 blocks. Built for AVX2 (x86-64-v3, and this CPU's own build where it lacks AVX-512
+VNNI, whose int8_gemm.h takes these products instead)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as G
+from gguf.quants import dequantize, quantize
+
+from baby_sgl.layers.quantization import BLOCK_BYTES, WeightType
+from test_int8_products import _activations, q8_dequantized
+from test_kquant_kernels import _encoded, _random_blocks, _reference
+
+K = 768  # three super-blocks, 24 blocks of 32
+# Every format, each with the largest values it can hold somewhere (random bytes reach every
+# nibble, Q5's fifth bit, Q6_K's 63 and Q8_0's -128), so an int16 sum that could overflow would.
+N = 43  # five groups of eight and a group of three; with two threads, shares that split groups
+ENCODED = {WeightType.Q8_0: G.Q8_0, WeightType.Q4_0: G.Q4_0, WeightType.Q4_1: G.Q4_1}
+RANDOM = [WeightType.Q5_0, WeightType.Q5_1, WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K, WeightType.IQ4_NL,
+          WeightType.IQ4_XS]
+
+
+def _weight(qtype: WeightType, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bytes with finite float16 scales of about 1e-2, and the weight dequantized by gguf."""
+    if qtype in ENCODED:
+        rng = np.random.default_rng(seed)
+        blocks = rng.integers(0, 256, (N, K // 32, BLOCK_BYTES[qtype]), dtype=np.uint8)
+        for at in (0, 2) if qtype == WeightType.Q4_1 else (0,):
+            blocks[..., at : at + 2] = (rng.standard_normal(blocks.shape[:2]) * 1e-2).astype(np.float16)[..., None].view(np.uint8)
+        blocks = blocks.reshape(N, -1)
+        ref = dequantize(blocks, ENCODED[qtype]).reshape(N, K)
+        return torch.from_numpy(blocks), torch.from_numpy(ref).double()
+    qw = _random_blocks(qtype, n=N, k=K, seed=seed)
+    return qw.data, _reference(qw.data.numpy(), qtype, N, K).double()
+
+
+def _needs_panels(ops) -> None:
+    if not ops.has_int8_panels:
+        pytest.skip("this build takes int8_gemm.h (AVX-512 VNNI) or has no SIMD")
+
+
+@pytest.mark.parametrize("qtype", list(ENCODED) + RANDOM)
+@pytest.mark.parametrize("rows", [4, 5, 7, 16])  # tiles of 2 rows and a row left over
+def test_panel_products_equal_float64_on_the_rounded_activations(ops, qtype, rows):
+    _needs_panels(ops)
+    data, ref = _weight(qtype, seed=rows)
+    x = _activations(rows, K)
+    x[1] *= 1e-3  # rows of different scales
+    bias = torch.randn(N)
+    out = ops.linear_int8(x, data, int(qtype), N, K, bias, same_bits_for_any_rows=False)
+    expected = q8_dequantized(x) @ ref.T + bias.double()
+    # Per output, float32 scales and sums over 24 blocks, each block's sum exact, then the bias: a
+    # few ulps of the largest partial sum of that row (the bias's included).
+    scale = (q8_dequantized(x).abs() @ ref.abs().T + bias.abs().double()).amax(1, keepdim=True)
+    assert ((out.double() - expected).abs() / scale).max() < 4e-6
+
+
+@pytest.mark.parametrize("qtype", [WeightType.Q4_0, WeightType.Q4_K, WeightType.Q6_K])
+def test_encoded_k_quants_too(ops, qtype):
+    """Weights a quantizer made (not random bytes): the K-quants' scales and mins as encoders write them."""
+    _needs_panels(ops)
+    if qtype == WeightType.Q4_0:
+        w = np.random.default_rng(9).standard_normal((N, K)).astype(np.float32)
+        data = torch.from_numpy(quantize(w, G.Q4_0))
+        ref = torch.from_numpy(dequantize(data.numpy(), G.Q4_0).reshape(N, K)).double()
+    else:
+        data = _encoded(qtype, n=N, k=K, seed=9).data
+        ref = _reference(data.numpy(), qtype, N, K).double()
+    x = _activations(6, K)
+    out = ops.linear_int8(x, data, int(qtype), N, K, None, same_bits_for_any_rows=False)
+    scale = (q8_dequantized(x).abs() @ ref.abs().T).amax(1, keepdim=True)
+    assert ((out.double() - q8_dequantized(x) @ ref.T).abs() / scale).max() < 4e-6
+
+
+@pytest.mark.parametrize("qtype", [WeightType.Q4_1, WeightType.Q8_0, WeightType.Q5_K, WeightType.Q6_K])
+def test_a_rows_bits_are_the_same_in_any_batch_the_panels_take(ops, qtype):
+    """Each output is its row's own sum in block order: the same bits with 4, 5 or 17 rows, in
+    whichever tile the row falls."""
+    _needs_panels(ops)
+    data, _ = _weight(qtype, seed=2)
+    x = _activations(17, K)
+    batched = ops.linear_int8(x, data, int(qtype), N, K, None, same_bits_for_any_rows=False)
+    for start, size in [(0, 4), (3, 5), (12, 5), (1, 4)]:
+        part = ops.linear_int8(x[start : start + size], data, int(qtype), N, K, None, same_bits_for_any_rows=False)
+        assert torch.equal(part, batched[start : start + size])
+
+
+def test_fewer_rows_and_the_same_bits_mode_keep_the_tiles(ops):
+    """Three rows take int8_products.h's tiles, and so do 4 rows where every row count must give the
+    same bits; the panels round differently from the tiles (a sum per block, not per vector)."""
+    _needs_panels(ops)
+    data, _ = _weight(WeightType.Q4_0, seed=3)
+    x = _activations(8, K)
+    panels = ops.linear_int8(x, data, int(WeightType.Q4_0), N, K, None, same_bits_for_any_rows=False)
+    tiles = ops.linear_int8(x, data, int(WeightType.Q4_0), N, K, None, same_bits_for_any_rows=True)
+    assert not torch.equal(panels, tiles)
+    three = ops.linear_int8(x[:3], data, int(WeightType.Q4_0), N, K, None, same_bits_for_any_rows=False)
+    assert torch.equal(three, tiles[:3])
