@@ -103,8 +103,13 @@ template <int T>
 inline void pack_group8(const Weight& w, int64_t j, int valid, Int8Panel8& p, int64_t g) {
   BlockWalk<T> rows[kPanelGroup];
   for (int c = 0; c < kPanelGroup; ++c) rows[c].row = w.row(c < valid ? j + c : j);
+  constexpr int64_t bb = block_bytes(T) * 32 / block_values(T);  // a block's bytes (a super-block's eighth)
+  constexpr int64_t every = std::max<int64_t>(1, 64 / bb);
+  const uint8_t* next = w.row(j) + kPanelGroup * w.stride;
   for (int64_t b = 0; b < p.blocks; ++b) {
     const int64_t at = g * p.blocks + b;
+    if (b % every == 0)  // the next group's rows: eight short streams, which the prefetchers find late
+      for (int c = 0; c < kPanelGroup; ++c) _mm_prefetch(reinterpret_cast<const char*>(next + c * w.stride + bb * b), _MM_HINT_T0);
     __m256i v[kPanelGroup];
     for (int c = 0; c < kPanelGroup; ++c) {
       int sub;
