@@ -3,8 +3,9 @@
 (int8_gemm.h, on CPUs with AVX-512 VNNI, in groups of 16 weight rows: N = 67 leaves a partial
 group), against float64 products of the dequantized weights with the activations rounded to Q8
 blocks. Q6_K's two scales per 32 values are applied to exact integer sums; it has no one-row tile,
-so where the CPU has VNNI every row count of it takes int8_gemm.h (as of Q4_K and Q5_K), and
-elsewhere it is refused."""
+so where the CPU has VNNI every row count of it takes int8_gemm.h (as of Q4_K and Q5_K); elsewhere
+the products these tests ask for (same_bits_for_any_rows, the default) refuse it, and the default
+mode's kquant_rows.h and int8_panels.h take it (test_kquant_rows.py, test_int8_panels.py)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ K = 768  # three super-blocks: 24 blocks of 32
 
 
 def _has_products(ops, qtype: WeightType) -> bool:
-    """Whether this build multiplies qtype in int8; where it does not (Q6_K without AVX-512 VNNI:
-    its int8 products are int8_gemm.h's), it must refuse by name."""
+    """Whether this build multiplies qtype in int8 with the same bits for any rows; where it does
+    not (Q6_K without AVX-512 VNNI: those products are int8_gemm.h's), it must refuse by name."""
     if qtype != WeightType.Q6_K or ops.has_int8_gemm:
         return True
     qw = _random_blocks(WeightType.Q6_K, k=K)

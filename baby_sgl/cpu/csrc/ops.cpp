@@ -55,8 +55,9 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& data, int64_t type
   const bool kquant_rows = !w.grouped && takes_kquant_rows(w.type, rows, k, same_bits_for_any_rows);
   const bool panels = !w.grouped && takes_int8_panels(w.type, rows, same_bits_for_any_rows);
   TORCH_CHECK(kquant_rows || panels || has_int8_products(w.type) || has_int8_gemm(w.type),
-              "int8 activations meet block-quantized weights only (Q6_K: with AVX-512 VNNI, or where a row's bits may "
-              "depend on its batch, in one to three rows or, with AVX2, from ", kInt8PanelMinRows, ")");
+              "int8 activations meet block-quantized weights only (Q6_K: with AVX-512 VNNI; elsewhere only where a "
+              "row's bits may depend on its batch, in one row, in two or three of at most ", kKRowsMaxValues,
+              " values in all", kHasInt8Panels ? ", or in four and more (AVX2)" : "", ")");
   const at::Tensor xc = x.contiguous();
   Q8Rows a;
   reserve_q8(rows, k, a);
