@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as G
-from gguf.quants import dequantize, quantize
+from gguf.quants import quantize
 
 from baby_sgl.layers.quantization import BLOCK_BYTES, WeightType
 from helpers import ARCHS
@@ -20,23 +20,23 @@ from test_kquant_kernels import _encoded, _random_blocks, _reference
 
 K = 768  # three super-blocks, 24 blocks of 32
 N = 43  # five groups of eight and a group of three; with two threads, shares that split groups
-ENCODED = {WeightType.Q8_0: G.Q8_0, WeightType.Q4_0: G.Q4_0, WeightType.Q4_1: G.Q4_1}
+# The formats test_kquant_kernels' _random_blocks makes, and the first block formats, made here.
 RANDOM = [WeightType.Q5_0, WeightType.Q5_1, WeightType.Q4_K, WeightType.Q5_K, WeightType.Q6_K, WeightType.IQ4_NL,
           WeightType.IQ4_XS]
+FIRST = {WeightType.Q8_0: (0,), WeightType.Q4_0: (0,), WeightType.Q4_1: (0, 2)}  # their float16 fields' bytes
 
 
 def _weight(qtype: WeightType, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random bytes with finite float16 scales of about 1e-2, and the weight dequantized by gguf."""
-    if qtype in ENCODED:
+    if qtype in FIRST:
         rng = np.random.default_rng(seed)
         blocks = rng.integers(0, 256, (N, K // 32, BLOCK_BYTES[qtype]), dtype=np.uint8)
-        for at in (0, 2) if qtype == WeightType.Q4_1 else (0,):
+        for at in FIRST[qtype]:
             blocks[..., at : at + 2] = (rng.standard_normal(blocks.shape[:2]) * 1e-2).astype(np.float16)[..., None].view(np.uint8)
-        blocks = blocks.reshape(N, -1)
-        ref = dequantize(blocks, ENCODED[qtype]).reshape(N, K)
-        return torch.from_numpy(blocks), torch.from_numpy(ref).double()
-    qw = _random_blocks(qtype, n=N, k=K, seed=seed)
-    return qw.data, _reference(qw.data.numpy(), qtype, N, K).double()
+        data = torch.from_numpy(blocks.reshape(N, -1))
+    else:
+        data = _random_blocks(qtype, n=N, k=K, seed=seed).data
+    return data, _reference(data.numpy(), qtype, N, K).double()
 
 
 def _has_panels(ops) -> bool:
@@ -51,7 +51,7 @@ VALUE_BYTES = {WeightType.Q4_0: (2, 18), WeightType.Q4_1: (4, 20), WeightType.Q5
                WeightType.Q8_0: (2, 34), WeightType.IQ4_NL: (2, 18), WeightType.IQ4_XS: (8, 136)}
 
 
-@pytest.mark.parametrize("qtype", list(ENCODED) + RANDOM)
+@pytest.mark.parametrize("qtype", list(FIRST) + RANDOM)
 @pytest.mark.parametrize("rows", [4, 5, 7, 16])  # tiles of 2 rows and a row left over
 def test_panel_products_equal_float64_on_the_rounded_activations(ops, qtype, rows):
     if not _has_panels(ops):
@@ -76,7 +76,7 @@ def test_encoded_k_quants_too(ops, qtype):
     if qtype == WeightType.Q4_0:
         w = np.random.default_rng(9).standard_normal((N, K)).astype(np.float32)
         data = torch.from_numpy(quantize(w, G.Q4_0))
-        ref = torch.from_numpy(dequantize(data.numpy(), G.Q4_0).reshape(N, K)).double()
+        ref = _reference(data.numpy(), qtype, N, K).double()
     else:
         data = _encoded(qtype, n=N, k=K, seed=9).data
         ref = _reference(data.numpy(), qtype, N, K).double()
@@ -130,8 +130,7 @@ def test_the_largest_values_do_not_overflow_the_int16_sums(ops, qtype):
     # and mins 63). Q8_0: -128; IQ4: nibble 0, the level -127.
     blocks[..., first:end] = 0x80 if qtype == WeightType.Q8_0 else 0x00 if signed else 0xFF
     data = torch.from_numpy(blocks.reshape(N, -1))
-    ref = _reference(blocks.reshape(N, -1), qtype, N, K).double() if qtype not in ENCODED else \
-        torch.from_numpy(dequantize(blocks.reshape(N, -1), ENCODED[qtype]).reshape(N, K)).double()
+    ref = _reference(blocks.reshape(N, -1), qtype, N, K).double()
     x = torch.full((4, K), -1.0 if signed else 1.0)  # q = +-127 everywhere
     out = ops.linear_int8(x, data, int(qtype), N, K, None, same_bits_for_any_rows=False)
     expected = q8_dequantized(x) @ ref.T
@@ -155,7 +154,7 @@ def test_the_panels_give_the_vnni_kernels_bits(monkeypatch):
     for arch in ("native", "x86-64-v3"):
         ops = build_for(arch, monkeypatch)
         outs[arch] = {}
-        for qtype in list(ENCODED) + RANDOM:
+        for qtype in list(FIRST) + RANDOM:
             data, _ = _weight(qtype, seed=6)
             x = _activations(9, K)
             outs[arch][qtype] = ops.linear_int8(x, data, int(qtype), N, K, torch.ones(N), same_bits_for_any_rows=False)

@@ -56,7 +56,6 @@ constexpr bool takes_int8_gemm(int type, int64_t rows, bool same_bits_for_any_ro
 template <int T>
 constexpr int32_t byte_offset() { return signed_values(T) ? 128 : T == kQ4_0 ? 8 : T == kQ5_0 ? 16 : 0; }
 
-
 struct Int8Panel {
   int64_t groups = 0, blocks = 0;
   AlignedBuffer<uint8_t> q;  // [group][block][8][64]
@@ -208,19 +207,6 @@ inline void gemm_tile(const Int8Panel& p, int64_t g, const Q8Rows& a, const int3
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias + kGroup * r) : _mm512_setzero_ps();
     for (int m = 0; m < MR; ++m) store_results(out + m * ldo + kGroup * r, keep, _mm512_add_ps(acc[m][r], bv));
   }
-}
-
-// sum(q) of the first 16 values of each of a's blocks, into sums [rows][blocks] (Q6_K's halves).
-inline void low_half_sums(const Q8Rows& a, AlignedBuffer<int32_t>& sums) {
-  const int64_t blocks = a.k / 32;
-  sums.reserve(a.rows * blocks);
-  for (int64_t m = 0; m < a.rows; ++m)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int8_t* q = a.block(m, b);
-      int32_t s = 0;
-      for (int i = 0; i < 16; ++i) s += q[i];
-      sums[m * blocks + b] = s;
-    }
 }
 
 // One activation row (a batch-1 decode step) with gemm_tile's arithmetic, so that a row's bits

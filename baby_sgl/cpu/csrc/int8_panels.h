@@ -208,23 +208,14 @@ inline void panel_tile(const Int8Panel8& p, int64_t g, const Q8Rows& a, const in
 
 // a (quantize_rows_q8) times w's rows n0..n1-1 into out [rows, n] (row stride ldo), by panels of
 // about 256 KB; w block-quantized, k a multiple of 32, its rows as stored.
-template <int TileMR = kInt8PanelMR, int TileNR = kInt8PanelNR>
 inline void product_int8_panels(const Weight& w, const Q8Rows& a, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   with_format(w.type, [&](auto t) {
     constexpr int T = decltype(t)::value;
     if constexpr (has_int8_panels(T)) {
       thread_local Int8Panel8 p;
       thread_local AlignedBuffer<int32_t> low_sums;
+      if constexpr (T == kQ6_K) low_half_sums(a, low_sums);
       p.blocks = w.k / 32;
-      if constexpr (T == kQ6_K) {
-        low_sums.reserve(a.rows * p.blocks);
-        for (int64_t m = 0; m < a.rows; ++m)
-          for (int64_t b = 0; b < p.blocks; ++b) {
-            int32_t s = 0;
-            for (int i = 0; i < 16; ++i) s += a.block(m, b)[i];
-            low_sums[m * p.blocks + b] = s;
-          }
-      }
       const int64_t group_bytes = p.blocks * (256 + 4 * kPanelGroup * (1 + has_offset_term(T) + 2 * (T == kQ6_K)));
       const int64_t per_panel = std::max<int64_t>(1, 256 * 1024 / group_bytes);
       p.q.reserve(per_panel * p.blocks * 256);
@@ -236,7 +227,7 @@ inline void product_int8_panels(const Weight& w, const Q8Rows& a, float* out, in
         p.groups = (j1 - j0 + kPanelGroup - 1) / kPanelGroup;
         for (int64_t g = 0; g < p.groups; ++g)
           pack_group8<T>(w, j0 + g * kPanelGroup, static_cast<int>(std::min<int64_t>(kPanelGroup, j1 - j0 - g * kPanelGroup)), p, g);
-        by_row_tiles<TileMR>(a.rows, [&](auto mr, int64_t m) {
+        by_row_tiles<kInt8PanelMR>(a.rows, [&](auto mr, int64_t m) {
           constexpr int MR = decltype(mr)::value;
           auto tile = [&](auto nr, int64_t g) {  // groups g .. g + nr - 1
             constexpr int NR = decltype(nr)::value;
@@ -247,7 +238,7 @@ inline void product_int8_panels(const Weight& w, const Q8Rows& a, float* out, in
             panel_tile<T, MR, NR>(p, g, a, low_sums.data(), m, valid, w.bias ? w.bias + j : nullptr, out + m * ldo + j, ldo);
           };
           int64_t g = 0;
-          for (; g + TileNR <= p.groups; g += TileNR) tile(std::integral_constant<int, TileNR>{}, g);
+          for (; g + kInt8PanelNR <= p.groups; g += kInt8PanelNR) tile(std::integral_constant<int, kInt8PanelNR>{}, g);
           for (; g < p.groups; ++g) tile(std::integral_constant<int, 1>{}, g);
         });
       }

@@ -168,6 +168,20 @@ inline const uint8_t* int_block(const uint8_t* row, int64_t b, int& j, float& d,
 // Formats whose blocks add a float offset times the activation block's scaled sum (int_block's).
 constexpr bool has_offset_term(int type) { return type == kQ4_1 || type == kQ5_1 || type == kQ4_K || type == kQ5_K; }
 
+// sum(q) of the first 16 values of each of a's blocks, into sums [rows][blocks]: Q6_K's halves in
+// the many-row products (int8_gemm.h, int8_panels.h).
+inline void low_half_sums(const Q8Rows& a, AlignedBuffer<int32_t>& sums) {
+  const int64_t blocks = a.k / 32;
+  sums.reserve(a.rows * blocks);
+  for (int64_t m = 0; m < a.rows; ++m)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int8_t* q = a.block(m, b);
+      int32_t s = 0;
+      for (int i = 0; i < 16; ++i) s += q[i];
+      sums[m * blocks + b] = s;
+    }
+}
+
 // One weight row read block after block (b = 0, 1, ...) by the many-row products, which rearrange
 // it into panels (int8_gemm.h, int8_panels.h): int_block's fields, the K-quants' from their
 // super-block's scales and mins unpacked once for its eight blocks.
