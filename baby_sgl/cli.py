@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from baby_sgl.distributed.processes import end_without_collecting
 from baby_sgl.server_args import EngineArgs, engine_kwargs
 
 
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    end_without_collecting()
     if argv and argv[0] in _DELEGATED:
         import importlib
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
-from baby_sgl.engine import Engine
+if TYPE_CHECKING:  # the engine (torch, transformers: ~5 s) is imported when the demo runs, not for --help
+    from baby_sgl.engine import Engine
 
 ENGLISH = [
     "Summarize the key benefits of unit testing in software engineering.",
@@ -33,6 +35,8 @@ def _start(engine_kwargs: dict) -> tuple[Engine, dict]:
     it, by name, where the CPU's one-call step does not run), and the settings it took. Without
     it the radix cache changes which batches a prompt's tokens are computed in, and in bfloat16
     that moves logits by a rounding, enough to part greedy outputs at near-ties."""
+    from baby_sgl.engine import Engine
+
     if engine_kwargs["enable_deterministic_inference"]:
         return Engine(**engine_kwargs), engine_kwargs
     deterministic = {**engine_kwargs, "enable_deterministic_inference": True}
@@ -45,6 +49,8 @@ def _start(engine_kwargs: dict) -> tuple[Engine, dict]:
 
 
 def run_demo(engine_kwargs: dict, comprehensive: bool, seed: int, max_new_tokens: int) -> bool:
+    from baby_sgl.engine import Engine
+
     ok = True
     engine, engine_kwargs = _start(engine_kwargs)
     with engine:

@@ -14,6 +14,7 @@ from types import FrameType
 
 import uvicorn
 
+from baby_sgl.distributed.processes import end_without_collecting
 from baby_sgl.entrypoints.request_guard import is_loopback
 from baby_sgl.server_args import ServerArgs, engine_kwargs
 
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    end_without_collecting()
     parser = build_parser()
     try:
         args = ServerArgs.from_cli_args(parser.parse_args(argv))

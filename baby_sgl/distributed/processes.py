@@ -4,7 +4,9 @@ talking over free loopback ports, and stopping when this process dies."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import gc
 import os
 import signal
 import socket
@@ -44,6 +46,15 @@ def child_setup(cores: list[int] | None, die_with_parent: bool = False) -> Calla
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
     return setup
+
+
+def end_without_collecting() -> None:
+    """For a process of ours (the CLI, a server, a rank): when it ends, skip the interpreter's last
+    garbage collections. They walk every object torch's modules made, ~1 s a process on a 2-core
+    Zen 3 (`python -c "import torch"` ends 0.9 s after its last line, 0.2 s with this), and a
+    process's files, sockets and children are closed by the code that opened them, not by the
+    collector. Other exit handlers still run."""
+    atexit.register(gc.freeze)
 
 
 def free_port() -> int:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from baby_sgl.core.memory_pool import ReqToTokenPool
+from baby_sgl.distributed.processes import end_without_collecting
 from baby_sgl.distributed.tp_group import COLLECTIVE_TIMEOUT, CheckMemory, Forward, InitPool, Stop, TPGroup, backend_for
 from baby_sgl.model_config import ModelConfig
 from baby_sgl.model_executor.model_runner import ModelRunner
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(flag, required=True, help=help_)
     p.add_argument("--context-length", type=int, default=None, help="rank 0's --context-length")
     args = p.parse_args(argv)
+    end_without_collecting()
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp{args.rank} %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
     torch.set_num_threads(args.threads)
