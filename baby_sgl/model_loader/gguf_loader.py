@@ -75,15 +75,13 @@ def load_gguf(path: str, quantized: bool = False) -> tuple[dict, dict[str, torch
     path = os.path.abspath(path)
     root = str(cache_root())
     key = _cache_key(path)
-    tokenizer_dir = os.path.join(root, "tokenizers", key)
     weights_file = os.path.join(root, "weights", f"{key}.safetensors")
     config_file = os.path.join(root, "weights", f"{key}.json")
 
     have_weights = os.path.isfile(weights_file) and os.path.isfile(config_file)
-    if not (have_weights and os.path.isdir(tokenizer_dir)):
+    if not have_weights:
         logger.info("converting %s to a Hugging Face checkpoint (once; cached under %s)", path, root)
-    if not os.path.isdir(tokenizer_dir):
-        write_atomically(tokenizer_dir, lambda tmp: convert_tokenizer(path, tmp))
+    tokenizer_dir = converted_tokenizer(path)
     if quantized:
         config, state_dict = _convert_weights(path, keep_quantized=True)
         return config, state_dict, tokenizer_dir
@@ -98,6 +96,16 @@ def load_gguf(path: str, quantized: bool = False) -> tuple[dict, dict[str, torch
     # The config goes last: its presence tells a later load that the weights file is complete.
     write_atomically(config_file, lambda tmp: _write_json(config, tmp))
     return config, state_dict, tokenizer_dir
+
+
+def converted_tokenizer(path: str) -> str:
+    """The GGUF file's tokenizer as a Hugging Face tokenizer directory: converted by transformers
+    the first time (seconds: it reads the whole vocabulary), then read from the cache."""
+    path = os.path.abspath(path)
+    tokenizer_dir = os.path.join(str(cache_root()), "tokenizers", _cache_key(path))
+    if not os.path.isdir(tokenizer_dir):
+        write_atomically(tokenizer_dir, lambda tmp: convert_tokenizer(path, tmp))
+    return tokenizer_dir
 
 
 def _cache_key(path: str) -> str:

@@ -12,7 +12,8 @@ its program requested and the lines of each streamed answer.
 Two imports of that module reach into SGLang's server package, which the frontend does not need
 and which is installed without its dependencies: `is_hip` (is the GPU an AMD one; no) and, in
 test_gen_min_new_tokens, SGLang's tokenizer loader, stood in for by transformers' AutoTokenizer
-(a .gguf path loads the tokenizer the file holds, as SGLang's loader does). That program also
+(a .gguf path loads the tokenizer the file holds, as SGLang's loader does: transformers' conversion of
+it, which the engine has cached). That program also
 reads the backend as an `sgl.Runtime`, which holds its RuntimeEndpoint as `.endpoint`: the
 endpoint is given itself under that name.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import time
 import traceback
@@ -39,8 +39,10 @@ def stand_ins() -> None:
     def get_tokenizer(path: str, **kwargs):
         from transformers import AutoTokenizer
 
-        if path.endswith(".gguf"):
-            return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), **kwargs)
+        from baby_sgl.model_loader.gguf_loader import converted_tokenizer
+
+        if path.endswith(".gguf"):  # the file's tokenizer, as transformers converts it (once: cached)
+            path = converted_tokenizer(path)
         return AutoTokenizer.from_pretrained(path, **kwargs)
 
     loader.get_tokenizer = get_tokenizer
