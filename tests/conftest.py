@@ -17,12 +17,14 @@ import baby_sgl  # noqa: F401,E402  (before torch: baby_sgl/native_env.py)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from baby_sgl.distributed.processes import end_without_collecting  # noqa: E402
 from helpers import ARCHS, TINY_KW, build_for
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def pytest_configure(config):
+    end_without_collecting()  # pytest and each worker end ~2 s sooner (baby_sgl/distributed/processes.py)
     if TEST_DEVICE not in ("cpu", "cuda"):
         pytest.exit(f"BABY_SGL_TEST_DEVICE must be cpu or cuda, got {TEST_DEVICE!r}", returncode=4)
     if TEST_DEVICE == "cuda" and not torch.cuda.is_available():
