@@ -24,7 +24,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def pytest_configure(config):
-    end_without_collecting()  # pytest and each worker end ~2 s sooner (baby_sgl/distributed/processes.py)
+    end_without_collecting()  # pytest and each worker end ~1 s sooner (baby_sgl/distributed/processes.py)
     if TEST_DEVICE not in ("cpu", "cuda"):
         pytest.exit(f"BABY_SGL_TEST_DEVICE must be cpu or cuda, got {TEST_DEVICE!r}", returncode=4)
     if TEST_DEVICE == "cuda" and not torch.cuda.is_available():

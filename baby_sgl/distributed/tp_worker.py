@@ -52,6 +52,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    end_without_collecting()
     p = argparse.ArgumentParser(prog="python -m baby_sgl.distributed.tp_worker",
                                 description="one follower rank of --tp-size (rank 0 starts it; not for direct use)")
     for flag, help_ in (("--rank", "this rank (1 .. tp-size - 1)"), ("--tp-size", "ranks in the group"),
@@ -63,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(flag, required=True, help=help_)
     p.add_argument("--context-length", type=int, default=None, help="rank 0's --context-length")
     args = p.parse_args(argv)
-    end_without_collecting()
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp{args.rank} %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(args.parent_pid,), daemon=True).start()
     torch.set_num_threads(args.threads)

@@ -104,6 +104,7 @@ def converted_tokenizer(path: str) -> str:
     path = os.path.abspath(path)
     tokenizer_dir = os.path.join(str(cache_root()), "tokenizers", _cache_key(path))
     if not os.path.isdir(tokenizer_dir):
+        logger.info("converting the tokenizer of %s (once; cached in %s)", path, tokenizer_dir)
         write_atomically(tokenizer_dir, lambda tmp: convert_tokenizer(path, tmp))
     return tokenizer_dir
 

@@ -12,10 +12,9 @@ its program requested and the lines of each streamed answer.
 Two imports of that module reach into SGLang's server package, which the frontend does not need
 and which is installed without its dependencies: `is_hip` (is the GPU an AMD one; no) and, in
 test_gen_min_new_tokens, SGLang's tokenizer loader, stood in for by transformers' AutoTokenizer
-(a .gguf path loads the tokenizer the file holds, as SGLang's loader does: transformers' conversion of
-it, which the engine has cached). That program also
-reads the backend as an `sgl.Runtime`, which holds its RuntimeEndpoint as `.endpoint`: the
-endpoint is given itself under that name.
+(a .gguf path loads the tokenizer the file holds, as SGLang's loader does: transformers' conversion
+of it, which the engine has cached). That program also reads the backend as an `sgl.Runtime`,
+which holds its RuntimeEndpoint as `.endpoint`: the endpoint is given itself under that name.
 """
 
 from __future__ import annotations
