@@ -36,13 +36,22 @@ def hf_static(model, wl: Workload) -> dict:
     return _summary("transformers generate (static)", wl, time.perf_counter() - t0)
 
 
-def hf_generate_batch(model, wl: Workload) -> dict:
-    """One call with every prompt; it takes a single max_new_tokens, the longest asked for."""
-    from transformers import GenerationConfig
+# Tokens per page of generate_batch's paged cache (transformers' default).
+HF_PAGE_TOKENS = 256
 
-    cfg = GenerationConfig(max_new_tokens=max(wl.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+def hf_generate_batch(model, wl: Workload) -> dict:
+    """One call with every prompt; it takes a single max_new_tokens, the longest asked for. Its
+    paged cache holds the workload's tokens: left to size itself, it takes 90% of the free memory
+    (with a tiny model on a 24 GB machine, 14 GB and 16 s to set up for four prompts)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    new_tokens = max(wl.output_lens)
+    cfg = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    pages = sum(-(-(len(p) + new_tokens) // HF_PAGE_TOKENS) for p in wl.prompts)
+    cache = ContinuousBatchingConfig(page_size=HF_PAGE_TOKENS, num_blocks=pages)
     t0 = time.perf_counter()
-    outputs = model.generate_batch(inputs=wl.prompts, generation_config=cfg)
+    outputs = model.generate_batch(inputs=wl.prompts, generation_config=cfg, continuous_batching_config=cache)
     dt = time.perf_counter() - t0
     produced = sorted(len(o.generated_tokens) for o in outputs.values())
     if len(produced) != len(wl.prompts) or produced[0] < min(wl.output_lens):
