@@ -57,13 +57,8 @@ def end_without_collecting() -> None:
     so no cleanup in these processes may rest on `__del__` or the collector (files, sockets,
     children and process groups are closed by the code that opened them). Other exit handlers still
     run. It affects the whole process; a second call adds nothing."""
-    global _ending_without_collecting
-    if not _ending_without_collecting:
-        atexit.register(gc.freeze)
-        _ending_without_collecting = True
-
-
-_ending_without_collecting = False
+    atexit.unregister(gc.freeze)  # registered once, however often asked
+    atexit.register(gc.freeze)
 
 
 def free_port() -> int:

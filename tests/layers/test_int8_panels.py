@@ -3,7 +3,9 @@ vpmaddubsw int16 sums widened before they can overflow), taken from four activat
 row's bits may depend on its batch (the decode step's default mode, same_bits_for_any_rows=False),
 on every block format, against float64 products of the dequantized weights with the activations
 rounded to Q8 blocks. Built for AVX2 (x86-64-v3, and this CPU's own build where it lacks AVX-512
-VNNI, whose int8_gemm.h takes these products instead)."""
+VNNI, whose int8_gemm.h takes these products instead). A build without the panels (VNNI's, checked
+against them in test_the_panels_give_the_vnni_kernels_bits; one without SIMD, which takes the
+tiles) has nothing to test here: those tests return."""
 
 from __future__ import annotations
 
@@ -39,12 +41,6 @@ def _weight(qtype: WeightType, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return data, _reference(data.numpy(), qtype, N, K).double()
 
 
-def _has_panels(ops) -> bool:
-    """Builds without these panels (AVX-512 VNNI's takes int8_gemm.h, checked in
-    test_the_panels_give_the_vnni_kernels_bits; no SIMD takes the tiles) have nothing to test here."""
-    return bool(ops.has_int8_panels)
-
-
 # Where each format's value bytes sit in its block (the scales' float16 fields stay as _weight made them).
 VALUE_BYTES = {WeightType.Q4_0: (2, 18), WeightType.Q4_1: (4, 20), WeightType.Q5_0: (2, 22), WeightType.Q5_1: (4, 24),
                WeightType.Q4_K: (4, 144), WeightType.Q5_K: (4, 176), WeightType.Q6_K: (0, 192),
@@ -54,7 +50,7 @@ VALUE_BYTES = {WeightType.Q4_0: (2, 18), WeightType.Q4_1: (4, 20), WeightType.Q5
 @pytest.mark.parametrize("qtype", list(FIRST) + RANDOM)
 @pytest.mark.parametrize("rows", [4, 5, 7, 16])  # tiles of 2 rows and a row left over
 def test_panel_products_equal_float64_on_the_rounded_activations(ops, qtype, rows):
-    if not _has_panels(ops):
+    if not ops.has_int8_panels:  # see the module's docstring
         return
     data, ref = _weight(qtype, seed=rows)
     x = _activations(rows, K)
@@ -71,7 +67,7 @@ def test_panel_products_equal_float64_on_the_rounded_activations(ops, qtype, row
 @pytest.mark.parametrize("qtype", [WeightType.Q4_0, WeightType.Q4_K, WeightType.Q6_K])
 def test_encoded_k_quants_too(ops, qtype):
     """Weights a quantizer made (not random bytes): the K-quants' scales and mins as encoders write them."""
-    if not _has_panels(ops):
+    if not ops.has_int8_panels:  # see the module's docstring
         return
     if qtype == WeightType.Q4_0:
         w = np.random.default_rng(9).standard_normal((N, K)).astype(np.float32)
@@ -90,7 +86,7 @@ def test_encoded_k_quants_too(ops, qtype):
 def test_a_rows_bits_are_the_same_in_any_batch_the_panels_take(ops, qtype):
     """Each output is its row's own sum in block order: the same bits with 4, 5 or 17 rows, in
     whichever tile the row falls."""
-    if not _has_panels(ops):
+    if not ops.has_int8_panels:  # see the module's docstring
         return
     data, _ = _weight(qtype, seed=2)
     x = _activations(17, K)
@@ -103,7 +99,7 @@ def test_a_rows_bits_are_the_same_in_any_batch_the_panels_take(ops, qtype):
 def test_fewer_rows_and_the_same_bits_mode_keep_the_tiles(ops):
     """Three rows take int8_products.h's tiles, and so do 4 rows where every row count must give the
     same bits; the panels round differently from the tiles (a sum per block, not per vector)."""
-    if not _has_panels(ops):
+    if not ops.has_int8_panels:  # see the module's docstring
         return
     data, _ = _weight(WeightType.Q4_0, seed=3)
     x = _activations(8, K)
@@ -120,7 +116,7 @@ def test_the_largest_values_do_not_overflow_the_int16_sums(ops, qtype):
     all products add up: the int16 sums reach their bound (4-bit values 8 x 2 x 15 x 127 = 30480,
     5-bit 4 x 2 x 31 x 127, Q6_K 2 x 2 x 63 x 127, signed bytes 2 x 128 x 127 = 32512), one more step
     (or a saturated pair) before widening would be far off."""
-    if not _has_panels(ops):
+    if not ops.has_int8_panels:  # see the module's docstring
         return
     data, _ = _weight(qtype, seed=5)
     blocks = data.numpy().reshape(N, -1, BLOCK_BYTES[qtype]).copy()
