@@ -128,6 +128,21 @@ def test_a_sessions_context_gives_the_bits_of_the_whole_prompt(model):
         engine.check_memory()
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "bfloat16"])
+def test_a_decode_step_gives_the_bits_of_a_prefill(tiny_llama_head64, kv_cache_dtype):
+    """A token's logprob from a decode step (attention.h: attend_row_v, which widens a 1- or
+    2-byte pool's values once a block for all of a KV head's query heads) is the one a prefill of
+    the same text gives at its last position (attend_rows_v, the block widened for all rows)."""
+    prompt = PROBE_PROMPTS[0]
+    with _engine(tiny_llama_head64, kv_cache_dtype=kv_cache_dtype, disable_radix_cache=True) as engine:
+        ids, logprobs = _run_one(engine, prompt, None)
+        for i in range(OUT // 2, OUT):
+            o = engine.generate(input_ids=prompt + ids[:i], sampling_params={**GREEDY, "max_new_tokens": 1},
+                                return_logprob=True)
+            assert (o["output_ids"][0], o["meta_info"]["output_token_logprobs"][0][0]) == (ids[i], logprobs[i])
+        engine.check_memory()
+
+
 def _run_one(engine: Engine, ids: list[int], session: dict | None) -> tuple[list[int], list[float]]:
     o = engine.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True, session_params=session)
     return o["output_ids"], [lp[0] for lp in o["meta_info"]["output_token_logprobs"]]
