@@ -116,10 +116,12 @@ def test_same_bits_in_any_batch_and_setting(model, reference, setting):
 
 def test_a_sessions_context_gives_the_bits_of_the_whole_prompt(model):
     """A session's second turn attends over KV its first turn computed (the prompt as a prefill,
-    the answer one decode pass at a time); the same text as one fresh prompt gets the same bits."""
+    the answer one decode pass at a time); the same text as one fresh prompt gets the same bits.
+    A streaming session keeps that KV itself (a normal one would find it through the radix cache,
+    off here, and prefill the whole text again)."""
     first, second = PROBE_PROMPTS[0], PROBE_PROMPTS[1][:40]
     with _engine(model, disable_radix_cache=True) as engine:
-        sid = engine.open_session(1000)
+        sid = engine.open_session(1000, streaming=True)
         turn1 = engine.generate(input_ids=first, sampling_params=GREEDY, session_params={"id": sid})
         turn2 = _run_one(engine, second, {"id": sid, "rid": turn1["meta_info"]["id"]})
         engine.close_session(sid)
