@@ -102,8 +102,12 @@ def test_same_bits_in_any_batch_and_setting(model, reference, setting):
     greedy, seeded = reference
     params = [GREEDY] * PROBES + [{**GREEDY, "max_new_tokens": 1 + i % OUT} for i in range(len(OTHERS))]
     with _engine(model, **SETTINGS[setting]) as engine:
-        if setting == "radix":  # half of each probe's prompt already cached, from other requests
-            engine.generate(input_ids=[p[: len(p) // 2] for p in PROBE_PROMPTS], sampling_params=GREEDY)
+        if setting == "radix":  # half of each probe's prompt already cached, from other requests,
+            # and prompts that part from it a token later: a node split where a token differs
+            halves = [len(p) // 2 for p in PROBE_PROMPTS]
+            engine.generate(input_ids=[p[:h] for p, h in zip(PROBE_PROMPTS, halves)], sampling_params=GREEDY)
+            engine.generate(input_ids=[p[: h + 1] + [p[h + 1] % 255 + 4] + p[h + 2 :] for p, h in zip(PROBE_PROMPTS, halves)],
+                            sampling_params=GREEDY)
         assert _run(engine, PROBE_PROMPTS + OTHERS, params) == greedy
         seeded_params = [_seeded(i) for i in range(PROBES)] + params[PROBES:]
         assert _run(engine, PROBE_PROMPTS + OTHERS, seeded_params) == seeded
