@@ -127,6 +127,20 @@ def test_stopping_a_stream_early_frees_the_request(engine):
     engine.check_memory()  # its request slot and KV are back (or with the prefix cache)
 
 
+@pytest.mark.parametrize("settings", [{"page_size": 16}, {"disable_radix_cache": True}])
+def test_an_aborted_request_frees_what_the_cache_does_not_keep(tiny_llama, settings):
+    """With the radix cache at page size 1 an aborted request's whole row goes to the tree; here its
+    partial last page (or, without the cache, its whole row) is freed by the request itself."""
+    with Engine(tiny_llama, dtype="float32", max_total_tokens=4096, debug_memory_check=True, **settings) as eng:
+        stream = eng.generate(input_ids=list(range(3, 40)), sampling_params={"max_new_tokens": 300, **GREEDY},
+                              stream=True, rid="abandoned")
+        next(stream)
+        stream.close()
+        wait_until(lambda: eng.get_server_info()["num_running_reqs"] == 0, what="the abandoned request to end")
+        assert eng.get_server_info()["generation_tokens"] < 300
+        eng.check_memory()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"prompt": ""}, "prompt is empty"),
     ({"input_ids": []}, "input_ids is empty"),
