@@ -241,3 +241,15 @@ def test_stop_regex_cannot_backtrack_for_ever(engine):
     assert out["text"] == "a" * 60 and out["meta_info"]["finish_reason"]["matched"] != r"(a|aa)*c$"
     with pytest.raises(ValueError, match="invalid stop_regex.*no lookaround"):
         engine.generate("x", {"stop_regex": "(?=a)b"})
+
+
+def test_a_constraint_after_unconstrained_rows_of_a_batch(engine):
+    """Constrained rows between unconstrained ones in one batch: each mask on its own row (the
+    free rows give their outputs alone, the constrained ones match their patterns)."""
+    free = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    alone = engine.generate("free", free)["output_ids"]
+    outs = engine.generate(["free", "q", "free", "r"],
+                           [free, {"regex": "[0-9]{3}", "temperature": 0}, free,
+                            {"regex": "(yes|no)", "temperature": 0}])
+    assert outs[0]["output_ids"] == alone and outs[2]["output_ids"] == alone
+    assert re.fullmatch("[0-9]{3}", outs[1]["text"]) and re.fullmatch("(yes|no)", outs[3]["text"])

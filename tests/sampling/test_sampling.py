@@ -123,3 +123,109 @@ def test_sampled_tokens_follow_the_distribution(engine):
     observed = {**{t: counts.get(t, 0) for t in top}, "rest": sum(n for t, n in counts.items() if t not in top)}
     chi2 = sum((observed[k] - e) ** 2 / e for k, e in expected.items() if e > 0)
     assert chi2 < 26.1, (chi2, observed, expected)
+
+
+ONE = {"max_new_tokens": 1, "ignore_eos": True}
+
+
+def _top(engine, prompt, k):
+    out = engine.generate(prompt, {**ONE, "temperature": 0}, top_logprobs_num=k)
+    return out["meta_info"]["output_top_logprobs"][0]
+
+
+def test_top_k_keeps_exactly_its_tokens_in_a_mixed_batch(engine):
+    """top_k 3 rows alternating with top_k 50 rows (so every pass's widest cut is 50): 200 draws
+    at temperature 1 reach each of the 3 likeliest tokens and no other."""
+    (_, t0, _), (_, t1, _), (_, t2, _) = _top(engine, "f", 3)
+    params = [{**ONE, "temperature": 1.0, "top_k": 3}, {**ONE, "temperature": 1.0, "top_k": 50}] * 200
+    outs = engine.generate(["f"] * 400, params)
+    assert {o["output_ids"][0] for o in outs[0::2]} == {t0, t1, t2}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_it(engine):
+    """top_p halfway into the second likeliest token's mass keeps exactly the two likeliest."""
+    (l0, t0, _), (l1, t1, _) = _top(engine, "f", 2)
+    top_p = math.exp(l0) + math.exp(l1) / 2
+    outs = engine.generate(["f"] * 200, {**ONE, "temperature": 1.0, "top_p": top_p})
+    assert {o["output_ids"][0] for o in outs} == {t0, t1}
+
+
+def test_a_seeded_request_draws_afresh_at_each_step(engine):
+    """Near-uniform (temperature 1e4): a seed's 16 draws are mostly distinct tokens; one number
+    reused at every step would pick about the same token each time."""
+    out = engine.generate("s", {"max_new_tokens": 16, "temperature": 1e4, "seed": 5, "ignore_eos": True})
+    assert len(set(out["output_ids"])) > 8, out["output_ids"]
+
+
+def test_sampled_logprobs_come_after_the_temperature(engine):
+    """As SGLang: log_softmax(logits / T); the gaps between top entries are the greedy ones / T."""
+    kw = dict(return_logprob=True, top_logprobs_num=3)
+    cold = engine.generate("t", {**ONE, "temperature": 0}, **kw)["meta_info"]
+    hot = engine.generate("t", {**ONE, "temperature": 2.0, "seed": 1}, **kw)["meta_info"]
+    g, h = cold["output_top_logprobs"][0], hot["output_top_logprobs"][0]
+    assert [t for _, t, _ in g] == [t for _, t, _ in h]
+    for i in (1, 2):
+        assert h[0][0] - h[i][0] == pytest.approx((g[0][0] - g[i][0]) / 2.0, rel=1e-4)
+    lp, tok, _ = hot["output_token_logprobs"][0]
+    for v, t, _ in h:
+        if t == tok:
+            assert lp == pytest.approx(v, abs=1e-6)
+
+
+def _greedy(hf, prompt, steps, rep=1.0, freq=0.0, pres=0.0, times=1, pres_as_freq=False, rep_prompt=True):
+    """transformers' greedy ids with SGLang's penalties: a repetition penalty divides (or, below 0,
+    multiplies) the logits of every token in the prompt and the output; frequency subtracts it times
+    each output token's count, presence once per token present. The other arguments make the
+    wrong variants the test must tell apart: applied `times` times, presence counted as frequency,
+    the prompt spared the repetition penalty."""
+    out: list[int] = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1].float()
+        for _ in range(times):
+            seen = sorted((set(prompt) if rep_prompt else set()) | set(out))
+            if seen:
+                logits[seen] = torch.where(logits[seen] > 0, logits[seen] / rep, logits[seen] * rep)
+            if out:
+                c = torch.bincount(torch.tensor(out), minlength=logits.numel()).float()
+                logits -= freq * c + pres * (c if pres_as_freq else (c > 0).float())
+        out.append(int(logits.argmax()))
+    return out
+
+
+BASE = [7, 7, 7, 7, 9, 7]
+LONG = BASE + [509, 330, 102, 27, 509, 330]  # the base prompt's first six greedy tokens appended
+
+
+@pytest.mark.parametrize("prompt, penalty", [
+    (LONG, {"repetition_penalty": 1.3}), (BASE, {"frequency_penalty": 0.3}), (BASE, {"presence_penalty": -1.0}),
+    (BASE, {"frequency_penalty": -0.5, "presence_penalty": 0.3}),
+])
+def test_each_penalty_once_as_defined(engine, tiny_llama, prompt, penalty):
+    """Each penalty gives the greedy ids of its definition, on prompts where the wrong variants
+    (applied twice, presence as frequency, the prompt spared) give other ids."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    kw = dict(rep=penalty.get("repetition_penalty", 1.0), freq=penalty.get("frequency_penalty", 0.0),
+              pres=penalty.get("presence_penalty", 0.0))
+    expected = _greedy(hf, prompt, 24, **kw)
+    assert expected != _greedy(hf, prompt, 24), "the penalty changes nothing here"
+    assert expected != _greedy(hf, prompt, 24, times=2, **kw), "applied twice would pass"
+    if kw["pres"]:
+        assert expected != _greedy(hf, prompt, 24, pres_as_freq=True, **kw), "presence as frequency would pass"
+    if kw["rep"] != 1.0:
+        assert expected != _greedy(hf, prompt, 24, rep_prompt=False, **kw), "sparing the prompt would pass"
+    out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 24, "temperature": 0,
+                                                             "ignore_eos": True, **penalty})
+    assert out["output_ids"] == expected
+
+
+def test_logprobs_include_the_logit_bias(engine):
+    """As SGLang and the module's docstring: the distribution after penalties and logit_bias.
+    A bias of 100 makes token 17 certain: its logprob is ~0 and it heads the top list."""
+    out = engine.generate("b", {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True,
+                                "logit_bias": {"17": 100.0}}, return_logprob=True, top_logprobs_num=1)
+    meta = out["meta_info"]
+    for (lp, tok, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        assert tok == 17 and lp > -1e-3 and top[0][1] == 17

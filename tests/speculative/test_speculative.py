@@ -218,3 +218,15 @@ def test_the_flags_are_checked():
         EngineArgs(speculative_num_draft_tokens=1)
     with pytest.raises(ValueError, match="match_window"):
         EngineArgs(speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=3)
+
+
+def test_min_new_tokens_holds_a_drafted_stop(plain, primed):
+    """A stop token that the cached answers (the drafts) hold at step 3 is blocked by
+    min_new_tokens 6: verify must sample those rows, not take their argmax."""
+    answers = plain.generate(input_ids=PROMPTS, sampling_params={**GREEDY, "max_new_tokens": 32})
+    params = [{**GREEDY, "max_new_tokens": 32, "min_new_tokens": 6, "stop_token_ids": [a["output_ids"][3]]}
+              for a in answers]
+    want = plain.generate(input_ids=PROMPTS, sampling_params=params)
+    got = primed.generate(input_ids=PROMPTS, sampling_params=params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert _verified(got) > 0
