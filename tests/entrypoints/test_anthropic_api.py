@@ -140,3 +140,18 @@ def test_thinking_comes_as_a_thinking_block(thinking_base):
     plain = client.messages.create(model="m", max_tokens=8, messages=USER, extra_body=GREEDY)
     assert [b.type for b in plain.content] == ["text"]
     wait_idle(thinking_base)
+
+
+def test_the_system_prompt_reaches_the_model(client):
+    """The system prompt is part of the prompt: it adds tokens (counted and used), and the
+    streamed message_start reports the same input_tokens as the whole answer."""
+    bare = client.messages.count_tokens(model="m", messages=USER).input_tokens
+    counted = client.messages.count_tokens(model="m", messages=USER, system="Be brief.").input_tokens
+    assert counted > bare
+    made = client.messages.create(model="m", max_tokens=1, messages=USER, system="Be brief.", extra_body=GREEDY)
+    assert made.usage.input_tokens == counted
+    with client.messages.stream(model="m", max_tokens=1, messages=USER, system="Be brief.", extra_body=GREEDY) as s:
+        start = next(e for e in s if e.type == "message_start")
+        for _ in s:
+            pass
+    assert start.message.usage.input_tokens == counted

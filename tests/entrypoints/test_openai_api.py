@@ -138,3 +138,31 @@ def test_openai_client_errors(client, server):
     r = httpx.post(server + "/v1/chat/completions", json={"messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_cached_tokens_never_cover_the_whole_prompt(client):
+    """cached_tokens counts the prompt tokens the prefix cache served: a repeated prompt is served
+    all but its last token (which must be run for the next token's logits), never more."""
+    kw = dict(model="m", prompt="Cache me", max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+    client.completions.create(**kw)
+    again = client.completions.create(**kw)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
+def test_batched_choices_keep_their_own_text_logprobs_and_usage_streamed(client):
+    """Two prompts, echoed with logprobs: each choice's logprobs are its own (its tokens join to
+    its text), and streamed, each index's pieces join to that choice's whole text and offsets, the
+    echoed prompt sent once, with the same usage as the whole answer."""
+    kw = dict(model="m", prompt=["one", "two!"], max_tokens=4, temperature=0, echo=True, logprobs=1,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1]
+    for c, prompt in zip(whole.choices, ["one", "two!"]):
+        assert c.text.startswith(prompt) and "".join(c.logprobs.tokens) == c.text
+    parts = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    for c in whole.choices:
+        pieces = [p.choices[0] for p in parts if p.choices and p.choices[0].index == c.index]
+        assert "".join(p.text for p in pieces) == c.text
+        assert [o for p in pieces if p.logprobs for o in p.logprobs.text_offset] == c.logprobs.text_offset
+        assert pieces[-1].finish_reason == "length"
+    assert parts[-1].choices == [] and parts[-1].usage == whole.usage

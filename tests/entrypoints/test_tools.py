@@ -315,3 +315,33 @@ def test_tools_need_a_parser(server):
     r = _post(server, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
                        "tool_choice": "none", "max_tokens": 2})
     assert r.status_code == 200
+
+
+def test_text_and_a_call_in_one_streamed_piece_both_reach_the_client():
+    """A streamed piece that holds the text before a call and the whole call (several tokens per
+    step) gives a delta with both the content and the call, and finish_reason tool_calls."""
+    import asyncio
+
+    from baby_sgl.entrypoints.chat import ChatReader
+    from baby_sgl.entrypoints.openai_api import _no_logprobs, _openai_sse
+
+    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "oslo"}}\n</tool_call>'
+    meta = {"completion_tokens": len(text), "prompt_tokens": 3, "cached_tokens": 0,
+            "finish_reason": {"type": "stop", "matched": None}}
+
+    async def chunks():
+        yield 0, {"text": text, "finished": True, "meta_info": meta}
+
+    def reader(stream: bool) -> ChatReader:
+        return ChatReader(None, "qwen25", frozenset({"get_weather"}), hold_calls=not stream)
+
+    async def body() -> list[dict]:
+        head = {"id": "chatcmpl-x", "created": 0, "model": "m"}
+        events = _openai_sse(None, chunks(), head, "chat.completion", 1, False, _no_logprobs, None, (reader, True))
+        return [json.loads(e[len("data: "):]) async for e in events if e.startswith("data: {")]
+
+    (choice,) = [c for e in asyncio.run(body()) for c in e["choices"]]
+    assert choice["delta"]["content"] == "Checking.\n"
+    assert [c["function"]["name"] for c in choice["delta"]["tool_calls"]] == ["get_weather"]
+    assert json.loads(choice["delta"]["tool_calls"][0]["function"]["arguments"]) == {"city": "oslo"}
+    assert choice["finish_reason"] == "tool_calls"
