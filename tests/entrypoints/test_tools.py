@@ -337,7 +337,8 @@ def test_text_and_a_call_in_one_streamed_piece_both_reach_the_client():
 
     async def body() -> list[dict]:
         head = {"id": "chatcmpl-x", "created": 0, "model": "m"}
-        events = _openai_sse(None, chunks(), head, "chat.completion", 1, False, _no_logprobs, None, (reader, True))
+        events = _openai_sse(first=None, chunks=chunks(), head=head, kind="chat.completion", n=1, include_usage=False,
+                             logprobs=_no_logprobs, echoed=None, chat=(reader, True))
         return [json.loads(e[len("data: "):]) async for e in events if e.startswith("data: {")]
 
     (choice,) = [c for e in asyncio.run(body()) for c in e["choices"]]

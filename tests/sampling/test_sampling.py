@@ -11,6 +11,7 @@ import torch
 from baby_sgl import SamplingParams
 
 
+ONE = {"max_new_tokens": 1, "ignore_eos": True}
 SAMPLED = {"max_new_tokens": 16, "temperature": 0.9, "top_k": 50, "top_p": 0.95, "ignore_eos": True}
 
 
@@ -47,19 +48,24 @@ def test_filters_keep_tokens_inside_the_allowed_set(engine):
 
 
 def _penalised_greedy(hf, prompt: list[int], steps: int, repetition: float = 1.0, frequency: float = 0.0,
-                      presence: float = 0.0) -> list[int]:
+                      presence: float = 0.0, *, wrong: str | None = None) -> list[int]:
     """transformers' float32 logits, penalised as SGLang and OpenAI define it, argmax: repetition
     divides positive logits (multiplies negative ones) of every token in the prompt or output;
-    frequency subtracts per occurrence in the output, presence once per token that occurred."""
+    frequency subtracts per occurrence in the output, presence once per token that occurred.
+    wrong: a mistaken variant a test must tell apart ("twice": every penalty applied twice;
+    "presence as frequency": presence subtracted per occurrence; "prompt spared": repetition
+    leaving the prompt's tokens alone)."""
     out: list[int] = []
     for _ in range(steps):
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + out])).logits[0, -1].float()
-        seen = sorted(set(prompt) | set(out))
-        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / repetition, logits[seen] * repetition)
-        if out:
-            counts = torch.bincount(torch.tensor(out), minlength=logits.numel()).float()
-            logits -= frequency * counts + presence * (counts > 0).float()
+        for _ in range(2 if wrong == "twice" else 1):
+            seen = sorted((set() if wrong == "prompt spared" else set(prompt)) | set(out))
+            logits[seen] = torch.where(logits[seen] > 0, logits[seen] / repetition, logits[seen] * repetition)
+            if out:
+                counts = torch.bincount(torch.tensor(out), minlength=logits.numel()).float()
+                present = counts if wrong == "presence as frequency" else (counts > 0).float()
+                logits -= frequency * counts + presence * present
         out.append(int(logits.argmax()))
     return out
 
@@ -125,9 +131,6 @@ def test_sampled_tokens_follow_the_distribution(engine):
     assert chi2 < 26.1, (chi2, observed, expected)
 
 
-ONE = {"max_new_tokens": 1, "ignore_eos": True}
-
-
 def _top(engine, prompt, k):
     out = engine.generate(prompt, {**ONE, "temperature": 0}, top_logprobs_num=k)
     return out["meta_info"]["output_top_logprobs"][0]
@@ -172,27 +175,6 @@ def test_sampled_logprobs_come_after_the_temperature(engine):
             assert lp == pytest.approx(v, abs=1e-6)
 
 
-def _greedy(hf, prompt, steps, rep=1.0, freq=0.0, pres=0.0, times=1, pres_as_freq=False, rep_prompt=True):
-    """transformers' greedy ids with SGLang's penalties: a repetition penalty divides (or, below 0,
-    multiplies) the logits of every token in the prompt and the output; frequency subtracts it times
-    each output token's count, presence once per token present. The other arguments make the
-    wrong variants the test must tell apart: applied `times` times, presence counted as frequency,
-    the prompt spared the repetition penalty."""
-    out: list[int] = []
-    for _ in range(steps):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + out])).logits[0, -1].float()
-        for _ in range(times):
-            seen = sorted((set(prompt) if rep_prompt else set()) | set(out))
-            if seen:
-                logits[seen] = torch.where(logits[seen] > 0, logits[seen] / rep, logits[seen] * rep)
-            if out:
-                c = torch.bincount(torch.tensor(out), minlength=logits.numel()).float()
-                logits -= freq * c + pres * (c if pres_as_freq else (c > 0).float())
-        out.append(int(logits.argmax()))
-    return out
-
-
 BASE = [7, 7, 7, 7, 9, 7]
 LONG = BASE + [509, 330, 102, 27, 509, 330]  # the base prompt's first six greedy tokens appended
 
@@ -202,20 +184,22 @@ LONG = BASE + [509, 330, 102, 27, 509, 330]  # the base prompt's first six greed
     (BASE, {"frequency_penalty": -0.5, "presence_penalty": 0.3}),
 ])
 def test_each_penalty_once_as_defined(engine, tiny_llama, prompt, penalty):
-    """Each penalty gives the greedy ids of its definition, on prompts where the wrong variants
+    """Each penalty gives the greedy ids of its definition, on prompts where the mistaken variants
     (applied twice, presence as frequency, the prompt spared) give other ids."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    kw = dict(rep=penalty.get("repetition_penalty", 1.0), freq=penalty.get("frequency_penalty", 0.0),
-              pres=penalty.get("presence_penalty", 0.0))
-    expected = _greedy(hf, prompt, 24, **kw)
-    assert expected != _greedy(hf, prompt, 24), "the penalty changes nothing here"
-    assert expected != _greedy(hf, prompt, 24, times=2, **kw), "applied twice would pass"
-    if kw["pres"]:
-        assert expected != _greedy(hf, prompt, 24, pres_as_freq=True, **kw), "presence as frequency would pass"
-    if kw["rep"] != 1.0:
-        assert expected != _greedy(hf, prompt, 24, rep_prompt=False, **kw), "sparing the prompt would pass"
+    args = (penalty.get("repetition_penalty", 1.0), penalty.get("frequency_penalty", 0.0),
+            penalty.get("presence_penalty", 0.0))
+    expected = _penalised_greedy(hf, prompt, 24, *args)
+    assert expected != _penalised_greedy(hf, prompt, 24), "the penalty changes nothing here"
+    assert expected != _penalised_greedy(hf, prompt, 24, *args, wrong="twice"), "applied twice would pass"
+    if args[2]:
+        assert expected != _penalised_greedy(hf, prompt, 24, *args, wrong="presence as frequency"), \
+            "presence as frequency would pass"
+    if args[0] != 1.0:
+        assert expected != _penalised_greedy(hf, prompt, 24, *args, wrong="prompt spared"), \
+            "sparing the prompt would pass"
     out = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 24, "temperature": 0,
                                                              "ignore_eos": True, **penalty})
     assert out["output_ids"] == expected

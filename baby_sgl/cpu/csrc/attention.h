@@ -146,12 +146,9 @@ void attend_row_v(const KVPool<T>& kv, const float* q_in, float scale, const int
           float weight = scores[g * kBlock + j];
           if constexpr (kScaledKV<T>) weight *= v_scales[j];
           const fv p = splat(weight);
-          if constexpr (std::is_same_v<T, float>) {
-            const float* vrow = vp + slots[start + j] * stride + h * D;
-            for (int64_t v = 0; v < V; ++v) a[v] += p * loadv(vrow + kLanes * v);
-          } else {
-            for (int64_t v = 0; v < V; ++v) a[v] += p * loadv(vf + j * D + kLanes * v);
-          }
+          const float* vrow = vf + j * D;
+          if constexpr (std::is_same_v<T, float>) vrow = vp + slots[start + j] * stride + h * D;
+          for (int64_t v = 0; v < V; ++v) a[v] += p * loadv(vrow + kLanes * v);
         }
         if constexpr (kV > 0) {
           for (int64_t v = 0; v < V; ++v) acc[g * V + v] = a[v];
