@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from baby_sgl.cpu import toolchain
-from baby_sgl.bench.offline import main
+from baby_sgl.bench.offline_cli import main
 
 pytestmark = [
     pytest.mark.serial,

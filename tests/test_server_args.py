@@ -16,14 +16,14 @@ from baby_sgl.server_args import SERVER_ONLY, engine_kwargs
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
     from baby_sgl import cli, launch_server
-    from baby_sgl.bench import offline, serving
+    from baby_sgl.bench import offline_cli, serving
     from baby_sgl.entrypoints import chat_cli, tree_cli
 
     top = cli.build_parser()
     sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
     return {"baby-sgl": top, "generate": sub.choices["generate"], "demo": sub.choices["demo"],
             "serve": launch_server.build_parser(), "chat": chat_cli.build_parser(), "tree": tree_cli.build_parser(),
-            "bench offline": offline.build_parser(), "bench serving": serving.build_parser()}
+            "bench offline": offline_cli.build_parser(), "bench serving": serving.build_parser()}
 
 
 def test_every_cli_flag_has_help():

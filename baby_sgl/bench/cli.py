@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-_COMMANDS = {"offline": "baby_sgl.bench.offline", "serving": "baby_sgl.bench.serving"}
+_COMMANDS = {"offline": "baby_sgl.bench.offline_cli", "serving": "baby_sgl.bench.serving"}
 
 
 def main(argv: list[str]) -> int:

@@ -1,20 +1,23 @@
 """`baby-sgl bench offline`: throughput of the engine on a fixed workload, optionally next to
 transformers, another engine, or itself in another setting (`--compare ...`) on the very same
-prompts, in the same run."""
+prompts, in the same run; with --rounds, each of them several times in turn (the options are
+offline_cli.py's)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import resource
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 
-from baby_sgl.bench.checkpoints import SHAPES, ensure_checkpoint
+from baby_sgl.bench.checkpoints import ensure_checkpoint
 from baby_sgl.bench.copy_workload import copy_workload, multi_turn_workload
+from baby_sgl.bench.model_shapes import SHAPES
 from baby_sgl.bench.neighbours import busy_core, second_engine
 from baby_sgl.bench.peers import PEERS, run_peer
 from baby_sgl.bench.roofline import cpu_description, measure_roofs
@@ -22,7 +25,7 @@ from baby_sgl.bench.workloads import Workload, one_batch_workload, random_worklo
 from baby_sgl.engine import Engine
 from baby_sgl.core import kv_cache_dtype
 from baby_sgl.core.memory_pool import KVPool
-from baby_sgl.server_args import KV_CACHE_DTYPE_CHOICES, EngineArgs, engine_kwargs
+from baby_sgl.server_args import KV_CACHE_DTYPE_CHOICES, engine_kwargs
 from baby_sgl.threads import run_in_own_thread
 
 
@@ -152,77 +155,13 @@ def build_workload(args: argparse.Namespace, engine: Engine) -> Workload:
     return one_batch_workload(args.batch, args.input_len, args.output_len, vocab, args.seed)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="baby-sgl bench offline",
-                                description="the engine in-process on a synthetic workload, against the machine's "
-                                            "roofs and, with --compare, another engine")
-    p.add_argument("--workload", choices=["random", "shared-prefix", "one-batch", "copy", "multi-turn"],
-                   default="random",
-                   help="random prompts, groups sharing a system prompt, one batch at once, chat tasks that copy "
-                        "text (rewrite code, quote a passage, fill JSON from a document), or users asking the "
-                        "same questions in chats of their own (default: random)")
-    p.add_argument("--repeats", type=int, default=1, help="copy: times each task is asked (default: 1)")
-    p.add_argument("--seed", type=int, default=1, help="seed of the prompts (default: 1)")
-    p.add_argument("--num-prompts", type=int, default=64, help="random: prompts (default: 64)")
-    p.add_argument("--input-min", type=int, default=32, help="random: shortest prompt, tokens (default: 32)")
-    p.add_argument("--input-max", type=int, default=512, help="random: longest prompt, tokens (default: 512)")
-    p.add_argument("--output-min", type=int, default=32, help="random: fewest output tokens (default: 32)")
-    p.add_argument("--output-max", type=int, default=256, help="random: most output tokens (default: 256)")
-    p.add_argument("--groups", type=int, default=8, help="shared-prefix: groups, one system prompt each (default: 8)")
-    p.add_argument("--prompts-per-group", type=int, default=8, help="shared-prefix: prompts per group (default: 8)")
-    p.add_argument("--system-len", type=int, default=1024, help="shared-prefix: system prompt tokens (default: 1024)")
-    p.add_argument("--question-len", type=int, default=64, help="shared-prefix: question tokens (default: 64)")
-    p.add_argument("--output-len", type=int, default=64,
-                   help="shared-prefix, one-batch, copy, multi-turn: output tokens per prompt (default: 64)")
-    p.add_argument("--batch", type=int, default=1, help="one-batch: prompts in the batch (default: 1)")
-    p.add_argument("--input-len", type=int, default=128, help="one-batch: tokens per prompt (default: 128)")
-    p.add_argument("--compare", nargs="+", default=[],
-                   choices=["hf", "vllm", "llama.cpp", "float32", "bfloat16", "json-schema", "no-speculation",
-                            "request-only-drafts", "kv-cache-dtypes", "deterministic"],
-                   help="one or more of: hf: transformers on the same prompts; vllm, llama.cpp: that engine on the "
-                        "same prompts (scripts/setup_peers.sh installs them; llama.cpp with its prompt-lookup "
-                        "decoding when --speculative-algorithm is set); a dtype: baby-sgl in that dtype, with how "
-                        "many greedy outputs match; json-schema: every request constrained to a JSON schema; "
-                        "no-speculation: baby-sgl without --speculative-algorithm; request-only-drafts: with "
-                        "drafts from each request's own text only; kv-cache-dtypes: baby-sgl with each other "
-                        "--kv-cache-dtype (the tokens its pool holds in the same memory, and with --workload "
-                        "one-batch the decode step); deterministic: baby-sgl with --enable-deterministic-inference "
-                        "flipped (its cost)"),
-    p.add_argument("--model-shape", choices=sorted(SHAPES), default=None,
-                   help="instead of --model-path: random weights in that real model's shape, built once into the "
-                        "cache (a Q4_0 GGUF for baby-sgl and llama.cpp, the same weights as a Hugging Face "
-                        "bfloat16 directory for vLLM and transformers)")
-    p.add_argument("--beside-busy-core", action="store_true",
-                   help="run the workload again beside a process that keeps one core busy; print its slowdown")
-    p.add_argument("--beside-engine", action="store_true",
-                   help="run the workload again beside a second engine process on the same cores that serves the "
-                        "same workload without pause; print the slowdown")
-    p.add_argument("--lora", action="store_true",
-                   help="run the workload again with its prompts spread over --lora-adapters random LoRA adapters "
-                        "of rank --lora-rank (mixed in every batch): the speed against the base model's, each "
-                        "adapter's load time and size")
-    p.add_argument("--lora-adapters", type=int, default=8, help="--lora: adapters (default: 8)")
-    p.add_argument("--lora-rank", type=int, default=16, help="--lora: their rank (default: 16)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
-    p.add_argument("--output-file", default=None, help="append the results as one JSON line")
-    EngineArgs.add_cli_args(p)
-    return p
-
-
-def main(argv: list[str]) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
+def run_bench(args: argparse.Namespace) -> int:
+    """The run offline_cli.py parsed and checked."""
     if args.threads:
         torch.set_num_threads(args.threads)
     kwargs = engine_kwargs(args)
-    if "json-schema" in args.compare and args.workload == "one-batch":
-        p.error("--compare json-schema runs the other workloads")
-    if {"no-speculation", "request-only-drafts"} & set(args.compare) and not args.speculative_algorithm:
-        p.error("--compare no-speculation / request-only-drafts need --speculative-algorithm")
     hf_dir = None
     if args.model_shape:
-        if args.model_path:
-            p.error("--model-shape brings its own model: leave out --model-path")
         checkpoint = ensure_checkpoint(SHAPES[args.model_shape])
         kwargs["model_path"], hf_dir = checkpoint.gguf, checkpoint.hf_dir
     run: Callable[..., dict] = run_one_batch if args.workload == "one-batch" else run_engine
@@ -247,6 +186,18 @@ def main(argv: list[str]) -> int:
         roofs = run_in_own_thread(lambda: measure_roofs(engine))  # see threads.py
         model_path, dtype = engine.model_path, engine.dtype
         memory = memory_budget(engine)
+    model = (model_path, hf_dir)
+    base_rounds, compare_rounds = [result], []
+    for compare in args.compare:
+        compare_rounds.append([compare_with(compare, args, kwargs, wl, run, result, model, dtype,
+                                            report_constrained if compare == "json-schema" else None)])
+    for _ in range(1, args.rounds):  # baby-sgl again, then each comparison again, in the same order
+        with Engine(**kwargs) as engine:
+            base_rounds.append(run(engine, wl))
+        for compare, rounds in zip(args.compare, compare_rounds):
+            if compare != "json-schema":  # its row is the engine's own, measured in the first round
+                rounds.append(compare_with(compare, args, kwargs, wl, run, base_rounds[-1], model, dtype, None))
+    result = median_of_rounds(base_rounds)
     report: dict[str, Any] = {"model": args.model_shape or model_path, "cpu": cpu_description(), "workload": wl.name, "num_prompts": len(wl.prompts), "input_tokens": wl.input_tokens,
               "output_tokens": sum(wl.output_lens), "dtype": str(dtype), "threads": torch.get_num_threads(),
               "server_args": kwargs, "roofs": roofs, "memory": memory, "results": [result],
@@ -259,9 +210,9 @@ def main(argv: list[str]) -> int:
         result["prefill_tok_s"] = wl.input_tokens / result["prefill_s"]
         result["prefill_roof_fraction"] = result["prefill_tok_s"] / roofs["compute_roof_tok_s"]
     report["results"] += neighbours
-    for compare in args.compare:
-        report["results"] += compare_with(compare, args, kwargs, wl, run, result, (model_path, hf_dir), dtype,
-                                          report_constrained if compare == "json-schema" else None)
+    for compare, rounds in zip(args.compare, compare_rounds):
+        for rows in zip(*rounds):  # one row, or kv-cache-dtypes' row per element type
+            report["results"].append(median_of_rounds(list(rows), base_rounds))
         if compare == "vllm" and lora_paths is not None:  # the same adapters, against the LoRA row
             report["results"].append(run_peer("vllm", model_path, dtype, wl, args.workload == "one-batch",
                                               torch.get_num_threads(), lora_row, hf_dir=hf_dir, lora_paths=lora_paths))
@@ -272,6 +223,32 @@ def main(argv: list[str]) -> int:
         with open(args.output_file, "a") as f:
             f.write(json.dumps(report) + "\n")
     return 0
+
+
+def median_of_rounds(rows: list[dict], base_rounds: list[dict] | None = None) -> dict:
+    """One row's --rounds as one row: each measured figure the median of the rounds' (labels,
+    counts and outputs the first round's), and with base_rounds (baby-sgl's rows, round by round)
+    each round's own speed ratio."""
+    merged = dict(rows[0])
+    if len(rows) == 1:
+        return merged
+    for key, value in rows[0].items():
+        if isinstance(value, float):
+            merged[key] = statistics.median(row[key] for row in rows)
+    merged["rounds"] = len(rows)
+    if base_rounds is not None:
+        merged["round_ratios"] = [speed_ratio(base, row) for base, row in zip(base_rounds, rows)]
+    return merged
+
+
+def speed_ratio(base: dict, row: dict) -> float | None:
+    """base's speed over row's: by the decode step where a row has one (one batch), else by output
+    tokens per second; None for a row with neither (an error)."""
+    if row.get("decode_step_median_s") and base.get("decode_step_median_s"):
+        return base["decode_step_median_s"] / row["decode_step_median_s"]
+    if row.get("output_tok_s") and base.get("output_tok_s"):
+        return base["output_tok_s"] / row["output_tok_s"]
+    return None
 
 
 def run_beside_neighbours(args: argparse.Namespace, kwargs: dict, engine: Engine, wl: Workload,
@@ -350,11 +327,12 @@ def print_report(report: dict) -> None:
     base = report["results"][0]
     for r in report["results"]:
         fields = [f"{k}={v:.4g}" for k, v in r.items() if isinstance(v, float | int) and not isinstance(v, bool)]
-        ratio = ""
-        if r is not base and r.get("decode_step_median_s"):
-            ratio = f"  (decode step {base['decode_step_median_s'] / r['decode_step_median_s']:.2f}x the first row's speed)"
-        elif r is not base and r.get("output_tok_s"):
-            ratio = f"  (baby-sgl is {base['output_tok_s'] / r['output_tok_s']:.2f}x)"
+        ratio, speed = "", speed_ratio(base, r) if r is not base else None
+        if speed is not None:
+            ratio = f"  (decode step {speed:.2f}x the first row's speed)" if r.get("decode_step_median_s") \
+                else f"  (baby-sgl is {speed:.2f}x)"
+        if r.get("round_ratios"):
+            ratio += "  rounds: " + ", ".join(f"{x:.2f}x" for x in r["round_ratios"] if x is not None)
         print(f"  {r['engine']:>28s}: " + " ".join(fields) + ratio)
     mem = report["memory"]
     print(f"peak RSS {report['peak_rss_mb']:.0f} MB (weights {mem['weights_mb']:.0f} MB + KV pool "

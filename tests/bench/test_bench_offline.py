@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from baby_sgl.bench.offline import main
+from baby_sgl.bench.offline_cli import main
 from baby_sgl.bench.peers import _as_row
 from baby_sgl.bench.workloads import Workload
 
@@ -64,3 +66,41 @@ def test_peer_results_become_rows_with_ratios_and_agreement():
     row = _as_row("peer", {"seconds": 2.0, "prefill_s": 0.5, "outputs": [[1, 2, 3, 4], [1, 2, 9, 9]]}, wl, base)
     assert row["output_tok_s"] == 4.0 and row["total_tok_s"] == 7.0 and row["greedy_identical_frac"] == 0.5
     assert row["decode_step_median_s"] == 0.5  # (2.0 - 0.5) / 3 later tokens
+
+
+def test_rounds_alternate_the_engines_and_report_medians(tiny_llama, monkeypatch, tmp_path):
+    """--rounds 3: baby-sgl and the peer take turns, and each row's figures are the medians of its
+    rounds, with every round's own ratio (a peer recorded here: it need not be installed)."""
+    from baby_sgl.bench import offline
+
+    (tmp_path / "vllm" / "bin").mkdir(parents=True)
+    (tmp_path / "vllm" / "bin" / "python").write_text("")
+    monkeypatch.setattr("baby_sgl.bench.peers.PEERS_DIR", tmp_path)
+    order, peer_seconds = [], iter([1.0, 4.0, 2.0])
+
+    def peer_run(cmd, **_):
+        order.append("vllm")
+        spec = json.loads(Path(cmd[2]).read_text())
+        Path(cmd[3]).write_text(json.dumps({"seconds": next(peer_seconds),
+                                            "outputs": [[3] * n for n in spec["output_lens"]]}))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    def own_run(engine, wl, *args, **kwargs):
+        order.append("baby-sgl")
+        return run_engine(engine, wl, *args, **kwargs)
+
+    run_engine = offline.run_engine
+    monkeypatch.setattr("baby_sgl.bench.peers.subprocess.run", peer_run)
+    monkeypatch.setattr(offline, "run_engine", own_run)
+    out = tmp_path / "bench.jsonl"
+    assert main(["--model-path", tiny_llama, "--workload", "random", "--num-prompts", "2", "--input-min", "8",
+                 "--input-max", "8", "--output-min", "4", "--output-max", "4", "--compare", "vllm", "--rounds", "3",
+                 "--output-file", str(out)]) == 0
+    assert order == ["baby-sgl", "vllm"] * 3
+    ours, peer = json.loads(out.read_text())["results"]
+    assert peer["seconds"] == 2.0 and peer["output_tok_s"] == 4.0 and peer["rounds"] == 3 == ours["rounds"]
+    assert len(peer["round_ratios"]) == 3 and all(r > 0 for r in peer["round_ratios"])
+    # The peer's slowest round (4 s) gives baby-sgl its best ratio of the three.
+    assert max(peer["round_ratios"]) == peer["round_ratios"][1]
+    with pytest.raises(SystemExit):
+        main(["--model-path", tiny_llama, "--rounds", "0"])

@@ -14,9 +14,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from baby_sgl import Engine
-from baby_sgl.bench import checkpoints
-from baby_sgl.bench.checkpoints import ModelShape, ensure_checkpoint, quantize_q4_0_exact
-from baby_sgl.bench.offline import main
+from baby_sgl.bench import checkpoints, model_shapes
+from baby_sgl.bench.checkpoints import ensure_checkpoint, quantize_q4_0_exact
+from baby_sgl.bench.model_shapes import ModelShape
+from baby_sgl.bench.offline_cli import main
 from baby_sgl.model_loader.loader import load_model
 from helpers import GREEDY, hf_greedy, random_prompts
 
@@ -111,7 +112,7 @@ def test_peers_get_the_files_they_read(built, monkeypatch, tmp_path, capsys):
         (tmp_path / peer / "bin").mkdir(parents=True)
         (tmp_path / peer / "bin" / "python").write_text("")
     monkeypatch.setattr("baby_sgl.bench.peers.PEERS_DIR", tmp_path)
-    monkeypatch.setitem(checkpoints.SHAPES, "tiny-llama", TINY["llama"])
+    monkeypatch.setitem(model_shapes.SHAPES, "tiny-llama", TINY["llama"])
     commands = []
 
     def peer_run(cmd, **_):
