@@ -50,13 +50,14 @@ def main() -> None:
     p.add_argument("--quantization", default=None, help="as the engine's flag (gguf or none)")
     p.add_argument("--enable-torch-compile", action="store_true", help="as the engine's flag (op by op, compiled)")
     p.add_argument("--cpu-int8-activations", default="auto", help="as the engine's flag (auto, on or off)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="as the engine's flag (the KV pool's element type)")
     p.add_argument("--no-step", action="store_true", help="decode op by op instead of the one-call CPU step")
     p.add_argument("--shapes", action="store_true", help="one row per op and input shapes (op table)")
     args = p.parse_args()
 
     rng = random.Random(0)
     with Engine(args.model_path, dtype=args.dtype, quantization=args.quantization,
-                cpu_int8_activations=args.cpu_int8_activations,
+                cpu_int8_activations=args.cpu_int8_activations, kv_cache_dtype=args.kv_cache_dtype,
                 enable_torch_compile=args.enable_torch_compile,
                 torch_compile_max_bs=max(args.batch, 1), max_running_requests=max(64, args.batch)) as engine:
         vocab = engine.model_config.vocab_size

@@ -227,28 +227,36 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def median_of_rounds(rows: list[dict], base_rounds: list[dict] | None = None) -> dict:
     """One row's --rounds as one row: each measured figure the median of the rounds' (labels,
-    counts and outputs the first round's), and with base_rounds (baby-sgl's rows, round by round)
-    each round's own speed ratio."""
+    counts and outputs the first round's), every round's own figures under "round_rows", and with
+    base_rounds (baby-sgl's rows, round by round) each round's speed ratio, and for one batch its
+    prefill's (baby-sgl's prefill time over the row's)."""
     merged = dict(rows[0])
     if len(rows) == 1:
         return merged
     for key, value in rows[0].items():
         if isinstance(value, float):
             merged[key] = statistics.median(row[key] for row in rows)
-    merged["rounds"] = len(rows)
+    merged |= {"rounds": len(rows), "round_rows": [{k: v for k, v in row.items() if k != "outputs"} for row in rows]}
     if base_rounds is not None:
         merged["round_ratios"] = [speed_ratio(base, row) for base, row in zip(base_rounds, rows)]
+        if all(row.get("prefill_s") for row in [*rows, *base_rounds]):
+            merged["round_prefill_ratios"] = [base["prefill_s"] / row["prefill_s"]
+                                              for base, row in zip(base_rounds, rows)]
     return merged
 
 
 def speed_ratio(base: dict, row: dict) -> float | None:
-    """base's speed over row's: by the decode step where a row has one (one batch), else by output
-    tokens per second; None for a row with neither (an error)."""
-    if row.get("decode_step_median_s") and base.get("decode_step_median_s"):
+    """base's speed over row's: by the decode step where both rows have one (one batch), else by
+    output tokens per second; None for a row with neither (an error)."""
+    if by_decode_step(base, row):
         return base["decode_step_median_s"] / row["decode_step_median_s"]
     if row.get("output_tok_s") and base.get("output_tok_s"):
         return base["output_tok_s"] / row["output_tok_s"]
     return None
+
+
+def by_decode_step(base: dict, row: dict) -> bool:
+    return bool(row.get("decode_step_median_s") and base.get("decode_step_median_s"))
 
 
 def run_beside_neighbours(args: argparse.Namespace, kwargs: dict, engine: Engine, wl: Workload,
@@ -329,10 +337,15 @@ def print_report(report: dict) -> None:
         fields = [f"{k}={v:.4g}" for k, v in r.items() if isinstance(v, float | int) and not isinstance(v, bool)]
         ratio, speed = "", speed_ratio(base, r) if r is not base else None
         if speed is not None:
-            ratio = f"  (decode step {speed:.2f}x the first row's speed)" if r.get("decode_step_median_s") \
-                else f"  (baby-sgl is {speed:.2f}x)"
-        if r.get("round_ratios"):
-            ratio += "  rounds: " + ", ".join(f"{x:.2f}x" for x in r["round_ratios"] if x is not None)
+            ratio = f"  (decode step {speed:.2f}x the first row's speed" if by_decode_step(base, r) \
+                else f"  (baby-sgl is {speed:.2f}x"
+            if r.get("round_ratios"):
+                ratio += "; rounds " + ", ".join(f"{x:.2f}x" for x in r["round_ratios"] if x is not None)
+            if r.get("prefill_s") and base.get("prefill_s"):  # one batch: the time to the first token
+                ratio += f"; baby-sgl's prefill in {base['prefill_s'] / r['prefill_s']:.2f}x this row's time"
+                if r.get("round_prefill_ratios"):
+                    ratio += "; rounds " + ", ".join(f"{x:.2f}x" for x in r["round_prefill_ratios"])
+            ratio += ")"
         print(f"  {r['engine']:>28s}: " + " ".join(fields) + ratio)
     mem = report["memory"]
     print(f"peak RSS {report['peak_rss_mb']:.0f} MB (weights {mem['weights_mb']:.0f} MB + KV pool "

@@ -76,12 +76,13 @@ def test_rounds_alternate_the_engines_and_report_medians(tiny_llama, monkeypatch
     (tmp_path / "vllm" / "bin").mkdir(parents=True)
     (tmp_path / "vllm" / "bin" / "python").write_text("")
     monkeypatch.setattr("baby_sgl.bench.peers.PEERS_DIR", tmp_path)
-    order, peer_seconds = [], iter([1.0, 4.0, 2.0])
+    order, peer_seconds = [], iter([1.0, 40.0, 2.0] * 2)
 
     def peer_run(cmd, **_):
         order.append("vllm")
         spec = json.loads(Path(cmd[2]).read_text())
-        Path(cmd[3]).write_text(json.dumps({"seconds": next(peer_seconds),
+        seconds = next(peer_seconds)
+        Path(cmd[3]).write_text(json.dumps({"seconds": seconds, "prefill_s": seconds / 10,
                                             "outputs": [[3] * n for n in spec["output_lens"]]}))
         return subprocess.CompletedProcess(cmd, 0)
 
@@ -100,7 +101,14 @@ def test_rounds_alternate_the_engines_and_report_medians(tiny_llama, monkeypatch
     ours, peer = json.loads(out.read_text())["results"]
     assert peer["seconds"] == 2.0 and peer["output_tok_s"] == 4.0 and peer["rounds"] == 3 == ours["rounds"]
     assert len(peer["round_ratios"]) == 3 and all(r > 0 for r in peer["round_ratios"])
-    # The peer's slowest round (4 s) gives baby-sgl its best ratio of the three.
+    # The peer's slowest round (40 s) gives baby-sgl its best ratio of the three.
     assert max(peer["round_ratios"]) == peer["round_ratios"][1]
+    assert [r["seconds"] for r in peer["round_rows"]] == [1.0, 40.0, 2.0] and len(ours["round_rows"]) == 3
+    # One batch: each round's prefill against the peer's as well.
+    assert main(["--model-path", tiny_llama, "--workload", "one-batch", "--input-len", "8", "--output-len", "4",
+                 "--compare", "vllm", "--rounds", "3", "--output-file", str(out)]) == 0
+    ours, peer = json.loads(out.read_text().splitlines()[1])["results"]
+    assert peer["prefill_s"] == 0.2 and len(peer["round_prefill_ratios"]) == 3
+    assert min(peer["round_prefill_ratios"]) == peer["round_prefill_ratios"][1]  # its prefill's slowest round
     with pytest.raises(SystemExit):
         main(["--model-path", tiny_llama, "--rounds", "0"])
