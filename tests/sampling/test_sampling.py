@@ -213,3 +213,25 @@ def test_logprobs_include_the_logit_bias(engine):
     meta = out["meta_info"]
     for (lp, tok, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
         assert tok == 17 and lp > -1e-3 and top[0][1] == 17
+
+
+def test_greedy_rows_skip_nan_and_take_the_first_largest():
+    """A greedy row's token is its largest logit, the first on a tie, a NaN never chosen (a NaN-aware
+    argmax of the raw logits would pick it), +inf above any finite value, with or without logprobs."""
+    from baby_sgl.sampling.sampler import Sampler
+    from baby_sgl.sampling.sampling_batch import LogprobQuery, SamplingBatch
+
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[0.5, 2.0, 1.0, 2.0, -1.0, 0.0],
+                           [nan, 1.0, 3.0, nan, 3.0, -inf],
+                           [1.0, inf, 2.0, inf, nan, 0.0],
+                           [-inf, -inf, -inf, -inf, -7.0, -inf]])
+    greedy = SamplingParams(temperature=0.0)
+    rows = len(logits)
+
+    def batch(logprobs):
+        return SamplingBatch([greedy] * rows, [0] * rows, [None] * rows, [None] * rows, [logprobs] * rows)
+
+    sampler = Sampler(vocab_size=6, eos_token_ids=[0], random_seed=0)
+    assert sampler.sample(logits, batch(None)).tokens == [1, 2, 1, 4]
+    assert sampler.sample(logits, batch(LogprobQuery(0, None))).tokens == [1, 2, 1, 4]
