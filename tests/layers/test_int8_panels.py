@@ -64,6 +64,32 @@ def test_panel_products_equal_float64_on_the_rounded_activations(ops, qtype, row
     assert ((out.double() - expected).abs() / scale).max() < 4e-6
 
 
+@pytest.mark.parametrize("qtype", [WeightType.Q8_0, WeightType.Q4_0, WeightType.Q4_K, WeightType.Q6_K])
+@pytest.mark.parametrize("rows", [4, 5])
+def test_a_partial_group_in_a_tiles_second_group_writes_only_its_own_columns(ops, qtype, rows):
+    """One thread's 15 outputs are one tile of two groups, the second of 7 rows: each group's
+    stores are masked to its own valid columns (product_int8_panels: valid[r] from group g + r), or
+    the second group's eighth lane would land on the next row's first output (out's row stride is
+    15). With two threads a share of two groups ending in a partial one writes its neighbour's
+    columns too, but which write lands last is a race: one thread makes it certain."""
+    if not ops.has_int8_panels:  # see the module's docstring
+        return
+    n = 15
+    data, ref = _weight(qtype, seed=7)
+    data, ref = data[:n].contiguous(), ref[:n]
+    x = _activations(rows, K)
+    bias = torch.randn(n)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = ops.linear_int8(x, data, int(qtype), n, K, bias, same_bits_for_any_rows=False)
+    finally:
+        torch.set_num_threads(threads)
+    expected = q8_dequantized(x) @ ref.T + bias.double()
+    scale = (q8_dequantized(x).abs() @ ref.abs().T + bias.abs().double()).amax(1, keepdim=True)
+    assert ((out.double() - expected).abs() / scale).max() < 4e-6
+
+
 @pytest.mark.parametrize("qtype", [WeightType.Q4_0, WeightType.Q4_K, WeightType.Q6_K])
 def test_encoded_k_quants_too(ops, qtype):
     """Weights a quantizer made (not random bytes): the K-quants' scales and mins as encoders write them."""

@@ -59,6 +59,25 @@ def test_int8_products_equal_float64_on_the_rounded_activations(ops, kind, k, ro
     assert not torch.allclose(out.double(), x.double() @ ref.T + bias.double(), rtol=0, atol=1e-5 * scale.item())
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_activations_halfway_between_two_integers_round_to_even(ops, rows):
+    """q = round(x / d) rounds half to even, as llama.cpp's Q8 blocks do (the SIMD conversions,
+    nearbyint without SIMD): blocks whose largest magnitude is 127 times a power of two have that
+    power of two as their scale, and their values 0.5, 1.5, 2.5, -2.5 ... times it land exactly
+    between two integers, where rounding half away from zero (std::round) moves every other one by
+    one. Random activations never land on such a tie."""
+    k = 64
+    data, ref = _weight(G.Q8_0, k)
+    ties = torch.arange(31) - 15 + 0.5  # -14.5 .. 15.5
+    block = torch.cat([torch.tensor([127.0]), ties])
+    x = torch.stack([torch.cat([block, -2 * block]) * 2.0**m for m in range(rows)])
+    assert q8_dequantized(x)[0, 14:19].tolist() == [-2.0, 0.0, 0.0, 2.0, 2.0]  # -1.5, -0.5, 0.5, 1.5, 2.5
+    out = ops.linear_int8(x, data, int(WeightType.Q8_0), N, k, None)
+    expected = q8_dequantized(x) @ ref.T
+    scale = (q8_dequantized(x).abs() @ ref.abs().T).max()
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6 * scale.item())
+
+
 @pytest.mark.parametrize("kind", list(TYPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_int8_result_does_not_depend_on_its_batch(ops, kind, dtype):

@@ -75,13 +75,19 @@ def test_one_row_and_eleven_rows_give_the_same_bits(ops, qtype):
         assert torch.equal(ops.linear_int8(x[i : i + 1], qw.data, int(qtype), N, K, None)[0], batched[i])
 
 
-def test_a_q6_k_weight_takes_int8_products_where_the_cpu_has_them(ops):
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_a_q6_k_weight_takes_int8_products_where_the_cpu_has_them(ops, rows):
     """A Q4_K_M file's Q6_K tensors: with int8 activations a layer's product is the rounded one
-    (quantization.py: QuantizedWeight.matmul sent Q6_K to the float products, INT8_TYPES)."""
-    if not _has_products(ops, WeightType.Q6_K):
-        return
+    (quantization.py: QuantizedWeight.matmul sent Q6_K to the float products, INT8_TYPES) where
+    the CPU has AVX-512 VNNI. Elsewhere the one-to-three-row int8 tiles refuse Q6_K, and a layer's
+    product of one to three rows must take the float products (INT8_TYPES leaves Q6_K out), not fail."""
     qw = _random_blocks(WeightType.Q6_K, k=K, seed=5)
     layer = QuantizedWeight(qw.data, WeightType.Q6_K, (N, K), int8_activations=True)
-    x = _activations(1, K)
-    assert torch.equal(layer.matmul(x), ops.linear_int8(x, qw.data, int(WeightType.Q6_K), N, K, None))
-    assert not torch.equal(layer.matmul(x), ops.linear(x, qw.data, int(WeightType.Q6_K), N, K, None))
+    x = _activations(rows, K)
+    out = layer.matmul(x)
+    float_products = ops.linear(x, qw.data, int(WeightType.Q6_K), N, K, None)
+    if not _has_products(ops, WeightType.Q6_K):
+        assert torch.equal(out, float_products)
+        return
+    assert torch.equal(out, ops.linear_int8(x, qw.data, int(WeightType.Q6_K), N, K, None))
+    assert not torch.equal(out, float_products)

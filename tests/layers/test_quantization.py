@@ -36,11 +36,14 @@ def test_dequantized_values_equal_the_gguf_package(ops, kind):
 
 @pytest.mark.parametrize("kind", list(TYPES))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 33, 70])  # tiles, then panels (from 8 rows on AVX2, 16 on AVX-512)
-def test_products_equal_float64_on_the_dequantized_weights(ops, kind, rows):
-    qw, ref = _quantized(kind)
-    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+# 768: 24 blocks, which the panels sum in two runs of 12 (weights.h: panel_tile), each run's
+# partial sums carried into the next; rows of at most 16 blocks take one run.
+@pytest.mark.parametrize("k", [K, 768])
+def test_products_equal_float64_on_the_dequantized_weights(ops, kind, rows, k):
+    qw, ref = _quantized(kind, k=k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(N)
-    out = ops.linear(x, qw.data, int(qw.qtype), N, K, bias)
+    out = ops.linear(x, qw.data, int(qw.qtype), N, k, bias)
     expected = (x.double() @ ref.double().T + bias.double()).float()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from baby_sgl import Engine
 from baby_sgl.cpu import decode_step, toolchain
@@ -105,6 +105,37 @@ def test_long_decode_rows_attend_in_pieces(kind, request):
         reference = torch.log_softmax(logits.float(), dim=-1)[torch.arange(len(ids)), torch.tensor(ids)]
         got = torch.tensor([lp[0] for lp in o["meta_info"]["output_token_logprobs"]])
         assert (got - reference).abs().max().item() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def biased_wide_qwen2(wide_qwen2, tmp_path_factory) -> str:
+    """The wide Qwen2 (q/k/v of 256, 128 and 128 outputs: 512 fused) with random q/k/v biases:
+    transformers initialises them to zeros, which would hide where each bias is added."""
+    model = AutoModelForCausalLM.from_pretrained(wide_qwen2, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                p.normal_(0, 1.0, generator=torch.Generator().manual_seed(len(name)))
+    path = tmp_path_factory.mktemp("biased-wide-qwen2")
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(wide_qwen2).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.cpu_only("the CPU's one-call decode step")
+def test_a_biased_projection_wider_than_a_blas_panel_gives_the_same_tokens(biased_wide_qwen2):
+    """From 16 rows the one-call step's float32 products go through BLAS, 128 weight columns a
+    panel, each panel's bias added after its product (blas_products.h): the fused q/k/v here is
+    four panels wide (the tiny Qwen2's is one), and each must add its own columns' biases. 18
+    requests decode together and give transformers' greedy ids."""
+    hf = AutoModelForCausalLM.from_pretrained(biased_wide_qwen2, dtype=torch.float32).eval()
+    prompts = random_prompts(18, 512, 3, 30, seed=5)
+    expected = hf_greedy(hf, prompts, 8)
+    with Engine(biased_wide_qwen2, dtype="float32") as engine:
+        assert engine.runner.step is not None
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 8})
+        assert [o["output_ids"] for o in outs] == expected
+        engine.check_memory()
 
 
 def test_first_step_logprobs_match_transformers(case):
