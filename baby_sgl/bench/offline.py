@@ -234,8 +234,8 @@ def median_of_rounds(rows: list[dict], base_rounds: list[dict] | None = None) ->
     if len(rows) == 1:
         return merged
     for key, value in rows[0].items():
-        if isinstance(value, float):
-            merged[key] = statistics.median(row[key] for row in rows)
+        if isinstance(value, float):  # of the rounds that have it (a round may have failed)
+            merged[key] = statistics.median(row[key] for row in rows if isinstance(row.get(key), float))
     merged |= {"rounds": len(rows), "round_rows": [{k: v for k, v in row.items() if k != "outputs"} for row in rows]}
     if base_rounds is not None:
         merged["round_ratios"] = [speed_ratio(base, row) for base, row in zip(base_rounds, rows)]

@@ -112,3 +112,12 @@ def test_rounds_alternate_the_engines_and_report_medians(tiny_llama, monkeypatch
     assert min(peer["round_prefill_ratios"]) == peer["round_prefill_ratios"][1]  # its prefill's slowest round
     with pytest.raises(SystemExit):
         main(["--model-path", tiny_llama, "--rounds", "0"])
+
+
+def test_a_failed_round_leaves_the_medians_of_the_others():
+    from baby_sgl.bench.offline import median_of_rounds
+
+    rows = [{"engine": "peer", "seconds": 1.0}, {"engine": "peer", "error": "it crashed"},
+            {"engine": "peer", "seconds": 4.0}]
+    merged = median_of_rounds(rows)
+    assert merged["seconds"] == 2.5 and merged["rounds"] == 3 and merged["round_rows"][1]["error"] == "it crashed"
