@@ -225,7 +225,7 @@ def test_greedy_rows_skip_nan_and_take_the_first_largest():
     logits = torch.tensor([[0.5, 2.0, 1.0, 2.0, -1.0, 0.0],
                            [nan, 1.0, 3.0, nan, 3.0, -inf],
                            [1.0, inf, 2.0, inf, nan, 0.0],
-                           [-inf, -inf, -inf, -inf, -7.0, -inf]])
+                           [-inf, -inf, -inf, -inf, -7.0, -inf]], device="cpu")
     greedy = SamplingParams(temperature=0.0)
     rows = len(logits)
 
