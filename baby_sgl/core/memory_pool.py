@@ -84,9 +84,6 @@ class KVPool:
         # which rounds the same way.
         self._store_op = cpu_ops() if scaled and torch.device(device).type == "cpu" else None
 
-    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_buffers[layer_id], self.v_buffers[layer_id]
-
     def release(self) -> None:
         """Lets go of the buffers once nothing runs over them any more (the engine stopped)."""
         self.k_buffers, self.v_buffers, self.k_scales, self.v_scales = [], [], [], []

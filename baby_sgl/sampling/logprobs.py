@@ -38,7 +38,6 @@ def _finite(logprobs: torch.Tensor) -> torch.Tensor:
 class InputLogprobSpan:
     req: Req
     query: LogprobQuery
-    first_pos: int  # absolute position of the first hidden row (predicts token first_pos + 1)
     targets: list[int]  # the prompt tokens its rows predict, one per row
     head: int | None  # the first prompt token scored (no entry of its own yet): recorded before the others
 
@@ -63,9 +62,9 @@ def plan_input_logprobs(reqs: list[Req], prefix_lens: list[int], seq_lens: list[
             query = LogprobQuery(lp.top_logprobs_num, lp.token_ids_logprob)
             if last > first:
                 rows.extend(range(offset + first - a, offset + last - a))
-                spans.append(InputLogprobSpan(req, query, first, ids[first + 1 : last + 1], head))
+                spans.append(InputLogprobSpan(req, query, ids[first + 1 : last + 1], head))
             elif head is not None:
-                spans.append(InputLogprobSpan(req, query, first, [], head))
+                spans.append(InputLogprobSpan(req, query, [], head))
         offset += b - a
     return rows, spans
 

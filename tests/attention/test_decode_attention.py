@@ -35,7 +35,7 @@ def _batch(rows: list[list[int]], dtype: torch.dtype, seed: int = 0, path: str =
 
 
 def _reference(q, rows, pool, scale):
-    k_buf, v_buf = pool.get_kv_buffer(0)
+    k_buf, v_buf = pool.k_buffers[0], pool.v_buffers[0]
     outs = []
     for i, r in enumerate(rows):
         k = k_buf[torch.tensor(r)].transpose(0, 1).unsqueeze(0).float()
