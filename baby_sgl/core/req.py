@@ -96,8 +96,9 @@ class SpecState:
 class DetokenizeState:
     """How far the output ids were detokenized (detokenizer.py), and how much was sent."""
 
-    surr_offset: int = 0
-    read_offset: int = 0
+    read_offset: int = 0  # output ids read into the window
+    window: list[int] = field(default_factory=list)  # the latest ids read, decoded at each step
+    window_sent: int = 0  # characters of the window's text already in Req.text
     sent_text_len: int = 0
     sent_ids_len: int = 0
 

@@ -19,7 +19,7 @@ from baby_sgl.core.finish_reason import FinishAbort, FinishLength, FinishMatched
 from baby_sgl.core.forward_batch import ForwardMode
 from baby_sgl.core.req import ReqOutput, TokenLogprobs
 from baby_sgl.core.sampling_params import STOP_WINDOW
-from baby_sgl.managers.detokenizer import detokenize_step
+from baby_sgl.managers.detokenizer import Detokenizer
 from baby_sgl.sampling.sampling_batch import SamplingBatch
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: set[int], context_len: int,
                  sampler: Sampler, tree_cache: BasePrefixCache[Any], sessions: SessionController,
                  drafter: NgramDrafter | None, queues: RequestQueues, stats: dict[str, int], activity: Activity) -> None:
-        self.tokenizer, self.eos_token_ids, self.context_len = tokenizer, eos_token_ids, context_len
+        self.detokenizer, self.eos_token_ids, self.context_len = Detokenizer(tokenizer), eos_token_ids, context_len
         self.sampler, self.tree_cache, self.sessions, self.drafter = sampler, tree_cache, sessions, drafter
         self.queues, self.stats, self.activity = queues, stats, activity
 
@@ -146,7 +146,7 @@ class OutputProcessor:
         elif req.grammar is not None and req.grammar.is_terminated():
             req.finished_reason = FinishMatched(token)
         text_before = len(req.text)
-        detokenize_step(self.tokenizer, req, final=req.finished)
+        self.detokenizer.step(req, final=req.finished)
         if not req.finished and len(req.text) > text_before:  # only new text can complete a stop
             if p.stop:
                 self._check_stop_strings(req, max(0, text_before - max(map(len, p.stop)) + 1))
