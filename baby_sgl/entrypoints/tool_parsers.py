@@ -549,13 +549,16 @@ def _keyword_arguments_renamed(text: str) -> tuple[str, dict[str, str]]:
     except (tokenize.TokenError, SyntaxError):
         return text, {}
     line_starts = list(itertools.accumulate(map(len, text.splitlines(keepends=True)), initial=0))
+    # An alias only has to differ from the names: the same letters inside a string are no clash.
+    # (Looking for it in the whole text made `from` and a string of n underscores cost n^2.)
+    names = {tok.string for tok in tokens if tok.type == tokenize.NAME}
     aliases: dict[str, str] = {}
     edits = []
     for tok, after in zip(tokens, tokens[1:]):
         if tok.type == tokenize.NAME and keyword.iskeyword(tok.string) and after.exact_type == tokenize.EQUAL:
             if tok.string not in aliases:
                 alias = tok.string + "_"
-                while alias in text or alias in aliases.values():
+                while alias in names or alias in aliases.values():
                     alias += "_"
                 aliases[tok.string] = alias
             start = line_starts[tok.start[0] - 1] + tok.start[1]

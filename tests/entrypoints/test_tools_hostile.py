@@ -146,6 +146,19 @@ def test_pythonic_arguments_named_as_python_keywords(pythonic_server):
     wait_idle(pythonic_server)
 
 
+def test_a_keyword_argument_beside_a_long_string_of_its_name_and_underscores():
+    """The alias for `from=` was sought by searching the whole text for `from_`, `from__`, ...:
+    a string holding `from` and n underscores cost n^2 (40000: 1.2 s of the event loop; the
+    200000 here: half a minute). Only the names matter: the alias may appear inside strings,
+    and the arguments come back under their own names either way."""
+    def parse(text):
+        return ToolCallParser("pythonic", frozenset({"f"})).parse(text)
+
+    long = "from" + "_" * 200_000
+    assert parse(f'[f(from=1, a="{long}")]') == ("", [("f", json.dumps({"from": 1, "a": long}))])
+    assert parse('[f(from=1, from_=2, a="from__")]') == ("", [("f", '{"from": 1, "from_": 2, "a": "from__"}')])
+
+
 def test_pythonic_non_strict_tools_beside_a_strict_one_take_arguments(matcher):
     # Before: tool_grammar.py:tool_grammar gave a non-strict tool the schema {"type": "object"},
     # whose pythonic form has no keyword arguments at all: only `loose()` was allowed.
