@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -168,26 +169,33 @@ async def _respond(app: FastAPI, request: Request, items: list[dict], body, kind
     finals = {i: chunk async for i, chunk in chunks}
     if await request.is_disconnected():
         return Response(status_code=499)  # nobody to answer; the requests were aborted
-    choices, metas = [], [finals[i]["meta_info"] for i in sorted(finals)]
-    for i in sorted(finals):
-        meta, text = finals[i]["meta_info"], (echoed[i] if echoed else "") + finals[i]["text"]
-        choice = {"index": i, "logprobs": logprobs(i, meta), "finish_reason": _finish_reason(meta)}
-        if kind != "chat.completion":
-            choice["text"] = text
-        elif reader is None:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice_reader = reader(False)
-            thought, answer, calls = choice_reader.read(text)
-            message: dict[str, Any] = {"role": "assistant", "content": answer or (None if calls else "")}
-            if reasoning:
-                message["reasoning_content"] = thought or None
-            if calls:
-                message["tool_calls"] = [{"id": _call_id(), "type": "function",
-                                          "function": {"name": name, "arguments": args}} for name, args in calls]
-            choice["message"], choice["finish_reason"] = message, _chat_finish(meta, bool(calls), choice_reader.cut)
-        choices.append(choice)
-    return {**head, "object": kind, "choices": choices, "usage": _usage(metas, body.n)}
+
+    # Off the event loop: the choices' logprobs (a token text and a top list a token) and the JSON
+    # of them can take seconds for long outputs.
+    def response_body() -> str:
+        choices, metas = [], [finals[i]["meta_info"] for i in sorted(finals)]
+        for i in sorted(finals):
+            meta, text = finals[i]["meta_info"], (echoed[i] if echoed else "") + finals[i]["text"]
+            choice = {"index": i, "logprobs": logprobs(i, meta), "finish_reason": _finish_reason(meta)}
+            if kind != "chat.completion":
+                choice["text"] = text
+            elif reader is None:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice_reader = reader(False)
+                thought, answer, calls = choice_reader.read(text)
+                message: dict[str, Any] = {"role": "assistant", "content": answer or (None if calls else "")}
+                if reasoning:
+                    message["reasoning_content"] = thought or None
+                if calls:
+                    message["tool_calls"] = [{"id": _call_id(), "type": "function",
+                                              "function": {"name": name, "arguments": args}} for name, args in calls]
+                choice["message"], choice["finish_reason"] = message, _chat_finish(meta, bool(calls), choice_reader.cut)
+            choices.append(choice)
+        return json.dumps({**head, "object": kind, "choices": choices, "usage": _usage(metas, body.n)},
+                          ensure_ascii=False, allow_nan=False)
+
+    return Response(await asyncio.to_thread(response_body), media_type="application/json")
 
 
 def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

@@ -11,6 +11,28 @@ from baby_sgl.validation import Id, Int32, NonNegInt32, SGLangInput, StrictModel
 
 MAX_SESSION_TIMEOUT_S = 30 * 24 * 3600.0
 MAX_TOKEN_IDS_LOGPROB = 256
+# Logprob entries one call may ask for, its prompts and samples together (a scored position
+# holds one, plus one a top logprob and a token_ids_logprob id). Each is built in the scheduler's
+# thread as a Python list (~130 bytes) and sent as ~25 bytes of JSON: this bounds a call's
+# answer to ~260 MB in memory. 8000 output tokens of n=16 samples with 20 top logprobs fit.
+MAX_LOGPROB_ENTRIES = 3_000_000
+
+
+class LogprobBudget:
+    """The logprob entries a call's requests ask for, counted against MAX_LOGPROB_ENTRIES."""
+
+    def __init__(self) -> None:
+        self.used = 0
+
+    def take(self, entries: int) -> None:
+        """Counts a request's entries, or raises ValueError (counting none) where they do not fit."""
+        if self.used + entries > MAX_LOGPROB_ENTRIES:
+            left = MAX_LOGPROB_ENTRIES - self.used
+            raise ValueError(f"logprobs: this asks for {entries} logprob entries (scored positions x (1 + "
+                             f"top_logprobs_num + len(token_ids_logprob)) x n), more than the {left} left of "
+                             f"the {MAX_LOGPROB_ENTRIES} one call may have: score fewer prompt positions "
+                             "(logprob_start_len), ask for fewer tokens or top logprobs, or split the batch")
+        self.used += entries
 
 
 class LogprobOptions(StrictModel):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 from jinja2.exceptions import TemplateError
 
 from baby_sgl.constrained.grammar import GrammarCache
-from baby_sgl.managers.io_struct import MAX_TOKEN_IDS_LOGPROB, ReqOptions
+from baby_sgl.managers.io_struct import MAX_TOKEN_IDS_LOGPROB, LogprobBudget, ReqOptions
 from baby_sgl.core.finish_reason import FinishAbort
 from baby_sgl.core.req import LogprobState, Req, ReqOutput
 from baby_sgl.lora.registry import LoRARegistry
@@ -85,10 +85,11 @@ class TokenizerManager:
             raise ValueError(f"lora_path: {len(lora_path)} adapters for {len(items)} prompts")
         loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(items)
         reqs: list[Req | ValueError] = []
+        budget = LogprobBudget()
         for i, (item, sp, r) in enumerate(zip(items, params, rids)):
             try:
                 lora_id = self.resolve_lora(loras[i])
-                made = self.make_req(item, sp, r, options, server_grammar)
+                made = self.make_req(item, sp, r, options, server_grammar, budget)
                 for req in made:
                     req.lora_id = lora_id
                 reqs.extend(made)
@@ -106,7 +107,9 @@ class TokenizerManager:
         return self.lora_registry.resolve(name)
 
     def make_req(self, item: str | list[int], sampling_params: dict[str, Any] | SamplingParams | None, rid: str | None,
-                 options: dict[str, Any], server_grammar: ServerGrammar | None = None) -> list[Req]:
+                 options: dict[str, Any], server_grammar: ServerGrammar | None = None,
+                 budget: LogprobBudget | None = None) -> list[Req]:
+        """The request's n Reqs. budget: the logprob entries of the call it is part of."""
         params = SamplingParams.from_dict(sampling_params, self.sampling_defaults, server_grammar)
         params.check_vocab(self.vocab_size)
         opts = validate(ReqOptions, {"rid": rid, **{k: v for k, v in options.items() if v is not None}})
@@ -125,6 +128,10 @@ class TokenizerManager:
         bad = [t for t in opts.token_ids_logprob or [] if t >= self.vocab_size]
         if bad:
             raise ValueError(f"token_ids_logprob holds token ids outside the vocabulary: {bad[:5]}")
+        if return_logprob:
+            positions = (len(ids) - start if start is not None else 0) + min(params.max_new_tokens, self.context_len - len(ids))
+            width = 1 + opts.top_logprobs_num + len(opts.token_ids_logprob or [])
+            (budget or LogprobBudget()).take(params.n * max(positions, 0) * width)
         grammar = self.grammars.get(params.grammar) if params.grammar else None  # compiles here, off the scheduler
         reqs = [Req(r, ids, params) for r in self.copy_rids(opts.rid or uuid.uuid4().hex, params.n)]
         for req in reqs:

@@ -14,9 +14,10 @@ from baby_sgl import Engine
 from baby_sgl.core.sampling_params import (MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, SERVER_GRAMMAR_BASE_CHARS,
                                            SERVER_GRAMMAR_CHARS_PER_SOURCE_CHAR, ServerGrammar)
 from baby_sgl.entrypoints.tool_grammar import Tool, tool_grammar
-from baby_sgl.managers.io_struct import MAX_TOKEN_IDS_LOGPROB
+from baby_sgl.managers import io_struct
+from baby_sgl.managers.io_struct import MAX_LOGPROB_ENTRIES, MAX_TOKEN_IDS_LOGPROB
 from baby_sgl.server_args import ServerArgs
-from baby_sgl.validation import MAX_N, MAX_STOP
+from baby_sgl.validation import MAX_N, MAX_STOP, MAX_TOP_LOGPROBS
 from entrypoints.conftest import serve_in_thread, thinking_server, wait_idle
 
 USER = [{"role": "user", "content": "Call them."}]
@@ -150,3 +151,36 @@ def test_the_http_routes_count_every_sample(server, field):
         assert _message(httpx.post(server + "/v1/chat/completions", json=body | {"n": MAX_N})).endswith(expected)
         assert httpx.post(server + "/v1/chat/completions", json=body).status_code == 200
     wait_idle(server)
+
+
+def test_logprob_entries_are_bounded_per_call(engine, monkeypatch):
+    """Each logprob entry is a Python list built in the scheduler's thread, then JSON: a batch of
+    256 prompts of 8000 tokens scored from the start with 20 top logprobs and 256 token ids asked
+    for ~570M of them (~60 GB). Now a call's requests share MAX_LOGPROB_ENTRIES (here made small),
+    counted before anything runs; a request that does not fit is refused by name, alone."""
+    assert MAX_LOGPROB_ENTRIES >= 8000 * 16 * (1 + MAX_TOP_LOGPROBS)  # long answers' logprobs fit
+    budget = 100_000
+    monkeypatch.setattr(io_struct, "MAX_LOGPROB_ENTRIES", budget)
+    prompt = list(range(3, 103))  # 100 tokens
+    wide = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": MAX_TOP_LOGPROBS,
+            "token_ids_logprob": _ids(MAX_TOKEN_IDS_LOGPROB)}
+    each = (100 + 1) * (1 + MAX_TOP_LOGPROBS + MAX_TOKEN_IDS_LOGPROB)  # positions x entries a position
+    outs = engine.generate(input_ids=[prompt] * 4, sampling_params={"max_new_tokens": 1}, **wide)
+    fit = budget // each
+    for out in outs[:fit]:
+        meta = out["meta_info"]
+        assert len(meta["input_token_logprobs"]) == 100 and len(meta["input_top_logprobs"][1]) == MAX_TOP_LOGPROBS
+        assert len(meta["output_token_ids_logprobs"][0]) == MAX_TOKEN_IDS_LOGPROB
+    assert outs[fit]["error"] == (
+        f"request {fit}: logprobs: this asks for {each} logprob entries (scored positions x (1 + top_logprobs_num + "
+        f"len(token_ids_logprob)) x n), more than the {budget - fit * each} left of the {budget} one call may have: "
+        "score fewer prompt positions (logprob_start_len), ask for fewer tokens or top logprobs, or split the batch")
+    # n samples count n times; output tokens count as scored positions.
+    with pytest.raises(ValueError, match=rf"^logprobs: this asks for {4 * (100 + 300) * (1 + MAX_TOP_LOGPROBS + 64)} "):
+        engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 300, "n": 4},
+                        **wide | {"token_ids_logprob": _ids(64)})
+    # At most what the context leaves, whatever max_new_tokens says.
+    room = engine.context_len - len(prompt)
+    with pytest.raises(ValueError, match=rf"^logprobs: this asks for {room * (1 + MAX_TOP_LOGPROBS + 256)} "):
+        engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 10**6}, return_logprob=True,
+                        top_logprobs_num=MAX_TOP_LOGPROBS, token_ids_logprob=_ids(256))
