@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Generic, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,6 +24,7 @@ from baby_sgl.entrypoints.responses import Chunks, error_response, first_item, s
 from baby_sgl.managers.io_struct import LogprobOptions
 from baby_sgl.managers.tokenizer_manager import split_batch
 
+T = TypeVar("T")
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # as SGLang: an engine that cannot make one token is unhealthy
 
 
@@ -42,6 +43,33 @@ def _native_items(body: GenerateRequest) -> tuple[list[dict], bool]:
             raise ValueError("a session turn is one request: give one text or one input_ids list")
         items[0]["session_params"] = body.session_params
     return items, single
+
+
+# A debugging call that runs in the scheduler's thread takes at most 1/this of its time.
+SPACED_CALL_COST_FACTOR = 10
+
+
+class SpacedCalls(Generic[T]):
+    """fn in a worker thread for any number of callers: one call at a time, each starting at least
+    (SPACED_CALL_COST_FACTOR - 1) times the last one's duration after it ended. fn runs in the
+    scheduler's thread (the memory check walks the free list and the radix tree: ~0.1 s at 512k
+    pages), so callers looping on it cannot hold more than a tenth of the scheduler's time."""
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self.fn = fn
+        self._lock = asyncio.Lock()
+        self._next_at = 0.0
+
+    async def run(self) -> T:
+        async with self._lock:
+            if (wait := self._next_at - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
+            start = time.monotonic()
+            try:
+                return await asyncio.to_thread(self.fn)
+            finally:
+                end = time.monotonic()
+                self._next_at = end + (SPACED_CALL_COST_FACTOR - 1) * (end - start)
 
 
 def add_native_routes(app: FastAPI, incremental_streaming_output: bool = False) -> None:
@@ -124,10 +152,12 @@ def add_native_routes(app: FastAPI, incremental_streaming_output: bool = False) 
         info = await engine.get_server_info_async()
         return Response(metrics.render(info), media_type="text/plain; version=0.0.4")
 
-    @app.get("/debug/check_memory")
+    memory_checks = SpacedCalls(engine.check_memory)
+
+    @app.api_route("/debug/check_memory", methods=["GET", "POST"])
     async def check_memory() -> JSONResponse:
         try:
-            return JSONResponse(await asyncio.to_thread(engine.check_memory))
+            return JSONResponse(await memory_checks.run())
         except AssertionError as e:
             return error_response(f"memory check failed: {e}", 500)
 

@@ -31,8 +31,9 @@ from baby_sgl.entrypoints.responses import error_response
 
 OPEN_PATHS = frozenset({"/health"})  # a supervisor's liveness probe needs no key
 BROWSER_PREFIX = "/dashboard"  # pages a person opens in a browser: Basic auth is offered too
-# Routes that act (flush the cache, run the model) yet answer GET, as SGLang's do.
-ACTING_GETS = frozenset({"/flush_cache", "/health_generate"})
+# Routes that act (flush the cache, run the model, walk the memory in the scheduler's thread) yet
+# answer GET, as SGLang's do.
+ACTING_GETS = frozenset({"/flush_cache", "/health_generate", "/debug/check_memory"})
 
 
 def allowed_host_names(listen_host: str, allowed_hosts: tuple[str, ...]) -> frozenset[str] | None:

@@ -172,7 +172,7 @@ def test_server_with_tp_stops_every_rank(tiny_llama):
         body = {"text": "hello there", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
         r = httpx.post(base + "/generate", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 8
-        assert httpx.get(base + "/debug/check_memory").status_code == 200
+        assert httpx.get(base + "/debug/check_memory", headers={"Content-Type": "application/json"}).status_code == 200
         ranks = child_pids(proc.pid)
         assert len(ranks) == 1
         proc.send_signal(signal.SIGTERM)

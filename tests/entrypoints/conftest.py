@@ -71,7 +71,8 @@ def wait_idle(base: str, timeout: float = 10.0, headers: dict | None = None) -> 
         return info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
 
     wait_until(idle, "no request to run or wait", timeout=timeout, interval=0.05)
-    r = httpx.get(base + "/debug/check_memory", headers=headers)
+    # A GET that acts: sent as SGLang's clients send them (a JSON content type), or with the key.
+    r = httpx.get(base + "/debug/check_memory", headers={"Content-Type": "application/json"} | (headers or {}))
     assert r.status_code == 200, r.text
     return r.json()
 

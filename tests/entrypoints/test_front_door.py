@@ -4,6 +4,7 @@ it, its settings refused at start, and the bounds on what a request costs before
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from baby_sgl import Engine
+from baby_sgl.entrypoints import native_api
 from baby_sgl.server_args import ServerArgs
 from conftest import serve_checked, wait_idle
 
@@ -51,15 +53,17 @@ def test_head_health_answers_as_get(server):
 
 # ---- routes that act: POST, or a GET no cross-site page can send ------------------------------
 
-@pytest.mark.parametrize("path", ["/flush_cache", "/health_generate"])
+@pytest.mark.parametrize("path", ["/flush_cache", "/health_generate", "/debug/check_memory"])
 def test_a_plain_cross_site_get_does_not_act(server, path):
     # Before: native_api.py registered GET /flush_cache and GET /health_generate with no check, so
-    # an <img src=".../flush_cache"> on any page flushed the cache.
+    # an <img src=".../flush_cache"> on any page flushed the cache (and any page could make the
+    # scheduler walk its memory in a loop).
     r = httpx.get(server + path)
     message = r.json()["error"]["message"]
     assert r.status_code == 400 and "POST" in message and "application/json" in message
     assert httpx.get(server + path, headers=JSON).status_code == 200  # SGLang's own health wait sends this
     assert httpx.post(server + "/flush_cache").status_code == 200  # SGLang's RuntimeEndpoint.flush_cache
+    assert httpx.post(server + "/debug/check_memory").status_code == 200
 
 
 def test_an_image_block_is_refused_by_name(server):
@@ -179,3 +183,32 @@ def test_requests_being_prepared_count_against_the_queue_limit(front):
         assert [a.result().status_code for a in answers] == [200, 200]
     assert httpx.post(front + "/generate", json=TINY, headers=AUTH).status_code == 200
     wait_idle(front, headers=AUTH)
+
+
+def test_memory_checks_take_at_most_a_tenth_of_the_time(monkeypatch):
+    """Each check runs in the scheduler's thread (~0.1 s at 512k pages); callers looping on it
+    held the scheduler between steps. On a clock the test moves: checks of 0.1 s asked for by
+    five callers at once run one at a time, 0.9 s apart."""
+    clock, starts = [100.0], []
+
+    async def sleep(seconds):
+        clock[0] += seconds
+
+    def check():
+        starts.append(clock[0])
+        clock[0] += 0.1
+        return {"ok": len(starts)}
+
+    monkeypatch.setattr(native_api.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(native_api.asyncio, "sleep", sleep)
+    async def in_thread(fn):
+        return fn()
+
+    monkeypatch.setattr(native_api.asyncio, "to_thread", in_thread)
+    calls = native_api.SpacedCalls(check)
+
+    async def five():
+        return await asyncio.gather(*(calls.run() for _ in range(5)))
+
+    assert asyncio.run(five()) == [{"ok": k} for k in range(1, 6)]
+    assert [round(b - a, 6) for a, b in zip(starts, starts[1:])] == [1.0] * 4  # 0.1 s of work, 0.9 s idle

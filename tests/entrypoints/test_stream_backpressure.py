@@ -24,7 +24,9 @@ SEND_TIMEOUT_S = 1.0
 # Entries of every token's logprobs: a few kilobytes of SSE per token, so a client that does not
 # read fills the socket's buffers within a few hundred tokens.
 HEAVY_LOGPROBS = {"return_logprob": True, "top_logprobs_num": 20, "token_ids_logprob": list(range(256))}
-LONG = {"max_new_tokens": 16000, "ignore_eos": True, "temperature": 0}  # seconds on tiny_llama_long
+# Seconds on tiny_llama_long, and with HEAVY_LOGPROBS (277 entries a token) within the 3M logprob
+# entries a call may ask for.
+LONG = {"max_new_tokens": 10000, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
