@@ -24,6 +24,8 @@ class PromptBoundRoute(APIRoute):
                     body = await request.json()  # kept: FastAPI parses it once
                 except ValueError:
                     body = None  # FastAPI reports it
+                except RecursionError:  # json's decoder recurses per level: a 400, not a 500 and a traceback
+                    raise ValueError("the request body's JSON is nested too deeply") from None
                 if isinstance(body, dict):
                     check_prompt_lengths(body, request.app.state.engine.context_len)
             return await handle(request)

@@ -117,6 +117,15 @@ def test_d8_wrong_types_and_lone_surrogates_are_400(server, path, body, field):
     assert field in error_of(r)
 
 
+@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions", "/v1/messages"])
+def test_d8_a_body_nested_past_the_parsers_depth_is_400(server, path):
+    # Before: prompt_bound.py caught only ValueError from the JSON parse, so its RecursionError
+    # was a 500 with a traceback in the log for every such body (200 KB).
+    r = raw(server, path, '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert r.status_code == 400 and error_of(r) == "the request body's JSON is nested too deeply", r.text
+    assert httpx.post(server + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+
+
 @pytest.mark.parametrize("path, body", [
     ("/generate", {"text": "x", "sampling_params": {"n": 1000}}),
     ("/v1/completions", {"prompt": "x", "n": 1000}),
