@@ -190,7 +190,8 @@ class GrammarCache:
             with self._lock:
                 self._pending.pop(key, None)
                 self._remember(key, result)
-            future.set_result(result)
+            if future.set_running_or_notify_cancel():  # False: cancelled, nobody waits for it
+                future.set_result(result)
 
     def _remember(self, key: tuple[str, str], result) -> None:
         self._cache[key] = result

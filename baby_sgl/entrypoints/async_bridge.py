@@ -27,6 +27,7 @@ from baby_sgl.errors import EngineDeadError, ServerBusyError
 from baby_sgl.core.req import Req
 from baby_sgl.managers.tokenizer_manager import TokenizerManager
 from baby_sgl.core.sampling_params import SamplingParams
+from baby_sgl.validation import MAX_N
 
 # How often a waiting request checks that its client is still there (SGLang: every 4 s).
 DISCONNECT_POLL_S = 0.5
@@ -68,6 +69,12 @@ class AsyncEngine:
         `requests` requests. While they wait or run there they count against
         --max-queued-requests, with the engine's queue, so a flood of long prompts gets 503s
         instead of a backlog that every later request waits behind."""
+        self._reserve(requests)
+        return await self._on_pool(requests, fn, *args)
+
+    def _reserve(self, requests: int) -> None:
+        """Counts `requests` as waiting from now until _done_preparing, or raises ValueError (more
+        than can ever wait) or ServerBusyError (no room now)."""
         if self.max_queued is not None:
             if requests > self.max_queued:
                 raise ValueError(f"this call holds {requests} requests; at most {self.max_queued} can wait at "
@@ -77,9 +84,16 @@ class AsyncEngine:
                                       "try again later")
         with self._prep_lock:
             self._preparing += requests
-        job = self._pool.submit(fn, *args)
-        # Counted down in the worker the moment fn returns (or when the job is cancelled unrun), not
-        # when this coroutine resumes: by then fn's requests are in the engine's queue, counted there.
+
+    async def _on_pool(self, requests: int, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the pool for `requests` reserved requests, which stop counting the moment
+        fn returns (or the job is cancelled unrun), not when this coroutine resumes: by then fn's
+        requests are in the engine's queue, counted there."""
+        try:
+            job = self._pool.submit(fn, *args)
+        except BaseException:
+            self._done_preparing(requests)
+            raise
         job.add_done_callback(lambda _: self._done_preparing(requests))
         return await asyncio.wrap_future(job)
 
@@ -125,6 +139,10 @@ class AsyncEngine:
             except RuntimeError:  # the server stopped; nobody is waiting for this any more
                 pass
 
+        # The requests (each item's n samples) count against --max-queued-requests from before
+        # their grammars compile: a flood of distinct grammars waits for the compile threads too.
+        requests = sum(_samples(item) for item in items)
+        self._reserve(requests)
         ticket = self._open_submission()
         try:
             # Grammars compile on the engine's compile threads; awaiting them here holds no worker
@@ -132,10 +150,11 @@ class AsyncEngine:
             await self._compile_grammars(items)
         except BaseException:
             self._close_submission(ticket)
+            self._done_preparing(requests)
             raise
         # Tokenizing (and a session turn's checks in the scheduler thread) run off the event
-        # loop, so a long prompt never stalls other clients or /health.
-        submitting = asyncio.ensure_future(self.off_loop(len(items), self._submit, items, deliver, stream, ticket))
+        # loop, so a long prompt never stalls other clients or /health. (Shielded below: it runs.)
+        submitting = asyncio.ensure_future(self._on_pool(requests, self._submit, items, deliver, stream, ticket))
         # Closed however it ends: refused for a full queue before it ran, failed, or done.
         submitting.add_done_callback(lambda _: self._close_submission(ticket))
         try:
@@ -203,7 +222,9 @@ class AsyncEngine:
                 continue  # submission reports it
             if key is not None:
                 keys.add(key)
-        await asyncio.gather(*(asyncio.wrap_future(self.engine.grammars.submit(k)) for k in keys))
+        # Shielded: a compile may be shared with other requests, and a client leaving must not
+        # cancel it for them.
+        await asyncio.gather(*(asyncio.shield(asyncio.wrap_future(self.engine.grammars.submit(k))) for k in keys))
 
     def _open_submission(self) -> int:
         with self._lock:
@@ -331,3 +352,10 @@ def join_pieces(earlier: dict, later: dict) -> dict:
     earlier["output_ids"] += later["output_ids"]
     earlier.update(text=earlier["text"] + later["text"], meta_info=meta, finished=later["finished"])
     return earlier
+
+
+def _samples(item: dict[str, Any]) -> int:
+    """The engine requests an item becomes: its n (validated later, so taken within 1..MAX_N here)."""
+    params = item.get("sampling_params")  # a dict, or SamplingParams the route validated
+    n = params.get("n", 1) if isinstance(params, dict) else getattr(params, "n", 1)
+    return min(max(n, 1), MAX_N) if isinstance(n, int) and not isinstance(n, bool) else 1

@@ -219,9 +219,41 @@ def test_full_queue_is_503_with_retry_after(strict_server, strict_engine):
             release.set()  # a failure above must not leave the scheduler held
         held.result()
         assert all(f.result().status_code == 200 for f in queued)
-    # A call larger than the whole queue could never fit: that is the client's error.
-    r = httpx.post(strict_server + "/generate", json={"text": ["a"] * 5}, headers=AUTH)
-    assert r.status_code == 400 and "--max-queued-requests" in error_of(r)
+    # A call larger than the whole queue could never fit: that is the client's error. Its samples
+    # count (before: async_bridge.py counted the prompts, so n=16 let 16 times the limit wait).
+    for body in ({"text": ["a"] * 5}, {"text": "a", "sampling_params": {"n": 5}}):
+        r = httpx.post(strict_server + "/generate", json=body, headers=AUTH)
+        assert r.status_code == 400 and "this call holds 5 requests" in error_of(r), r.text
+    wait_idle(strict_server, headers=AUTH)
+
+
+def test_requests_waiting_for_their_grammars_count_against_the_queue(strict_server, strict_engine, monkeypatch):
+    """Before: async_bridge.py compiled a call's grammars before counting its requests, so any
+    number of calls with distinct grammars could wait for the two compile threads (tens of
+    seconds each for large ones), outside --max-queued-requests; every later constrained request
+    waited behind them."""
+    grammars, entered, release = strict_engine.grammars, threading.Semaphore(0), threading.Event()
+    compile_one = grammars._compile
+
+    def held(kind, text):
+        entered.release()
+        assert release.wait(timeout=60)
+        return compile_one(kind, text)
+
+    monkeypatch.setattr(grammars, "_compile", held)
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 2, "n": 2}}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        try:
+            waiting = [pool.submit(httpx.post, strict_server + "/generate", headers=AUTH, timeout=120, json=body | {
+                "sampling_params": body["sampling_params"] | {"regex": f"[a-z]{{{k + 1},9}}"}}) for k in range(2)]
+            for _ in waiting:  # both compiling on the two threads: four requests wait
+                assert entered.acquire(timeout=60), "a grammar never reached its compile"
+            r = httpx.post(strict_server + "/generate", json={"text": "x"}, headers=AUTH)
+            assert r.status_code == 503 and "queue is full" in error_of(r), r.text
+        finally:
+            release.set()
+        assert [w.result().status_code for w in waiting] == [200, 200]
+    assert httpx.post(strict_server + "/generate", json={"text": "x"}, headers=AUTH).status_code == 200
     wait_idle(strict_server, headers=AUTH)
 
 
