@@ -138,12 +138,12 @@ class Sampler:
         for i, (p, ctx) in enumerate(zip(batch.params, batch.penalties)):
             if ctx is None:
                 continue
+            counts, seen = ctx.counts.update(ctx.prompt, ctx.output, logits.shape[1], logits.device)
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(ctx.seen, dtype=torch.long, device=logits.device)
-                row = logits[i, seen]
-                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row = logits[i]
+                logits[i] = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty,
+                                                          row * p.repetition_penalty), row)
             if ctx.output and (p.frequency_penalty or p.presence_penalty):
-                counts = torch.bincount(torch.tensor(ctx.output, device=logits.device), minlength=logits.shape[1])[: logits.shape[1]]
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         return logits
 

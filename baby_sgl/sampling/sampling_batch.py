@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from baby_sgl.constrained.grammar import GrammarMatcher
-from baby_sgl.core.req import LogprobState, Req
+from baby_sgl.core.req import LogprobState, PenaltyCounts, Req
 from baby_sgl.core.sampling_params import SamplingParams
 
 
@@ -25,10 +25,11 @@ class LogprobQuery:
 
 @dataclass(frozen=True)
 class PenaltyContext:
-    """The tokens a row's penalties look at: the sequence's distinct ids (repetition_penalty; empty
-    without one) and its output (frequency and presence penalties)."""
+    """What a row's penalties look at: its request's running counts, and the prompt and output
+    they are kept up to date with (the request's own lists, not copies)."""
 
-    seen: list[int]
+    counts: PenaltyCounts
+    prompt: list[int]
     output: list[int]
 
 
@@ -55,6 +56,4 @@ class SamplingBatch:
 
 
 def _penalty_context(req: Req) -> PenaltyContext:
-    repeats = req.sampling_params.repetition_penalty != 1.0
-    return PenaltyContext(sorted(set(req.origin_input_ids) | set(req.output_ids)) if repeats else [],
-                          list(req.output_ids))
+    return PenaltyContext(req.penalty_counts, req.origin_input_ids, req.output_ids)

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from baby_sgl.core.req import PenaltyCounts
 from baby_sgl import SamplingParams
 
 
@@ -235,3 +236,20 @@ def test_greedy_rows_skip_nan_and_take_the_first_largest():
     sampler = Sampler(vocab_size=6, eos_token_ids=[0], random_seed=0)
     assert sampler.sample(logits, batch(None)).tokens == [1, 2, 1, 4]
     assert sampler.sample(logits, batch(LogprobQuery(0, None))).tokens == [1, 2, 1, 4]
+
+
+def test_penalty_counts_follow_the_output_a_step_at_a_time():
+    """A penalised request's counts were rebuilt from its whole sequence at every step (a set of
+    the prompt and output, a list copy, a bincount: ~1.6 ms a request-step at 8k tokens). Now they
+    are kept with the request and each step adds only its new tokens, to the same tensors."""
+    prompt, output, vocab = [5, 9, 9, 700], [], 512  # 700: past the logits' width, never counted
+    state = PenaltyCounts()
+    counts, seen = state.update(prompt, output, vocab, torch.device("cpu"))
+    assert not counts.any() and seen.nonzero().flatten().tolist() == [5, 9]
+    g = torch.Generator().manual_seed(0)
+    for step in range(50):
+        output += torch.randint(0, vocab, (1 + step % 3,), generator=g).tolist()  # speculation adds several
+        again, seen_again = state.update(prompt, output, vocab, torch.device("cpu"))
+        assert again is counts and seen_again is seen and state.synced == len(output)
+        assert torch.equal(counts.long(), torch.bincount(torch.tensor(output), minlength=vocab))
+        assert seen.nonzero().flatten().tolist() == sorted({5, 9} | set(output))
