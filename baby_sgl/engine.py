@@ -145,7 +145,7 @@ class Engine:
         self.scheduler = Scheduler(args, runner, self.tokenizer, self.eos_token_ids, self.max_total_tokens,
                                    self.context_len, self.max_input_len)
         for ref, adapter in initial_loras:
-            self._add_lora(ref, adapter)
+            self._add_lora(ref, functools.partial(_given, adapter))
 
     def _enable_lora(self, cfg: ModelConfig) -> list[tuple[LoRARef, LoRAAdapter]]:
         """The adapter slots and registry; the --lora-paths adapters read and checked (the slots'
@@ -411,22 +411,25 @@ class Engine:
         """Reads, checks and serves a PEFT adapter under lora_name (LoRAError, a ValueError, naming
         the problem); pinned keeps it in its batch slot. Returns SGLang's answer plus the load time."""
         registry = self._lora_registry()
-        ref = LoRARef(lora_name, lora_path, pinned)
         t0 = time.perf_counter()
-        adapter = load_adapter(lora_name, lora_path, self.model_config, self.max_lora_rank, self.lora_targets)
-        self._add_lora(ref, adapter)
+        adapter = self._add_lora(LoRARef(lora_name, lora_path, pinned), lambda: load_adapter(
+            lora_name, lora_path, self.model_config, self.max_lora_rank, self.lora_targets))
         return {"success": True, "loaded_adapters": {r.lora_name: r.lora_path for r in registry.refs()},
                 "load_time_s": time.perf_counter() - t0, "adapter_bytes": adapter.nbytes()}
 
-    def _add_lora(self, ref: LoRARef, adapter: LoRAAdapter) -> None:
+    def _add_lora(self, ref: LoRARef, read: Callable[[], LoRAAdapter]) -> LoRAAdapter:
+        """Serves the adapter read() gives under ref. Its name and a place under --max-loaded-loras
+        are reserved first: a taken name or a full server costs no read of the file."""
         registry = self._lora_registry()
         ref = registry.begin_load(ref)
         ok = False
         try:
+            adapter = read()
             self.scheduler.call(lambda: self.lora_pool.add(ref.lora_id, adapter, ref.pinned))
             ok = True
         finally:
             registry.finish_load(ref, ok)
+        return adapter
 
     def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         """Stops serving the adapter: new requests naming it are refused at once, and it is
@@ -550,3 +553,7 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _given(adapter: LoRAAdapter) -> LoRAAdapter:
+    return adapter

@@ -139,6 +139,12 @@ def test_unknown_names_and_the_loaded_limit(server, adapters):
     assert httpx.post(server + "/load_lora_adapter", json={"lora_name": "x", "lora_path": adapters["s1"]}).status_code == 200
     r = httpx.post(server + "/load_lora_adapter", json={"lora_name": "y", "lora_path": adapters["s1"]})
     assert r.status_code == 400 and "--max-loaded-loras 2" in r.text
+    # Both checked before the file is read (before: engine.py read and fused the whole adapter
+    # first, so a full server still took a copy of each file in memory): a path that does not
+    # exist is never looked at.
+    for name, problem in (("y", "--max-loaded-loras 2"), ("s0", "already loaded")):
+        r = httpx.post(server + "/load_lora_adapter", json={"lora_name": name, "lora_path": "/no/such/adapter"})
+        assert r.status_code == 400 and problem in r.text, r.text
     assert httpx.post(server + "/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200
     r = httpx.post(server + "/unload_lora_adapter", json={"lora_name": "x"})
     assert r.status_code == 400 and "unknown LoRA adapter 'x'" in r.text
