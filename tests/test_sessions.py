@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from baby_sgl import Engine
+from baby_sgl.managers.session_controller import MAX_TURN_CHAIN, FinishedTurn
 from helpers import GREEDY, hf_greedy, wait_until
 
 # Turn lengths chosen so the conversation is almost never page-aligned.
@@ -139,6 +140,29 @@ def test_normal_session_offset_replace_and_drop_previous_output(session_engine, 
     engine.close_session(sid)
     _idle_clean(engine)
 
+
+
+def test_turns_keep_their_own_tokens_and_refer_to_the_rest(session_engine, hf_model):
+    """Before: session_controller.py:FinishedTurn.of kept a copy of each turn's whole context, so
+    1023 one-token turns after a context-long one kept 1023 contexts (32 GiB over a server's
+    sessions at an 8k context). Each turn now keeps its own tokens and refers to the turn it
+    continued, a chain of at most MAX_TURN_CHAIN; the contexts are what they were."""
+    engine = session_engine
+    sid = engine.open_session(1000)
+    context = random.Random(5).choices(range(3, 512), k=300)
+    rid = None
+    for turn in range(MAX_TURN_CHAIN + 6):
+        new = context if turn == 0 else [7 + turn % 50]
+        out = _gen(engine, new, 2, id=sid, rid=rid)
+        context = (context if turn == 0 else context + new) + out["output_ids"]
+        assert out["meta_info"]["prompt_tokens"] == len(context) - 2
+        rid = out["meta_info"]["id"]
+    assert out["output_ids"] == hf_greedy(hf_model, [context[:-2]], 2)[0]
+    turns = engine.scheduler.sessions.sessions[sid].reqs.values()
+    kept = sum(len(t.own) for t in turns if isinstance(t, FinishedTurn))
+    assert kept < 2 * len(context)  # one copy when the chain is cut at MAX_TURN_CHAIN, and the turns' own 3 tokens
+    engine.close_session(sid)
+    _idle_clean(engine)
 
 
 def test_invalid_session_operations_are_refused(session_engine):

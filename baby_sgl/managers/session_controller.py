@@ -36,21 +36,48 @@ from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 MAX_SESSION_TURNS = 1024
 
 
+# A finished turn's tokens refer to the turn it continued this many times over at most; then it
+# keeps a whole copy (reading a context walks the chain).
+MAX_TURN_CHAIN = 64
+
+
 @dataclass(frozen=True)
 class FinishedTurn:
     """What a later turn needs of a finished one: its tokens, 4 bytes each (the request itself,
-    with its logprobs and drafting state, is not kept)."""
+    with its logprobs and drafting state, is not kept). They are the first `kept` tokens of the
+    turn it continued (`base`), then its own: a turn of one new token after a long context keeps
+    that token and its output, not the context again (1023 such turns kept 1023 copies)."""
 
-    tokens: array[int]  # its input, then its output
+    base: FinishedTurn | None
+    kept: int  # the tokens of base's its input starts with
+    own: array[int]  # the rest of its input, then its output
     input_len: int
-    lora_id: str | None = None  # the LoRA adapter it ran with
+    lora_id: str | None = None
+    depth: int = 0  # turns in the chain of bases
 
     @staticmethod
-    def of(req: Req) -> FinishedTurn:
-        return FinishedTurn(array("i", req.origin_input_ids + req.output_ids), len(req.origin_input_ids), req.lora_id)
+    def of(req: Req, base: FinishedTurn | None, kept: int) -> FinishedTurn:
+        if base is not None and base.depth + 1 > MAX_TURN_CHAIN:
+            base, kept = None, 0
+        own = array("i", req.origin_input_ids[kept:] + req.output_ids)
+        return FinishedTurn(base, kept, own, len(req.origin_input_ids), req.lora_id, 0 if base is None else base.depth + 1)
 
     def context(self, with_output: bool) -> list[int]:
-        return (self.tokens if with_output else self.tokens[: self.input_len]).tolist()
+        return self.prefix(self.kept + len(self.own) if with_output else self.input_len)
+
+    def prefix(self, n: int) -> list[int]:
+        """Its first n tokens."""
+        parts: list[array[int]] = []
+        turn: FinishedTurn | None = self
+        while turn is not None and n > 0:
+            if n > turn.kept:
+                parts.append(turn.own[: n - turn.kept])
+                n = turn.kept
+            turn = turn.base
+        out: list[int] = []
+        for part in reversed(parts):
+            out.extend(part)
+        return out
 
 
 @dataclass
@@ -63,6 +90,8 @@ class Session:
     children: dict[str | None, list[str]] = field(default_factory=dict)  # rid -> continuations; None: roots
     last_rid: str | None = None
     in_flight: set[str] = field(default_factory=set)
+    # A running turn's input as the finished turn it continued and the tokens of it kept.
+    bases: dict[str, tuple[FinishedTurn, int]] = field(default_factory=dict)
     held: Req | None = None  # streaming: the finished turn whose KV row the session keeps
     closing: bool = False
     last_active: float = field(default_factory=time.monotonic)
@@ -167,7 +196,7 @@ class SessionController:
             raise ValueError(f"request {rid!r} is still running; a turn can only continue a finished request "
                              f"(or replace it)")
         lora_id = self._turn_adapter(session.id, prev, req)
-        input_ids = self._turn_input(prev, req.origin_input_ids, offset, drop_output)
+        input_ids, kept = self._turn_input(prev, req.origin_input_ids, offset, drop_output)
         if not input_ids:
             raise ValueError("the session turn's input is empty (offset 0 and a new input that is only BOS)")
         if session.held is not None and len(input_ids) <= session.held.kv.kv_len:
@@ -183,14 +212,18 @@ class SessionController:
             session.reqs.clear()
             session.children.clear()
         session.reqs[req.rid] = req
+        if isinstance(prev, FinishedTurn):
+            session.bases[req.rid] = (prev, kept)
         session.children.setdefault(rid, []).append(req.rid)
         session.last_rid = req.rid
         session.in_flight.add(req.rid)
         session.last_active = time.monotonic()
 
-    def _turn_input(self, prev: Req | FinishedTurn | None, new: list[int], offset: int, drop_output: bool) -> list[int]:
+    def _turn_input(self, prev: Req | FinishedTurn | None, new: list[int], offset: int,
+                    drop_output: bool) -> tuple[list[int], int]:
+        """The turn's input, and how many of its tokens are prev's."""
         if prev is None:
-            return list(new)
+            return list(new), 0
         if new and new[0] == self.bos_token_id:  # an appended turn does not start a new sequence
             new = new[1:]
         if isinstance(prev, FinishedTurn):
@@ -199,7 +232,8 @@ class SessionController:
             context = list(prev.origin_input_ids) if drop_output else prev.origin_input_ids + prev.output_ids
         if offset > len(context):
             raise ValueError(f"session_params.offset {offset} is past the end of the context ({len(context)} tokens)")
-        return (context[:offset] if offset else context) + new
+        kept = context[:offset] if offset else context
+        return kept + new, len(kept)
 
     def _drop_continuations(self, session: Session, rid: str | None) -> None:
         """`replace`: the named request (if still running) and everything that continued it are
@@ -278,8 +312,9 @@ class SessionController:
         """Bookkeeping once a turn's KV is settled: the session may close now."""
         session = req.session
         if session is not None:
+            base, kept = session.bases.pop(req.rid, (None, 0))
             if session.reqs.get(req.rid) is req:  # (a replaced turn is gone already)
-                session.reqs[req.rid] = FinishedTurn.of(req)
+                session.reqs[req.rid] = FinishedTurn.of(req, base, kept)
             session.in_flight.discard(req.rid)
             session.last_active = time.monotonic()
             self._close_if_done(session)
