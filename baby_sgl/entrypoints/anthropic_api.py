@@ -231,7 +231,9 @@ class _Blocks:
         self.blocks: list[dict[str, Any]] = []
         self.open = False
         self.called = False
-        self._json = ""  # the open tool_use block's arguments so far
+        # The open block's text (thinking, text) or arguments (tool_use) so far, in pieces: joined
+        # when it closes (adding to one string copied it at every piece).
+        self._parts: list[str] = []
 
     def add(self, events: list[ChatEvent]) -> list[str]:
         out: list[str] = []
@@ -240,13 +242,13 @@ class _Blocks:
                 kind, key = ("thinking", "thinking") if isinstance(e, Reasoning) else ("text", "text")
                 if not (self.open and self.blocks[-1]["type"] == kind):
                     out += self._start({"type": kind, key: ""} | ({"signature": ""} if kind == "thinking" else {}))
-                self.blocks[-1][key] += e.text
+                self._parts.append(e.text)
                 out.append(self._delta({"type": f"{kind}_delta", key: e.text}))
             elif isinstance(e, CallStart):
                 self.called = True
                 out += self._start({"type": "tool_use", "id": _tool_id(), "name": e.name, "input": {}})
             elif isinstance(e, CallArgs):
-                self._json += e.fragment
+                self._parts.append(e.fragment)
                 out.append(self._delta({"type": "input_json_delta", "partial_json": e.fragment}))
         return out
 
@@ -254,8 +256,12 @@ class _Blocks:
         if not self.open:
             return []
         self.open = False
-        if self.blocks[-1]["type"] == "tool_use":
-            self.blocks[-1]["input"], self._json = _input(self._json), ""
+        block, text = self.blocks[-1], "".join(self._parts)
+        self._parts = []
+        if block["type"] == "tool_use":
+            block["input"] = _input(text)
+        else:
+            block[block["type"]] = text  # the thinking or text block's own key
         return [_event("content_block_stop", {"index": len(self.blocks) - 1})]
 
     def _start(self, block: dict[str, Any]) -> list[str]:

@@ -219,7 +219,7 @@ def _openai_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, head: 
     sent: dict[int, int] = {}  # tokens already reported per choice (none: its first piece is next)
     metas: dict[int, dict] = {}
     readers: dict[int, ChatReader] = {}
-    held: dict[int, str] = {}  # reasoning kept for the last piece (stream_reasoning false)
+    held: dict[int, list[str]] = {}  # reasoning kept for the last piece (stream_reasoning false), in pieces
     called: set[int] = set()  # choices that made tool calls
 
     def chat_delta(i: int, chunk: dict) -> dict[str, Any]:
@@ -230,8 +230,8 @@ def _openai_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, head: 
         thought = "".join(e.text for e in events if isinstance(e, Reasoning))
         answer = "".join(e.text for e in events if isinstance(e, Content))
         if not chat[1]:
-            held[i] = held.get(i, "") + thought
-            thought = held.pop(i) if chunk["finished"] else ""
+            held.setdefault(i, []).append(thought)
+            thought = "".join(held.pop(i)) if chunk["finished"] else ""
         calls: list[dict[str, Any]] = []
         for e in events:
             if isinstance(e, CallStart):

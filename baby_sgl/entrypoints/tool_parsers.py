@@ -181,6 +181,12 @@ class _ObjectCall:
         return "".join(self.raw[start : self.sent])
 
 
+# Characters of output held while it cannot yet tell what they are (spaces that may precede calls,
+# a separator or an end marker): past this they are read as content. Each piece rescans what is
+# held, so this bounds a piece's work (a stream of spaces cost time quadratic in its length).
+UNDECIDED_MAX = 1024
+
+
 class ToolCallParser:
     """One output's content and tool calls, piece by piece: feed each piece, flush at the end."""
 
@@ -229,7 +235,8 @@ class ToolCallParser:
                 self._text, self._after_section = stripped, False
             if self._at_start:
                 stripped = self._text.lstrip()
-                opens = self.fmt.opens_output(stripped, final) if stripped or final else None
+                decide = final or len(self._text) > UNDECIDED_MAX
+                opens = self.fmt.opens_output(stripped, decide) if stripped or decide else None
                 if opens is None:  # cannot tell yet
                     break
                 self._at_start = False
@@ -292,8 +299,8 @@ class _JsonCalls(_Section):
             if self.phase == "after":  # a separator, the end, or text that is not ours
                 rest = text[k:]
                 stripped = rest.lstrip()
-                if not stripped or any(len(stripped) < len(m) and m.startswith(stripped) for m in (self.sep, self.end)
-                                       if m):
+                if (not stripped or any(len(stripped) < len(m) and m.startswith(stripped) for m in (self.sep, self.end)
+                                        if m)) and len(rest) <= UNDECIDED_MAX:
                     self.pending = rest  # a separator or the end may be coming
                     return None
                 skip = len(rest) - len(stripped)
@@ -464,7 +471,8 @@ class _Pythonic(_Section):
         if self.calls:  # after the list: its end marker may follow
             text, self.pending = self.pending + text, ""
             stripped = text.lstrip()
-            if not stripped or len(stripped) < len(self.END) and self.END.startswith(stripped):
+            if (not stripped or len(stripped) < len(self.END) and self.END.startswith(stripped)) \
+                    and len(text) <= UNDECIDED_MAX:
                 self.pending = text
                 return None
             return stripped[len(self.END):] if stripped.startswith(self.END) else text

@@ -9,7 +9,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from baby_sgl.entrypoints.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from baby_sgl.entrypoints.reasoning import HELD_MAX, ReasoningSplitter, prompt_opens_reasoning
 from baby_sgl.server_args import ServerArgs
 from entrypoints.conftest import thinking_server, wait_idle
 
@@ -105,3 +105,18 @@ def test_chat_template_kwargs_reach_the_template(qwen3_server):
 def test_an_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="reasoning_parser"):
         ServerArgs(reasoning_parser="nope")
+
+
+def test_spaces_before_an_opening_tag_are_held_only_so_far():
+    """Spaces that may come before `<think>` were held, each piece rescanning them (8000 pieces:
+    1.25 s of the event loop). Past HELD_MAX of them no opening tag is looked for: the output
+    has no reasoning."""
+    splitter, reasoning, content = ReasoningSplitter(False), "", ""
+    for _ in range(4 * HELD_MAX // 64):
+        r, c = splitter.feed(" " * 64)
+        reasoning, content = reasoning + r, content + c
+    assert reasoning == "" and 3 * HELD_MAX - 64 <= len(content)
+    r, c = splitter.feed("<think>x</think>y")
+    assert (reasoning + r, content + c) == ("", " " * 4 * HELD_MAX + "<think>x</think>y")
+    # Within the bound, an opening tag after spaces still opens the reasoning.
+    assert ReasoningSplitter(False).split(" " * (HELD_MAX // 2) + "<think>x</think>y") == ("x", "y")
