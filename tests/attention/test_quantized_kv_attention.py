@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from baby_sgl.core import kv_cache_dtype
+from baby_sgl.core import kv_cache_dtype, memory_pool
 from baby_sgl.core.memory_pool import KVPool
 from helpers import ARCHS, build_for, decode_forward_batch, scattered_extend_requests
 
@@ -103,6 +103,29 @@ def test_the_kernels_rounding_is_the_portable_paths(ops, cache_dtype):
     ops.store_kv(x, torch.arange(len(x)), buf, scales)
     assert torch.equal(kv_cache_dtype.as_bytes(buf), kv_cache_dtype.as_bytes(q))
     assert torch.equal(scales, scale)
+
+
+@pytest.mark.parametrize("cache_dtype", SCALED)
+def test_a_pool_written_without_the_kernel_holds_the_kernels_bytes_and_scales(cache_dtype, monkeypatch):
+    """No kernel to write the pool (no compiler, or a GPU): KVPool.set_kv_buffer rounds by
+    kv_cache_dtype.quantize and stores each slot's scales beside its bytes, the same as the
+    kernel's; a slot written again takes the scales of its new values."""
+    pools = [_pool(cache_dtype, 64, slots=100)]
+    monkeypatch.setattr(memory_pool, "cpu_ops", lambda: None)
+    pools.append(_pool(cache_dtype, 64, slots=100))
+    g = torch.Generator().manual_seed(4)
+    loc = torch.arange(10, 60)
+    k, v = torch.randn(50, KV_HEADS, 64, generator=g) * 100, torch.randn(50, KV_HEADS, 64, generator=g) / 100
+    for pool in pools:
+        pool.set_kv_buffer(0, loc, k, v)
+    kernel, portable = pools[0].layer(0), pools[1].layer(0)
+    for x, stored, scales, kernel_stored, kernel_scales in ((k, portable.k, portable.k_scale, kernel.k, kernel.k_scale),
+                                                            (v, portable.v, portable.v_scale, kernel.v, kernel.v_scale)):
+        assert torch.equal(kv_cache_dtype.as_bytes(stored), kv_cache_dtype.as_bytes(kernel_stored))
+        assert torch.equal(scales, kernel_scales)
+        q, scale = kv_cache_dtype.quantize(x, cache_dtype)
+        assert torch.equal(scales[loc], scale)
+        assert torch.equal(kv_cache_dtype.as_bytes(stored[loc]), kv_cache_dtype.as_bytes(q))
 
 
 @pytest.fixture(scope="module", params=ARCHS)
