@@ -163,6 +163,35 @@ def test_decode_kernel_reads_the_stored_bytes(decode_ops, cache_dtype, q_dtype, 
     torch.testing.assert_close(out.float(), expected, **tol)
 
 
+def _one_key_each(cache_dtype: torch.dtype):
+    """_heads_with_ties' heads (every value of the type, subnormals included) rounded as a pool's
+    keys and values, and those values widened by torch: a query attending to one key alone gets
+    its value times 1, so each kernel must give these bits."""
+    x = _heads_with_ties(cache_dtype)
+    stored, scale = kv_cache_dtype.quantize(x, cache_dtype)
+    return stored, scale, stored.float() * scale.unsqueeze(-1)
+
+
+@pytest.mark.parametrize("cache_dtype", SCALED)
+def test_decode_kernel_widens_every_value_of_the_type(decode_ops, cache_dtype):
+    stored, scale, widened = _one_key_each(cache_dtype)
+    n, dim = len(stored), stored.shape[-1]
+    q = torch.randn(n, 1, 1, dim, generator=torch.Generator().manual_seed(5))
+    out, _ = decode_ops.decode_attention(q, stored, stored, torch.arange(n).view(n, 1), torch.ones(n, dtype=torch.long),
+                                         0.125, scale, scale)
+    assert torch.equal(out.view(n, 1, dim), widened)
+
+
+@pytest.mark.parametrize("cache_dtype", SCALED)
+def test_prefill_kernel_widens_every_value_of_the_type(ops, cache_dtype):
+    stored, scale, widened = _one_key_each(cache_dtype)
+    n, dim = len(stored), stored.shape[-1]
+    q = torch.randn(n, 1, dim, generator=torch.Generator().manual_seed(6))
+    ones = torch.ones(n, dtype=torch.long)
+    out = ops.extend_attention(q, stored, stored, torch.arange(n).view(n, 1), ones - 1, ones, 0.125, scale, scale)
+    assert torch.equal(out, widened)
+
+
 @pytest.mark.parametrize("cache_dtype", SCALED)
 def test_portable_decode_widens_only_the_gathered_rows(cache_dtype):
     """No kernel (no compiler, or a GPU): the rows a request reads are gathered and widened."""
