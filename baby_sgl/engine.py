@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import gc
@@ -547,6 +548,7 @@ class Engine:
             self.tp.stop(in_step=ended and not isinstance(self.scheduler.failure(), GroupBroken))
         if ended:  # no pass runs over the KV pool any more: its memory goes back now
             self.runner.release_memory()
+            _return_freed_memory()
 
     def __enter__(self) -> Engine:
         return self
@@ -557,3 +559,17 @@ class Engine:
 
 def _given(adapter: LoRAAdapter) -> LoRAAdapter:
     return adapter
+
+
+def _return_freed_memory() -> None:
+    """Hands freed heap memory back to the system (glibc's malloc_trim; elsewhere nothing). glibc
+    raises its mmap threshold to the size of each large block freed, up to 32 MB, so the KV
+    pool's per-layer buffers come from its heap, which it keeps after they are freed: a stopped
+    engine's pool stayed resident and the next engine's came on top (the default model's float32
+    engines, one after another in one process: 2.0 GB, 3.6 GB; trimmed, 0.5 GB)."""
+    try:
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return
+    if trim is not None:
+        trim(0)
