@@ -145,8 +145,8 @@ class Engine:
         initial_loras = self._enable_lora(cfg) if args.enable_lora else []
         self.scheduler = Scheduler(args, runner, self.tokenizer, self.eos_token_ids, self.max_total_tokens,
                                    self.context_len, self.max_input_len)
-        for ref, adapter in initial_loras:
-            self._add_lora(ref, functools.partial(_given, adapter))
+        for ref, adapter in initial_loras:  # read already (their ranks size the slots)
+            self._add_lora(ref, lambda: adapter)  # noqa: B023 - called within the iteration
 
     def _enable_lora(self, cfg: ModelConfig) -> list[tuple[LoRARef, LoRAAdapter]]:
         """The adapter slots and registry; the --lora-paths adapters read and checked (the slots'
@@ -555,10 +555,6 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def _given(adapter: LoRAAdapter) -> LoRAAdapter:
-    return adapter
 
 
 def _return_freed_memory() -> None:

@@ -324,6 +324,7 @@ def test_a_stopped_engine_gives_its_kv_pool_back(tiny_llama):
     for _ in range(2):  # the second start reuses the heap the first one's pool came from
         with Engine(tiny_llama, dtype="float32", max_total_tokens=200_000) as engine:
             engine.generate("hello", {"max_new_tokens": 2})
+            engine.check_memory()
             pool = engine.runner.kv_pool  # 2 layers x K and V x 200k slots x 2 heads x 16 dims x 4 bytes: 24 MB each
             pool_mb = sum(b.numel() * b.element_size() for b in pool.k_buffers + pool.v_buffers) / 2**20
             during = resident_mb()

@@ -49,16 +49,15 @@ class PenaltyCounts:
 
     def update(self, prompt: list[int], output: list[int], vocab: int,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # Ids past the logits' width are dropped on the host: a mask on the device would wait for it.
         if self.counts is None or self.seen is None:
             self.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
             self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            ids = torch.tensor(prompt, dtype=torch.long, device=device)
-            self.seen[ids[ids < vocab]] = True
+            self.seen[torch.tensor([t for t in prompt if t < vocab], dtype=torch.long, device=device)] = True
             self.synced = 0
         if len(output) > self.synced:
-            ids = torch.tensor(output[self.synced :], dtype=torch.long, device=device)
-            ids = ids[ids < vocab]
-            self.counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+            ids = torch.tensor([t for t in output[self.synced :] if t < vocab], dtype=torch.long, device=device)
+            self.counts.index_add_(0, ids, torch.ones(len(ids), dtype=torch.int32, device=device))
             self.seen[ids] = True
             self.synced = len(output)
         return self.counts, self.seen

@@ -27,7 +27,6 @@ from baby_sgl.errors import EngineDeadError, ServerBusyError
 from baby_sgl.core.req import Req
 from baby_sgl.managers.tokenizer_manager import TokenizerManager
 from baby_sgl.core.sampling_params import SamplingParams
-from baby_sgl.validation import MAX_N
 
 # How often a waiting request checks that its client is still there (SGLang: every 4 s).
 DISCONNECT_POLL_S = 0.5
@@ -141,13 +140,14 @@ class AsyncEngine:
 
         # The requests (each item's n samples) count against --max-queued-requests from before
         # their grammars compile: a flood of distinct grammars waits for the compile threads too.
-        requests = sum(_samples(item) for item in items)
+        params = [self._sampling_params(item) for item in items]
+        requests = sum(1 if p is None else p.n for p in params)
         self._reserve(requests)
         ticket = self._open_submission()
         try:
             # Grammars compile on the engine's compile threads; awaiting them here holds no worker
             # thread, so a slow compile never queues other clients' submissions behind it.
-            await self._compile_grammars(items)
+            await self._compile_grammars(params)
         except BaseException:
             self._close_submission(ticket)
             self._done_preparing(requests)
@@ -212,16 +212,16 @@ class AsyncEngine:
             self.engine.abort_request(req.rid)
         self._forget(keys)
 
-    async def _compile_grammars(self, items: list[dict[str, Any]]) -> None:
-        keys = set()
-        for item in items:
-            try:
-                key = SamplingParams.from_dict(item.get("sampling_params"), self.engine.sampling_defaults,
-                                               item.get("server_grammar")).grammar
-            except ValueError:
-                continue  # submission reports it
-            if key is not None:
-                keys.add(key)
+    def _sampling_params(self, item: dict[str, Any]) -> SamplingParams | None:
+        """The item's sampling parameters, or None where they are invalid (submission reports it)."""
+        try:
+            return SamplingParams.from_dict(item.get("sampling_params"), self.engine.sampling_defaults,
+                                            item.get("server_grammar"))
+        except ValueError:
+            return None
+
+    async def _compile_grammars(self, params: list[SamplingParams | None]) -> None:
+        keys = {p.grammar for p in params if p is not None and p.grammar is not None}
         # Shielded: a compile may be shared with other requests, and a client leaving must not
         # cancel it for them.
         await asyncio.gather(*(asyncio.shield(asyncio.wrap_future(self.engine.grammars.submit(k))) for k in keys))
@@ -353,9 +353,3 @@ def join_pieces(earlier: dict, later: dict) -> dict:
     earlier.update(text=earlier["text"] + later["text"], meta_info=meta, finished=later["finished"])
     return earlier
 
-
-def _samples(item: dict[str, Any]) -> int:
-    """The engine requests an item becomes: its n (validated later, so taken within 1..MAX_N here)."""
-    params = item.get("sampling_params")  # a dict, or SamplingParams the route validated
-    n = params.get("n", 1) if isinstance(params, dict) else getattr(params, "n", 1)
-    return min(max(n, 1), MAX_N) if isinstance(n, int) and not isinstance(n, bool) else 1

@@ -49,7 +49,7 @@ class FinishedTurn:
     that token and its output, not the context again (1023 such turns kept 1023 copies)."""
 
     base: FinishedTurn | None
-    kept: int  # the tokens of base's its input starts with
+    kept: int  # how many of base's tokens its input starts with
     own: array[int]  # the rest of its input, then its output
     input_len: int
     lora_id: str | None = None

@@ -107,8 +107,7 @@ class TokenizerManager:
         return self.lora_registry.resolve(name)
 
     def make_req(self, item: str | list[int], sampling_params: dict[str, Any] | SamplingParams | None, rid: str | None,
-                 options: dict[str, Any], server_grammar: ServerGrammar | None = None,
-                 budget: LogprobBudget | None = None) -> list[Req]:
+                 options: dict[str, Any], server_grammar: ServerGrammar | None, budget: LogprobBudget) -> list[Req]:
         """The request's n Reqs. budget: the logprob entries of the call it is part of."""
         params = SamplingParams.from_dict(sampling_params, self.sampling_defaults, server_grammar)
         params.check_vocab(self.vocab_size)
@@ -131,7 +130,7 @@ class TokenizerManager:
         if return_logprob:
             positions = (len(ids) - start if start is not None else 0) + min(params.max_new_tokens, self.context_len - len(ids))
             width = 1 + opts.top_logprobs_num + len(opts.token_ids_logprob or [])
-            (budget or LogprobBudget()).take(params.n * max(positions, 0) * width)
+            budget.take(params.n * max(positions, 0) * width)
         grammar = self.grammars.get(params.grammar) if params.grammar else None  # compiles here, off the scheduler
         reqs = [Req(r, ids, params) for r in self.copy_rids(opts.rid or uuid.uuid4().hex, params.n)]
         for req in reqs:

@@ -124,6 +124,7 @@ def test_d8_a_body_nested_past_the_parsers_depth_is_400(server, path):
     r = raw(server, path, '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}")
     assert r.status_code == 400 and error_of(r) == "the request body's JSON is nested too deeply", r.text
     assert httpx.post(server + "/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+    wait_idle(server)
 
 
 @pytest.mark.parametrize("path, body", [

@@ -246,10 +246,11 @@ def test_penalty_counts_follow_the_output_a_step_at_a_time():
     state = PenaltyCounts()
     counts, seen = state.update(prompt, output, vocab, torch.device("cpu"))
     assert not counts.any() and seen.nonzero().flatten().tolist() == [5, 9]
-    g = torch.Generator().manual_seed(0)
+    cpu = torch.device("cpu")
+    g = torch.Generator(device=cpu).manual_seed(0)
     for step in range(50):
-        output += torch.randint(0, vocab, (1 + step % 3,), generator=g).tolist()  # speculation adds several
-        again, seen_again = state.update(prompt, output, vocab, torch.device("cpu"))
+        output += torch.randint(0, vocab, (1 + step % 3,), generator=g, device=cpu).tolist()  # speculation adds several
+        again, seen_again = state.update(prompt, output, vocab, cpu)
         assert again is counts and seen_again is seen and state.synced == len(output)
-        assert torch.equal(counts.long(), torch.bincount(torch.tensor(output), minlength=vocab))
+        assert torch.equal(counts.long(), torch.bincount(torch.tensor(output, device=cpu), minlength=vocab))
         assert seen.nonzero().flatten().tolist() == sorted({5, 9} | set(output))
