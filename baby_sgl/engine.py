@@ -130,7 +130,9 @@ class Engine:
                              compile_max_bs=args.torch_compile_max_bs if args.enable_torch_compile else None,
                              tp=self.tp.group if self.tp else None,
                              int8_activations=decode_step.int8_activations(args.cpu_int8_activations, self.dtype),
-                             deterministic=args.enable_deterministic_inference)
+                             deterministic=args.enable_deterministic_inference,
+                             matrix_tiles=self.device.type == "cpu"
+                             and decode_step.matrix_tiles(args.cpu_matrix_tiles, self.dtype))
         # The model holds its own copies now: free the checkpoint's tensors before the KV pool
         # is allocated, or both count towards the peak memory.
         loaded.weights = iter(())

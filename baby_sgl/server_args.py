@@ -20,6 +20,7 @@ REASONING_PARSER_NAMES = ("deepseek-r1", "qwen3")  # entrypoints/reasoning.py
 TOOL_CALL_PARSER_NAMES = ("qwen25", "qwen", "hermes", "llama3", "mistral", "pythonic")  # entrypoints/tool_parsers.py
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 CPU_INT8_ACTIVATIONS_CHOICES = ("auto", "on", "off")
+CPU_MATRIX_TILES_CHOICES = ("auto", "on", "off")
 KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float32", "fp8_e5m2", "fp8_e4m3", "int8")  # core/kv_cache_dtype.py
 LORA_EVICTION_POLICIES = ("lru", "fifo")
 # PEFT's names of the projections an adapter may change (lora/adapter.py), and "all".
@@ -52,6 +53,11 @@ class EngineArgs:
         "auto", "on CPU, products of quantized GGUF weights (decode steps and prefills) round their "
                 "activations to int8 blocks (integer dot products, as llama.cpp; faster, results move by the "
                 "rounding): on, off, or auto (on unless the dtype is float32, whose results stay transformers')")
+    cpu_matrix_tiles: str = _setting(
+        "auto", "on CPU in bfloat16, products of 32 rows and more (prefills, large decode batches) run on the "
+                "matrix tiles (AMX, through oneDNN), a panel of weight rows decoded at a time: auto (where the CPU "
+                "has AMX and the kernel grants it), on (any CPU: torch's bfloat16 GEMM where there is no AMX; "
+                "slower, for checking the path), off")
     enable_deterministic_inference: bool = _setting(
         False, "a request's output ids and logprobs are the same bits whatever it is batched with, however its "
                "prompt is chunked and whether its prefix comes from the cache (every pass runs the CPU's one-call "
@@ -137,6 +143,9 @@ class EngineArgs:
         if self.cpu_int8_activations not in CPU_INT8_ACTIVATIONS_CHOICES:
             raise ValueError(f"cpu_int8_activations must be one of {', '.join(CPU_INT8_ACTIVATIONS_CHOICES)}, "
                              f"got {self.cpu_int8_activations!r}")
+        if self.cpu_matrix_tiles not in CPU_MATRIX_TILES_CHOICES:
+            raise ValueError(f"cpu_matrix_tiles must be one of {', '.join(CPU_MATRIX_TILES_CHOICES)}, "
+                             f"got {self.cpu_matrix_tiles!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {self.quantization!r}")
         if self.quantization == "gguf" and (self.tp_size > 1 or self.enable_torch_compile):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from baby_sgl.core.memory_pool import KVPool, ReqToTokenPool
+from baby_sgl.cpu.ops import cpu_ops
 from baby_sgl.layers.layernorm import RMSNorm
 from baby_sgl.layers.moe import SparseMoE
 from baby_sgl.lora.adapter import MODULES
@@ -36,6 +37,13 @@ def int8_activations(mode: str, dtype: torch.dtype) -> bool:
     """--cpu-int8-activations resolved: auto rounds activations to int8 blocks in every dtype but
     float32 (llama.cpp always does; float32 keeps transformers' results)."""
     return mode == "on" or (mode == "auto" and dtype != torch.float32)
+
+
+def matrix_tiles(mode: str, dtype: torch.dtype) -> bool:
+    """--cpu-matrix-tiles resolved: bfloat16 batches on the matrix tiles (csrc/tile_products.h),
+    with auto where the CPU has AMX and the kernel grants it, with on on any CPU."""
+    ops = cpu_ops()
+    return dtype == torch.bfloat16 and ops is not None and (mode == "on" or (mode == "auto" and ops.has_tile_products()))
 
 
 def can_run(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
@@ -118,10 +126,11 @@ def _parts(module: torch.nn.Module) -> list[tuple]:
 class CpuDecodeStep:
     def __init__(self, ops: Any, model: LlamaForCausalLM, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool,
                  int8_activations: bool = False, deterministic: bool = False,
-                 lora_pool: LoRAMemoryPool | None = None) -> None:
+                 lora_pool: LoRAMemoryPool | None = None, matrix_tiles: bool = False) -> None:
         """int8_activations: products of quantized matrices with a few rows round the activations
         to int8 blocks (csrc/int8_products.h). deterministic: every product's kernel is chosen by
         its weight's format alone, not by the number of rows (--enable-deterministic-inference).
+        matrix_tiles: products of many rows run on the matrix tiles (matrix_tiles()).
         lora_pool: the adapters' slots, read in place (each row's slot comes with the pass)."""
         cfg = model.config
         self.int8_activations = int8_activations
@@ -131,7 +140,7 @@ class CpuDecodeStep:
                       head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
                       rms_norm_eps=cfg.rms_norm_eps, num_threads=torch.get_num_threads(),
                       bf16_products=kv_pool.dtype == torch.bfloat16, int8_activations=int8_activations,
-                      deterministic=deterministic,
+                      deterministic=deterministic, tile_products=matrix_tiles,
                       attn_scale=model.layers[0].self_attn.scale,
                       embed_scale=embed_scale, final_logit_softcap=cfg.final_logit_softcap or 0.0,
                       hidden_act=cfg.hidden_act, num_experts_per_tok=cfg.num_experts_per_tok,

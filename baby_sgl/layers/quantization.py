@@ -14,6 +14,7 @@ wherever the kernel runs (a CPU with a C++ compiler, no tensor parallelism, no t
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,7 @@ class QuantizedWeight:
     shape: tuple[int, int]
     int8_activations: bool = False
     grouped: bool = False  # data is [n / 16, 16 rows' bytes]: rows in groups (GROUP_ROWS)
+    matrix_tiles: bool = False  # bfloat16 batches go to the matrix tiles (--cpu-matrix-tiles)
 
     @staticmethod
     def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -144,15 +146,19 @@ class QuantizedWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         ops = cpu_ops()
+        b = None if bias is None else bias.float().contiguous()
+        # A bfloat16 batch on the matrix tiles, a panel of rows decoded at a time
+        # (csrc/tile_products.h): no bfloat16 copy of the whole weight.
+        if ops is not None and self.matrix_tiles and x.dtype == torch.bfloat16 and x.shape[0] >= ops.tile_min_rows:
+            return ops.linear_tiles(x, self.data, self.code, *self.shape, b).to(torch.bfloat16)
         # (Grouped weights are made only where this holds: group_for_int8_products.)
         if (ops is not None and self.int8_activations
                 and ((ops.has_int8_gemm and self.qtype in BLOCK_BYTES)
                      or (self.qtype in INT8_TYPES and x.shape[0] < INT8_TILE_MAX_ROWS))):
-            return ops.linear_int8(x if x.dtype == torch.bfloat16 else x.float(), self.data, self.code,
-                                   *self.shape, None if bias is None else bias.float().contiguous())
+            return ops.linear_int8(x if x.dtype == torch.bfloat16 else x.float(), self.data, self.code, *self.shape, b)
         if ops is None or x.shape[0] >= TORCH_GEMM_MIN_ROWS.get(x.dtype, 0):
             return F.linear(x, self.dequantize(x.dtype), bias)
-        return ops.linear(x, self.data, int(self.qtype), *self.shape, None if bias is None else bias.float().contiguous())
+        return ops.linear(x, self.data, int(self.qtype), *self.shape, b)
 
     @property
     def nbytes(self) -> int:
@@ -213,14 +219,26 @@ def group_for_int8_products(model: nn.Module) -> None:
         set_quantized(module, grouped[id(weight)])
 
 
-def round_activations_to_int8(model: nn.Module) -> None:
-    """Every stored-block matrix of `model` multiplies int8-rounded activations (op by op as in
-    the decode step: prefill and decode then round alike)."""
+def _stored_matrices(model: nn.Module) -> Iterator[QuantizedWeight]:
     for module in model.modules():
         weight = getattr(module, "weight", None)
         for part in weight.parts if isinstance(weight, FusedWeight) else [weight]:
             if isinstance(part, QuantizedWeight):
-                part.int8_activations = True
+                yield part
+
+
+def round_activations_to_int8(model: nn.Module) -> None:
+    """Every stored-block matrix of `model` multiplies int8-rounded activations (op by op as in
+    the decode step: prefill and decode then round alike)."""
+    for part in _stored_matrices(model):
+        part.int8_activations = True
+
+
+def use_matrix_tiles(model: nn.Module) -> None:
+    """Every stored-block matrix of `model` multiplies bfloat16 batches on the matrix tiles (op by
+    op as in the decode step)."""
+    for part in _stored_matrices(model):
+        part.matrix_tiles = True
 
 
 def dequantize_blocks(data: torch.Tensor, qtype: WeightType, k: int) -> torch.Tensor:

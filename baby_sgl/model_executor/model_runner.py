@@ -48,9 +48,11 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, weights, dtype: torch.dtype, device: torch.device,
                  attention_backend: str = "torch_native", compile_max_bs: int | None = None,
-                 tp: TPGroup | None = None, int8_activations: bool = False, deterministic: bool = False) -> None:
+                 tp: TPGroup | None = None, int8_activations: bool = False, deterministic: bool = False,
+                 matrix_tiles: bool = False) -> None:
         self.tp = tp
         self.int8_activations = int8_activations  # the decode step's (decode_step.int8_activations)
+        self.matrix_tiles = matrix_tiles  # bfloat16 batches on the matrix tiles (decode_step.matrix_tiles)
         # --enable-deterministic-inference: each product's kernel in the one-call step is chosen by
         # the weight's format alone, never by the row count (each row's arithmetic is then its own),
         # so a request's bits do not depend on its batch, its prompt's chunks or where its prefix's
@@ -77,6 +79,8 @@ class ModelRunner:
             ops = cpu_ops() if device.type == "cpu" else None
             if ops is not None and ops.has_int8_gemm:
                 quantization.group_for_int8_products(self.model)
+        if matrix_tiles:
+            quantization.use_matrix_tiles(self.model)
         self.attn_backend = create_attention_backend(attention_backend, device, cfg.num_heads // cfg.num_kv_heads,
                                                      cfg.sliding_window, len(cfg.sliding_layers) == cfg.num_layers)
         self._req_to_token_pool: ReqToTokenPool | None = None  # built by init_memory_pool
@@ -151,7 +155,7 @@ class ModelRunner:
         if self.step_ops is not None:
             self.step = decode_step.CpuDecodeStep(self.step_ops, self.model, self.kv_pool, self.req_to_token_pool,
                                                self.int8_activations, self.deterministic,
-                                               self.lora_pool)
+                                               self.lora_pool, self.matrix_tiles)
         return self.req_to_token_pool
 
     def release_memory(self) -> None:

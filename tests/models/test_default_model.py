@@ -84,6 +84,23 @@ def test_bfloat16_stays_close_to_float32(reference):
     assert_bfloat16_close(outs, ref, 2)  # the prefill's token, then the decode step's
 
 
+def test_bfloat16_products_on_the_matrix_tiles_stay_close_to_float32(reference):
+    """--cpu-matrix-tiles on: the prefill's products (16 prompts' rows in one pass, far more than
+    32) run on the matrix tiles (tile_products.h: AMX, or torch's bfloat16 GEMM on the same panels
+    where the CPU has none), the decode step's 16 rows on the other products. The first two tokens
+    stay within assert_bfloat16_close's bounds of float32's."""
+    prompts, _, _ = reference
+    params = {**GREEDY, "max_new_tokens": 2}
+    with Engine(dtype="bfloat16", cpu_int8_activations="off", cpu_matrix_tiles="on") as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        step = engine.runner.step
+        assert step is not None and step.step.tile_outputs() > 0
+        engine.check_memory()
+    with Engine(dtype="float32") as engine:
+        ref = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2)
+    assert_bfloat16_close(outs, ref, 2)
+
+
 def test_bfloat16_rows_behind_a_shared_prefix_stay_close_to_float32():
     """Decode rows whose requests share a cached prefix read it once for all of them
     (cpu_step.cpp: attend_shared, in bfloat16 dot products on CPUs with AVX512_BF16), and a

@@ -16,6 +16,7 @@
 
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <cstdlib>
@@ -35,6 +36,7 @@
 #include "kquant_rows.h"
 #include "ops.h"
 #include "step_team.h"
+#include "tile_products.h"
 #include "torch_glue.h"
 #include "weights.h"
 
@@ -167,6 +169,7 @@ class DecodeStep {
         expert_size_(cfg["moe_intermediate_size"].cast<int64_t>()),
         renormalize_(cfg["norm_topk_prob"].cast<bool>()),
         bf16_products_(kHasBF16Products && cfg["bf16_products"].cast<bool>()),
+        tile_products_(cfg["tile_products"].cast<bool>()),
         int8_activations_(cfg["int8_activations"].cast<bool>()),
         deterministic_(cfg["deterministic"].cast<bool>()),
         team_(cfg["num_threads"].cast<int>()),
@@ -277,6 +280,8 @@ class DecodeStep {
   int64_t shared_prefix_rows() const { return shared_prefix_rows_; }
   // How many decode rows so far attended in more than one piece (plan_pieces).
   int64_t split_rows() const { return split_rows_; }
+  // How many outputs of products so far came from the matrix tiles (tile_products.h).
+  int64_t tile_outputs() const { return tile_outputs_.load(); }
 
   // The threads of its pool: the count asked for, at most the cores the process may use.
   int num_threads() const { return team_.size(); }
@@ -593,6 +598,15 @@ class DecodeStep {
         if constexpr (!std::is_same_v<After, std::nullptr_t>) after(n0, n1);
       });
     };
+    if (tile_products_ && !deterministic_ && rows >= kTileMinRows && w.k % 32 == 0) {  // whole panels a claim
+      copies.bf16.resize(rows * w.k);
+      rows_to_bf16(x, w.k, rows, w.k, copies.bf16.data());
+      each_chunk(kTilePanel, [&](int64_t n0, int64_t n1) {
+        product_tiles(w, copies.bf16.data(), rows, out, ldo, n0, n1);
+        tile_outputs_.fetch_add(rows * (n1 - n0), std::memory_order_relaxed);
+      });
+      return;
+    }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (w.grouped) {
       quantize_rows_q8(x, w.k, rows, w.k, copies.int8);
@@ -1121,6 +1135,9 @@ class DecodeStep {
   bool profiling_ = false;
   double profile_[kKinds] = {};
   bool bf16_products_;  // bfloat16 dtype on a CPU with AVX512_BF16: batches and attention use vdpbf16ps
+  // --cpu-matrix-tiles (bfloat16 dtype; auto: a CPU with AMX): products of kTileMinRows rows and
+  // more, outside the deterministic mode, run on the matrix tiles, before the other products.
+  bool tile_products_;
   bool int8_activations_;  // a few rows times quantized weights go in int8 (int8_products.h)
   // --enable-deterministic-inference: each product's kernel is chosen by the weight's format
   // alone, never by the number of rows, so a row's bits do not depend on its batch.
@@ -1135,6 +1152,7 @@ class DecodeStep {
   std::vector<Split> splits_;  // the rows attending in more than one piece
   std::vector<float> part_out_, part_lse_;  // each piece's output [parts, heads, head_dim] and log-sum-exp
   int64_t shared_prefix_rows_ = 0, split_rows_ = 0;
+  mutable std::atomic<int64_t> tile_outputs_{0};  // added to by every thread of the team (in const linear)
   int64_t longest_run_ = 1;
   std::vector<float> lora_t_;  // x A^T of the current projection, [rows, rank] (lora_shrink)
   at::Tensor cos_, sin_, local_cos_, local_sin_;
@@ -1157,6 +1175,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("logits", &bsgl::DecodeStep::logits)
       .def("profile", &bsgl::DecodeStep::profile)
       .def("shared_prefix_rows", &bsgl::DecodeStep::shared_prefix_rows)
+      .def("tile_outputs", &bsgl::DecodeStep::tile_outputs)
       .def("split_rows", &bsgl::DecodeStep::split_rows)
       .def_property_readonly("num_threads", &bsgl::DecodeStep::num_threads);
 }

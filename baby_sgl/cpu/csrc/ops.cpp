@@ -11,6 +11,7 @@
 #include "int8_products.h"
 #include "kquant_rows.h"
 #include "ops.h"
+#include "tile_products.h"
 #include "torch_glue.h"
 
 namespace bsgl {
@@ -18,7 +19,7 @@ namespace {
 
 // x [M, K] (float32 or bfloat16) times the weight's rows: [M, N] in x's dtype. A bfloat16 x of
 // at least kBF16MinRows rows on a CPU with AVX512_BF16 takes bfloat16 products (what torch's
-// bfloat16 GEMM computes); otherwise the products are float32.
+// bfloat16 GEMM computes); otherwise the products are float32. (The matrix tiles: linear_tiles.)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& data, int64_t type, int64_t n, int64_t k,
                   const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be [M, ", k, "]");
@@ -38,6 +39,24 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& data, int64_t type, int
   const float* xp = xf.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) { product(w, xp, k, rows, op, n, begin, end); });
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+// x [M, K] bfloat16 times the weight's rows on the matrix tiles (tile_products.h: without AMX,
+// torch's bfloat16 GEMM on the same panels), float32 [M, N]: the op-by-op path's products of
+// bfloat16 batches under --cpu-matrix-tiles. Takes weights in groups of sixteen rows too.
+at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& data, int64_t type, int64_t n, int64_t k,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, ", k, "]");
+  TORCH_CHECK(k % 2 == 0, "the tiles multiply pairs of values: k must be even");
+  const Weight w = make_weight(data, type, n, k, bias, /*grouped_ok=*/true);
+  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  const at::Tensor xc = x.contiguous();
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (n + kTilePanel - 1) / kTilePanel, 1, [&](int64_t begin, int64_t end) {  // whole panels
+    product_tiles(w, xb, x.size(0), op, n, begin * kTilePanel, std::min(n, end * kTilePanel));
+  });
+  return out;
 }
 
 // x [M, K] (float32 or bfloat16) times a block-quantized weight with x rounded to int8 blocks
@@ -313,6 +332,10 @@ void register_ops(pybind11::module& m) {
         py::arg("same_bits_for_any_rows") = true);
   m.attr("has_int8_gemm") = kHasInt8Gemm;  // many rows in int8 as fast as few (int8_gemm.h)
   m.attr("has_int8_panels") = kHasInt8Panels;  // AVX2's many-row int8 products (int8_panels.h)
+  m.def("linear_tiles", &linear_tiles, "bfloat16 x times a stored weight on the matrix tiles (AMX, else torch's "
+        "bfloat16 GEMM), float32 accumulation (CPU)");
+  m.attr("tile_min_rows") = kTileMinRows;  // the fewest rows the step gives the tiles
+  m.def("has_tile_products", &has_tile_products, "whether the CPU multiplies on matrix tiles (AMX, the kernel granting it)");
   m.def("dequantize", &dequantize, "rows of a stored weight as float32 or bfloat16 (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, rounding as transformers does (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up of [gate | up] rows (CPU)");
