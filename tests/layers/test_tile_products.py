@@ -66,6 +66,9 @@ def test_tile_products_without_a_bias_and_refusals(ops):
                                rtol=1e-5, atol=1e-3)
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.linear_tiles(x.float(), data, code, 40, 64, None)
+    dense = torch.randn(40, 48).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.linear_tiles(torch.randn(33, 48).to(torch.bfloat16), dense, int(WeightType.BF16), 40, 48, None)
 
 
 def test_the_op_by_op_path_takes_the_tiles_for_batches_of_32_rows_and_more(ops):

@@ -47,7 +47,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& data, int64_t type, int
 at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& data, int64_t type, int64_t n, int64_t k,
                         const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [M, ", k, "]");
-  TORCH_CHECK(k % 2 == 0, "the tiles multiply pairs of values: k must be even");
+  TORCH_CHECK(k % 32 == 0, "the tiles take rows of whole 32-value steps: k must be a multiple of 32");
   const Weight w = make_weight(data, type, n, k, bias, /*grouped_ok=*/true);
   at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
   const at::Tensor xc = x.contiguous();

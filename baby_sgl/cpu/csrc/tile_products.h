@@ -68,7 +68,7 @@ inline void rows_to_bf16(const float* x, int64_t ldx, int64_t rows, int64_t k, u
 }
 
 // xb [rows, k] (bfloat16 bits, row stride k) times w's rows n0..n1-1 into out [rows, n] (float32,
-// row stride ldo); w.k even. A weight in groups of sixteen rows (int8_groups.h) is read a row at a
+// row stride ldo); w.k a multiple of 32 (a tile's depth: the packed pairs need no padding). A weight in groups of sixteen rows (int8_groups.h) is read a row at a
 // time as stored: a panel is two groups.
 inline void product_tiles(const Weight& w, const uint16_t* xb, int64_t rows, float* out, int64_t ldo, int64_t n0,
                           int64_t n1) {
