@@ -74,21 +74,10 @@ struct Int8Panel8 {
 // Eight rows of 32 bytes (v[c]: row c) as eight vectors at dst, vector q holding bytes 4q..4q+3 of
 // row c in lane c: an 8 x 8 transpose of dwords.
 inline void store_transposed8(const __m256i (&v)[kPanelGroup], uint8_t* dst) {
-  __m256i t[8], u[8];
-  for (int r = 0; r < 8; r += 2) {  // t[r]: dwords 0, 1 (and 4, 5) of rows r, r + 1; t[r + 1]: 2, 3 (6, 7)
-    t[r] = _mm256_unpacklo_epi32(v[r], v[r + 1]);
-    t[r + 1] = _mm256_unpackhi_epi32(v[r], v[r + 1]);
-  }
-  for (int h = 0; h < 8; h += 4) {  // u[h + i]: dword i of rows h .. h + 3, and dword 4 + i in the high half
-    u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
-    u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
-    u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
-    u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * i), _mm256_permute2x128_si256(u[i], u[4 + i], 0x20));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * (4 + i)), _mm256_permute2x128_si256(u[i], u[4 + i], 0x31));
-  }
+  __m256i t[8];
+  for (int r = 0; r < 8; ++r) t[r] = v[r];
+  transpose8_epi32(t);
+  for (int q = 0; q < 8; ++q) _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 32 * q), t[q]);
 }
 
 // A block's 32 values as the panel holds them: unsigned as stored, or signed bytes.

@@ -47,6 +47,28 @@ class FlushDenormals {
 #endif
 };
 
+#if defined(__AVX2__)
+// Eight vectors of eight 32-bit words transposed in place: afterwards v[q] holds word q of the
+// vectors 0..7 that came in, vector c's in lane c.
+inline void transpose8_epi32(__m256i (&v)[8]) {
+  __m256i t[8], u[8];
+  for (int r = 0; r < 8; r += 2) {  // t[r]: words 0, 1 (and 4, 5) of rows r, r + 1; t[r + 1]: 2, 3 (6, 7)
+    t[r] = _mm256_unpacklo_epi32(v[r], v[r + 1]);
+    t[r + 1] = _mm256_unpackhi_epi32(v[r], v[r + 1]);
+  }
+  for (int h = 0; h < 8; h += 4) {  // u[h + i]: word i of rows h .. h + 3, and word 4 + i in the high half
+    u[h] = _mm256_unpacklo_epi64(t[h], t[h + 2]);
+    u[h + 1] = _mm256_unpackhi_epi64(t[h], t[h + 2]);
+    u[h + 2] = _mm256_unpacklo_epi64(t[h + 1], t[h + 3]);
+    u[h + 3] = _mm256_unpackhi_epi64(t[h + 1], t[h + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
+    v[4 + i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+  }
+}
+#endif
+
 // A buffer of n T aligned to 64 bytes, growable (contents are not kept). Kernels' 16-float loads
 // from a misaligned buffer straddle cache lines: that made a batch-8 decode step 1.6x slower.
 template <typename T>
