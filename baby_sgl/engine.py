@@ -401,6 +401,11 @@ class Engine:
         the answer starts."""
         return self.tokenizer_manager.apply_chat_template(messages, template_kwargs, tools)
 
+    def encode_prompt_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A prompt's text as ids, refused by its length before it is all tokenized when it cannot
+        fit the prompt limit (TokenizerManager.encode)."""
+        return self.tokenizer_manager.encode(text, add_special_tokens)
+
     def chat_template_knows_tools(self) -> bool:
         """The chat template renders `tools` and tool calls itself."""
         return self.tokenizer_manager.template_knows_tools()

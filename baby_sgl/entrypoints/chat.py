@@ -101,8 +101,8 @@ def prepare(engine: Engine, settings: dict[str, Any], req: ChatRequest) -> ChatT
         template_tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                             "parameters": t.parameters}} for t in listed]
     ids = engine.apply_chat_template(messages, req.template_kwargs, template_tools)
-    if req.prefill:  # the assistant's turn is open: the answer goes on from its text
-        ids += engine.tokenizer.encode(req.prefill, add_special_tokens=False)
+    if req.prefill:  # the assistant's turn is open: the answer goes on from its text (bounded as a prompt)
+        ids += engine.encode_prompt_text(req.prefill, add_special_tokens=False)
 
     reasoning_parser = settings.get("reasoning_parser")
     starts_inside = None
