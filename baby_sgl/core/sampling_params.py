@@ -28,8 +28,12 @@ MAX_STOP_REGEX, MAX_STOP_REGEX_BYTES = 32, 256  # as SGLang
 # with the output. A stop string is at most this long; a longer stop_regex match may be missed.
 STOP_WINDOW = MAX_STOP_LEN
 # RE2's memory for one stop_regex, its program and the DFA states it caches: a pattern too large
-# for it is refused (a 256-byte pattern can compile to 288k instructions, 66 ms of compiling).
-STOP_REGEX_MAX_MEM = 2**20
+# for it is refused as it compiles, which this bounds (\p{L}{40}: 47,851 instructions, refused
+# after 4.5 ms here against 38 ms to compile under 1 MiB; programs within MAX_STOP_REGEX_PROGRAM
+# all fit). Patterns compile as a body is validated, on the event loop: a call's distinct
+# patterns are bounded too (MAX_CALL_STOP_REGEX).
+STOP_REGEX_MAX_MEM = 2**18
+MAX_CALL_STOP_REGEX = 2 * MAX_STOP_REGEX
 # What one request's stops cost at every token, all n samples together: characters of stop strings,
 # and instructions of the stop_regex programs (an RE2 search costs up to its program's size a
 # character when the pattern's DFA outgrows its memory: 8192 instructions x STOP_WINDOW ~ 6 ms).

@@ -13,8 +13,8 @@ from baby_sgl.entrypoints.chat import ChatRequest, NamedTool, ToolChoice
 from baby_sgl.entrypoints.tool_grammar import Tool
 from baby_sgl.managers.io_struct import (CloseSessionReqInput, LogprobOptions, OpenSessionReqInput,
                                          SessionParams)
-from baby_sgl.core.sampling_params import (GRAMMAR_KINDS, MAX_LOGIT_BIAS, Grammar, LogitBias, SamplingParams,
-                                           StopString, check_copies_budget, check_stop_budget)
+from baby_sgl.core.sampling_params import (GRAMMAR_KINDS, MAX_LOGIT_BIAS, MAX_STOP_REGEX, Grammar, LogitBias,
+                                           SamplingParams, StopString, check_copies_budget, check_stop_budget)
 from baby_sgl.validation import (check_nesting, INT64_MAX, INT64_MIN, MAX_BATCH, MAX_ID_LEN, MAX_N, MAX_STOP, Id, Int32,
                                  NonNegInt32, StrictModel, Text, TokenId, TopLogprobsNum, SGLangInput)
 
@@ -135,12 +135,12 @@ class _OpenAISampling(SGLangInput):
     stream_options: StreamOptions | None = None
     user: Annotated[Text, Field(max_length=MAX_ID_LEN)] | None = None
     response_format: ResponseFormat | None = None
-    logit_bias: dict[str, LogitBias] | None = None
+    logit_bias: dict[str, LogitBias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # SGLang's extensions of OpenAI's requests.
     regex: Grammar | None = None
     ebnf: Grammar | None = None
     json_schema: Grammar | None = None
-    stop_regex: Text | list[Text] | None = None
+    stop_regex: Text | Annotated[list[Text], Field(max_length=MAX_STOP_REGEX)] | None = None
     min_tokens: NonNegInt32 | None = None
     no_stop_trim: bool | None = None
     skip_special_tokens: bool | None = None

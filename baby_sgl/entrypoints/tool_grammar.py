@@ -66,6 +66,8 @@ def json_after_thinking(schema_text: str, reasoning: str) -> str:
         rules.append(_json_rule("answer", schema if schema is not True else {}))
     except json.JSONDecodeError as e:
         raise ValueError(f"json_schema is not valid JSON: {e}") from None
+    except RecursionError:  # the decoder or _json_rule recurses per level: a 400, not a 500
+        raise ValueError("json_schema is nested too deeply") from None
     return LARK_HEADER + "\n".join(rules) + "\n"
 
 

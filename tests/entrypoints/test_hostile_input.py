@@ -127,6 +127,38 @@ def test_d8_a_body_nested_past_the_parsers_depth_is_400(server, path):
     wait_idle(server)
 
 
+BLOCKS = [{"type": "text", "text": ""}] * 1000  # 1000 empty content blocks
+
+
+@pytest.mark.parametrize("path, body, message", [
+    # Before: 16 MB of such blocks took 4.4 s of validation on the event loop before any limit.
+    ("/v1/messages", {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": BLOCKS}] * 21},
+     "more than 20000 JSON objects"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": BLOCKS}] * 21}, "more than 20000 JSON objects"),
+    ("/generate", {"text": "x", "sampling_params": {"logit_bias": {str(i): 1.0 for i in range(200_001)}}},
+     "more than 200000 values"),
+    # Before: each distinct pattern compiled as the body was validated, on the event loop (~30 ms
+    # each for 256 patterns near RE2's memory limit).
+    ("/generate", {"text": ["x"] * 65, "sampling_params": [{"stop_regex": f"a{i}b"} for i in range(65)]},
+     "more than 64 distinct stop_regex patterns"),
+])
+def test_a_body_is_bounded_before_it_is_validated(server, path, body, message):
+    r = httpx.post(server + path, json=body, timeout=60)
+    assert r.status_code == 400 and message in error_of(r), r.text
+    # The same patterns for every prompt compile once: a batch sharing them is served.
+    same = {"text": ["x"] * 65, "sampling_params": {"stop_regex": [f"a{i}b" for i in range(30)], "max_new_tokens": 1}}
+    assert httpx.post(server + "/generate", json=same, timeout=60).status_code == 200
+    wait_idle(server)
+
+
+def test_openai_logit_bias_and_stop_regex_lists_are_capped(server):
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    r = httpx.post(server + "/v1/chat/completions", json={**chat, "logit_bias": {str(i): 1 for i in range(4097)}})
+    assert r.status_code == 400 and "logit_bias" in error_of(r), r.text
+    r = httpx.post(server + "/v1/chat/completions", json={**chat, "stop_regex": [f"a{i}" for i in range(33)]})
+    assert r.status_code == 400 and "stop_regex" in error_of(r), r.text
+
+
 @pytest.mark.parametrize("path, body", [
     ("/generate", {"text": "x", "sampling_params": {"n": 1000}}),
     ("/v1/completions", {"prompt": "x", "n": 1000}),

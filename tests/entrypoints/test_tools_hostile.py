@@ -210,6 +210,15 @@ def test_a_schema_too_deep_after_the_thinking_is_a_400(thinking_base):
     wait_idle(thinking_base)
 
 
+def test_a_json_schema_string_nested_past_the_parser_after_the_thinking_is_a_400(thinking_base):
+    # Before: json_after_thinking caught only JSONDecodeError, and json.loads' RecursionError on
+    # SGLang's json_schema string (not response_format) was a 500.
+    body = {"model": "m", "messages": USER, "max_tokens": 4, "json_schema": "[" * 5000 + "]" * 5000}
+    r = httpx.post(thinking_base + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "json_schema is nested too deeply" in r.json()["error"]["message"], r.text
+    wait_idle(thinking_base)
+
+
 @pytest.mark.parametrize("fmt, start", [("mistral", ""), ("pythonic", ""), ("llama3", ""), ("qwen25", ""),
                                         ("mistral", "["), ("pythonic", "[f")])
 def test_spaces_the_parser_cannot_place_are_content_past_a_bound(fmt, start):

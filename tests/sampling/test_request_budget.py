@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from baby_sgl import Engine
-from baby_sgl.core.sampling_params import MAX_STOP_CHARS, MAX_STOP_REGEX_PROGRAM, STOP_WINDOW
+from baby_sgl.core.sampling_params import MAX_STOP_CHARS, MAX_STOP_REGEX_PROGRAM, STOP_WINDOW, stop_regex_matcher
 from entrypoints.conftest import serve_checked, wait_idle
 
 HOSTILE_STOP_REGEX = [".{1000}" * 36 + "z"] * 32  # 253 bytes each, as the limit allows
@@ -44,6 +44,17 @@ def test_hostile_stop_regex_is_refused_before_it_is_queued(server):
         "stop_regex": [".{100}0"], "n": 2, "max_new_tokens": 4, "ignore_eos": True}})
     assert [o["meta_info"]["completion_tokens"] for o in ok.json()] == [4, 4]
     assert wait_idle(server)
+
+
+def test_a_pattern_past_the_program_budget_is_refused_as_it_compiles():
+    """A pattern's program past MAX_STOP_REGEX_PROGRAM is refused by RE2's memory limit while it
+    compiles, not compiled whole first: \\p{L}{40} (47,851 instructions) compiled for 38 ms under
+    the old 1 MiB before the budget refused it, and patterns compile as a body is validated, on the
+    event loop. Programs within the budget still compile."""
+    with pytest.raises(ValueError, match="too large: its RE2 program outgrows"):
+        stop_regex_matcher(r"\p{L}{40}Zunique")
+    assert stop_regex_matcher(r"\w{500}").programsize <= MAX_STOP_REGEX_PROGRAM
+    assert stop_regex_matcher(".{1000}z").programsize <= MAX_STOP_REGEX_PROGRAM
 
 
 def test_stop_budget_counts_every_sample(engine):
