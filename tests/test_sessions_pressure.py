@@ -9,6 +9,8 @@ import threading
 import pytest
 
 from baby_sgl import Engine
+from baby_sgl.errors import ServerBusyError
+from baby_sgl.managers import session_controller
 from helpers import GREEDY
 
 WAIT_S = 10
@@ -90,4 +92,28 @@ def test_session_offsets_that_cut_everything_or_overshoot_are_refused(tiny_llama
                                 session_params={"id": sid, "rid": first["meta_info"]["id"], "offset": offset})
         assert other_done.wait(WAIT_S) and other_out[-1]["meta_info"]["completion_tokens"] == 3
         engine.close_session(sid)
+        engine.check_memory()
+
+
+def test_the_tokens_sessions_keep_are_bounded(tiny_llama, monkeypatch):
+    """Every finished turn of a normal session is kept (any may be continued): 1024 sessions of
+    1024 whole-context turns each would keep 32 GB. Past MAX_SESSION_TOKENS a new turn is refused
+    as the server being busy; closing sessions (or replacing turns) gives the room back, and the
+    memory check counts what the sessions keep."""
+    monkeypatch.setattr(session_controller, "MAX_SESSION_TOKENS", 100)
+    with Engine(tiny_llama, dtype="float32") as engine:
+        sid = engine.open_session(100)
+        params = {**GREEDY, "max_new_tokens": 2}
+        first = engine.generate(input_ids=list(range(5, 45)), sampling_params=params, session_params={"id": sid})
+        engine.generate(input_ids=list(range(5, 45)), sampling_params=params, session_params={"id": sid})
+        engine.check_memory()  # two roots of 40 + 2 tokens kept
+        with pytest.raises(ServerBusyError, match="sessions keep 84 tokens of finished turns"):
+            engine.generate(input_ids=list(range(5, 45)), sampling_params=params, session_params={"id": sid})
+        # A continuation keeps only its own tokens: one more token and its output fit.
+        engine.generate(input_ids=[7], sampling_params=params,
+                        session_params={"id": sid, "rid": first["meta_info"]["id"]})
+        engine.check_memory()
+        engine.close_session(sid)
+        other = engine.open_session(100)
+        engine.generate(input_ids=list(range(5, 45)), sampling_params=params, session_params={"id": other})
         engine.check_memory()

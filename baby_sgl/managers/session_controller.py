@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 import uuid
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,10 @@ from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 
 # A normal session keeps every turn (any of them may be continued); this bounds its memory.
 MAX_SESSION_TURNS = 1024
+# Tokens all sessions' finished turns keep (4 bytes each: 64 MB). Turns and sessions are counted
+# too, but 1024 sessions of 1024 turns of a whole 8k context each would keep 32 GB; a turn that
+# would pass this is refused (503) until sessions close.
+MAX_SESSION_TOKENS = 2**24
 
 
 # A finished turn's tokens refer to the turn it continued this many times over at most; then it
@@ -113,6 +118,7 @@ class SessionController:
         self.max_sessions = max_sessions
         self.bos_token_id = bos_token_id
         self.sessions: dict[str, Session] = {}
+        self.stored_tokens = 0  # in the finished turns of sessions' `reqs` (MAX_SESSION_TOKENS)
 
     # ---- open and close ------------------------------------------------------------------
     def open(self, params: OpenSessionReqInput) -> str:
@@ -138,7 +144,12 @@ class SessionController:
             if session.held is not None:
                 self.tree_cache.release_req(session.held)
                 session.held = None
+            self._forget(session.reqs.values())
             self.sessions.pop(session.id, None)
+
+    def _forget(self, turns: Iterable[Req | FinishedTurn]) -> None:
+        """Turns leaving a session's `reqs`: their kept tokens no longer count."""
+        self.stored_tokens -= sum(len(t.own) for t in turns if isinstance(t, FinishedTurn))
 
     def expire(self) -> float | None:
         """Closes idle sessions past their timeout; returns the seconds until the next may expire."""
@@ -158,7 +169,11 @@ class SessionController:
         return [s.held for s in self.sessions.values() if s.held is not None]
 
     def check(self) -> None:
-        """Its own integrity: a held turn keeps its request slot, and no two sessions share one."""
+        """Its own integrity: a held turn keeps its request slot, no two sessions share one, and
+        the count of kept tokens is what the sessions keep."""
+        kept = sum(len(t.own) for s in self.sessions.values() for t in s.reqs.values() if isinstance(t, FinishedTurn))
+        if kept != self.stored_tokens:
+            raise MemoryLeakError(f"sessions keep {kept} tokens of finished turns, counted {self.stored_tokens}")
         held = self.held_reqs()
         if any(r.kv.req_pool_idx is None for r in held):
             raise MemoryLeakError("a streaming session holds a turn without its request slot")
@@ -204,11 +219,15 @@ class SessionController:
         if len(input_ids) > self.max_input_len:
             raise ValueError(f"prompt is too long: the session's context plus the new input is {len(input_ids)} "
                              f"tokens, the limit is {self.max_input_len}")
+        if self.stored_tokens + len(input_ids) - kept > MAX_SESSION_TOKENS:
+            raise ServerBusyError(f"sessions keep {self.stored_tokens} tokens of finished turns, and this turn would "
+                                  f"pass the limit of {MAX_SESSION_TOKENS}; close sessions first")
         if replace:
             self._drop_continuations(session, rid)
         req.origin_input_ids = input_ids
         req.session, req.lora_id = session, lora_id
         if session.streaming:  # append-only: only the last turn can be continued, keep just it
+            self._forget(session.reqs.values())
             session.reqs.clear()
             session.children.clear()
         session.reqs[req.rid] = req
@@ -244,7 +263,7 @@ class SessionController:
             if isinstance(req, Req) and not req.finished:
                 req.to_abort = "replaced by a later request in its session"
         for r in session.descendants(rid):
-            session.reqs.pop(r)
+            self._forget([session.reqs.pop(r)])
             session.children.pop(r, None)
         session.children[rid] = []
 
@@ -314,7 +333,8 @@ class SessionController:
         if session is not None:
             base, kept = session.bases.pop(req.rid, (None, 0))
             if session.reqs.get(req.rid) is req:  # (a replaced turn is gone already)
-                session.reqs[req.rid] = FinishedTurn.of(req, base, kept)
+                turn = session.reqs[req.rid] = FinishedTurn.of(req, base, kept)
+                self.stored_tokens += len(turn.own)
             session.in_flight.discard(req.rid)
             session.last_active = time.monotonic()
             self._close_if_done(session)
