@@ -7,13 +7,14 @@ its text (the reply holds only what follows). Errors have Anthropic's shape (res
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
 from baby_sgl.core.finish_reason import FinishLength, FinishMatched, FinishReason
@@ -216,10 +217,17 @@ def add_anthropic_routes(app: FastAPI) -> None:
         finals = [chunk async for _, chunk in chunks]
         if await request.is_disconnected():
             return Response(status_code=499)
-        reader, blocks = turn.reader(stream=False), _Blocks()
-        blocks.add(reader.feed(finals[0]["text"]) + reader.flush())
-        blocks.close()
-        return head | {"content": blocks.blocks} | _ending(finals[0]["meta_info"], stops, blocks.called)
+
+        # Off the event loop, as the OpenAI routes do: reading a long output into blocks (reasoning,
+        # tool calls) and its JSON can take seconds. JSONResponse renders its body when built.
+        def reply() -> JSONResponse:
+            reader, blocks = turn.reader(stream=False), _Blocks()
+            blocks.add(reader.feed(finals[0]["text"]) + reader.flush())
+            blocks.close()
+            ending = _ending(finals[0]["meta_info"], stops, blocks.called)
+            return JSONResponse(head | {"content": blocks.blocks} | ending)
+
+        return await asyncio.to_thread(reply)
 
 
 class _Blocks:

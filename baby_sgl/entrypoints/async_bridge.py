@@ -164,7 +164,7 @@ class AsyncEngine:
             submitting.add_done_callback(self._undo_submission)
             raise
         index = {req.rid: i for i, req in enumerate(submitted)}
-        partial: dict[int, dict] = {}
+        partial: dict[int, JoinedPieces] = {}
         pending = len(submitted)
         watcher = asyncio.create_task(self._watch(disconnected, queue, submitted, keys)) if disconnected else None
         try:
@@ -180,9 +180,12 @@ class AsyncEngine:
                 if stream:
                     yield i, chunk
                 else:
-                    partial[i] = chunk if i not in partial else join_pieces(partial[i], chunk)
+                    if i in partial:
+                        partial[i].add(chunk)
+                    else:
+                        partial[i] = JoinedPieces(chunk)
                     if chunk["finished"]:
-                        yield i, partial.pop(i)
+                        yield i, partial.pop(i).take()
         finally:
             if watcher:
                 watcher.cancel()
@@ -315,7 +318,7 @@ class PieceBuffer:
     None (the client left) is always kept."""
 
     def __init__(self) -> None:
-        self._pieces: deque[dict | None] = deque()
+        self._pieces: deque[JoinedPieces | None] = deque()
         self._ready = asyncio.Event()
 
     def put(self, piece: dict | None) -> None:
@@ -323,33 +326,57 @@ class PieceBuffer:
             rid = piece["meta_info"]["id"]
             for i in range(len(self._pieces) - 1, -1, -1):
                 waiting = self._pieces[i]
-                if waiting is not None and waiting["meta_info"]["id"] == rid:
-                    self._pieces[i] = join_pieces(waiting, piece)
+                if waiting is not None and waiting.rid == rid:
+                    waiting.add(piece)
                     return
-        self._pieces.append(piece)
+        self._pieces.append(None if piece is None else JoinedPieces(piece))
         self._ready.set()
 
     async def get(self) -> dict | None:
         while not self._pieces:
             self._ready.clear()
             await self._ready.wait()
-        return self._pieces.popleft()
+        waiting = self._pieces.popleft()
+        return None if waiting is None else waiting.take()
 
 
 # The meta_info lists that hold one entry per output token: a piece carries its own tokens' entries.
 OUTPUT_LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
 
 
-def join_pieces(earlier: dict, later: dict) -> dict:
-    """Two consecutive pieces of one request as one, built in `earlier` (a piece no one else
-    holds; the cost is the later piece's size): texts and ids joined, the later meta_info with
-    the output logprob entries of both (the prompt's, sent once, kept from either)."""
-    meta = earlier["meta_info"] | later["meta_info"]
-    for key in OUTPUT_LOGPROB_KEYS:
-        if key in earlier["meta_info"] and key in later["meta_info"]:
-            meta[key] = earlier["meta_info"][key]
-            meta[key] += later["meta_info"][key]
-    earlier["output_ids"] += later["output_ids"]
-    earlier.update(text=earlier["text"] + later["text"], meta_info=meta, finished=later["finished"])
-    return earlier
+class JoinedPieces:
+    """Consecutive pieces of one request becoming one, built in the first (a piece no one else
+    holds). Ids and output logprob entries are appended as pieces come; the texts are kept as
+    parts and joined once, in `take`: adding a piece costs its own size, so joining a long output
+    that came a token a step costs its length, not its square. The result has the latest
+    meta_info with the output logprob entries of all (the prompt's, sent once, kept from any)."""
 
+    def __init__(self, first: dict) -> None:
+        self.rid: str = first["meta_info"]["id"]
+        self._piece = first
+        self._texts: list[str] = [first["text"]]
+
+    def add(self, later: dict) -> None:
+        piece = self._piece
+        meta = piece["meta_info"] | later["meta_info"]
+        for key in OUTPUT_LOGPROB_KEYS:
+            if key in piece["meta_info"] and key in later["meta_info"]:
+                meta[key] = piece["meta_info"][key]
+                meta[key] += later["meta_info"][key]
+        piece["output_ids"] += later["output_ids"]
+        piece.update(meta_info=meta, finished=later["finished"])
+        self._texts.append(later["text"])
+
+    def take(self) -> dict:
+        """The joined piece; pieces added later join it (its text kept as their first part)."""
+        if len(self._texts) > 1:
+            self._texts = ["".join(self._texts)]
+        self._piece["text"] = self._texts[0]
+        return self._piece
+
+
+def join_pieces(earlier: dict, later: dict) -> dict:
+    """Two consecutive pieces of one request as one, built in `earlier` (see JoinedPieces)."""
+    joined = JoinedPieces(earlier)
+    joined.add(later)
+    return joined.take()
