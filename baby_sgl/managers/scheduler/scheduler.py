@@ -131,7 +131,7 @@ class Scheduler:
         two turns racing for one streaming session cannot both get in."""
         def attach() -> None:
             self.sessions.attach(req, session_params)
-            self.queues.waiting.append(req)
+            self.queues.add(req)
 
         self.call(attach)
 
@@ -264,6 +264,7 @@ class Scheduler:
 
     def _check_memory(self) -> dict[str, int]:
         counts = self.memory.check(self.queues.active(), self.sessions, idle=not self.queues.has_work())
+        self.queues.check()
         self.runner.check_ranks()  # tensor parallelism: every rank's slot table and pool agree with these
         return counts
 
@@ -336,7 +337,7 @@ class Scheduler:
             # both under this lock): a request counted nowhere could pass the queue limit.
             with self._inbox_lock:
                 self._inbox_reqs -= 1
-                self.queues.waiting.append(msg.req)
+                self.queues.add(msg.req)
                 self.snapshots.progress = self._progress()
         elif isinstance(msg, AbortReq):
             for req in self.queues.find(msg.rid):
