@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -61,6 +62,10 @@ _COMPILE_STACK_BYTES = 512 * 2**20
 # schema, and within what the rewrite's recursion and the library's compiler take.
 MAX_SCHEMA_NESTING = 256
 _MAX_ERROR_CHARS = 400  # a library message may quote the whole grammar
+# llguidance's test for Lark syntax (gbnf_to_lark.is_lark_syntax): a line that starts, after blanks,
+# with `%llguidance` or `start:`. Its `^\s*` lets every line start scan all the blank lines after
+# it, quadratic (32 Ki newlines took 13 s); blanks without the newline find the same lines.
+_LARK_SYNTAX = re.compile(r"(?m)^[^\S\n]*(?:%llguidance\b|start\s*:)")
 # JSON the model writes under a schema: compact separators, no free whitespace. Free whitespace
 # lets a model pad forever (a grammar cannot end while spaces are still allowed).
 _JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
@@ -231,8 +236,10 @@ class GrammarCache:
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_DEFAULTS)
             elif kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(text)
-            else:  # ebnf: SGLang's (xgrammar's) GBNF dialect, root rule `root`
-                grammar = llguidance.grammar_from("ebnf", text)
+            else:  # ebnf: SGLang's (xgrammar's) GBNF dialect, root rule `root`, converted; or Lark
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+
+                grammar = llguidance.LLMatcher.grammar_from_lark(text if is_lark(text) else gbnf_to_lark(text))
             matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0,
                                            limits=llguidance.LLParserLimits(verbose_errors=False))
             # The first mask is where a grammar too complex for the library shows; computing it
@@ -252,6 +259,12 @@ class GrammarCache:
         if matcher.is_error():
             return ValueError(f"invalid {kind}: {_library_error(matcher)}")
         return CompiledGrammar(matcher)
+
+
+def is_lark(text: str) -> bool:
+    """Whether an `ebnf` grammar is in Lark syntax, which the library parses as it is; any other is
+    GBNF, converted to Lark first (in Python, holding the GIL: see MAX_GBNF_CHARS)."""
+    return _LARK_SYNTAX.search(text) is not None
 
 
 def _done(value) -> Future:

@@ -15,6 +15,7 @@ import re2
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
+from baby_sgl.constrained.grammar import is_lark
 from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_N, MAX_STOP, MAX_STOP_LEN, Int32, NonNegInt32,
                                  StrictModel, Text, TokenId, accept_defaults_only, validate)
 
@@ -39,10 +40,14 @@ MAX_CALL_STOP_REGEX = 2 * MAX_STOP_REGEX
 # character when the pattern's DFA outgrows its memory: 8192 instructions x STOP_WINDOW ~ 6 ms).
 MAX_STOP_CHARS = 2**16
 MAX_STOP_REGEX_PROGRAM = 2**13
-# Characters of a constraint. Compile time grows with size (an EBNF grammar's conversion is
-# quadratic in its rule chains: 87 KB took 12 s), so these are generous for real grammars
+# Characters of a constraint. Compile time grows with size, so these are generous for real grammars
 # (OpenAI's own schema limits are of this order) and keep one compile short.
 MAX_GRAMMAR_CHARS = {"json_schema": 128 * 1024, "regex": 128 * 1024, "ebnf": 32 * 1024}
+# An `ebnf` in GBNF syntax (not Lark) is converted by llguidance's gbnf_to_lark, in pure Python
+# holding the GIL (the scheduler and event loop slow down meanwhile), quadratic in a chain of rules:
+# `a::=""b` `b::=""c` ... took 0.07 s at 3 Ki, 0.11 s at 4 Ki, 0.6 s at 8 Ki, 13 s at 32 Ki. Far
+# past real GBNF grammars (llama.cpp's are under 2 Ki); a larger one can be sent in Lark syntax.
+MAX_GBNF_CHARS = 4 * 1024
 # A grammar the server builds from what a client sent (its tools, or a json_schema to hold after the
 # thinking: entrypoints/tool_grammar.py) writes each character of its source a bounded number of
 # times, around a fixed part (the call format, the thinking): it may be this large, and no larger.
@@ -60,9 +65,14 @@ _DEFAULT_ONLY: dict[str, Any] = {"structural_tag": None, "custom_params": None, 
 
 
 def check_grammar_chars(kind: str, text: str) -> None:
-    """A client's own constraint of that kind within MAX_GRAMMAR_CHARS; raises ValueError naming it."""
+    """A client's own constraint of that kind within MAX_GRAMMAR_CHARS, and an ebnf in GBNF syntax
+    within MAX_GBNF_CHARS; raises ValueError naming the limit."""
     if len(text) > MAX_GRAMMAR_CHARS[kind]:
         raise ValueError(f"{kind} is {len(text)} characters, more than the {MAX_GRAMMAR_CHARS[kind]} allowed")
+    if kind == "ebnf" and len(text) > MAX_GBNF_CHARS and not is_lark(text):
+        raise ValueError(f"ebnf in GBNF syntax is {len(text)} characters, more than the {MAX_GBNF_CHARS} allowed "
+                         f"(its conversion is slow); in Lark syntax (a `start:` rule) up to "
+                         f"{MAX_GRAMMAR_CHARS['ebnf']}")
 
 
 @dataclass(frozen=True)

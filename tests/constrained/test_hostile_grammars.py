@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
 from baby_sgl.constrained import grammar as grammar_module
+from baby_sgl.core.sampling_params import MAX_GBNF_CHARS
 
 
 def test_a_long_ref_chain_compiles_on_a_deep_stack(engine):
@@ -35,6 +37,41 @@ def test_a_regex_the_library_refuses_fails_at_submission(engine):
 def test_size_limits_name_the_kind(engine):
     with pytest.raises(ValueError, match="ebnf is 40000 characters, more than the 32768 allowed"):
         engine.generate("x", {"ebnf": 'root ::= "a"' + " " * (40000 - 12)})
+
+
+def _gbnf_chain(chars: int) -> str:
+    """The worst case for converting GBNF to Lark (quadratic in a chain of rules): `root ::= r0`,
+    `r0 ::= "0" r1`, ... each rule with its own literal, padded with blanks to exactly `chars`."""
+    lines = ["root ::= r0"]
+    while sum(map(len, lines)) + 2 * len(lines) + 20 < chars:
+        i = len(lines) - 1
+        lines.append(f'r{i} ::= "{i}" r{i + 1}')
+    lines.append(f'r{len(lines) - 1} ::= "."')
+    return "\n".join(lines).ljust(chars)
+
+
+def test_a_gbnf_grammar_past_its_limit_is_refused_before_conversion(engine):
+    """A 32 KiB chain of rules took ~1 s (13 s for the worst shape) to convert in pure Python,
+    holding the GIL, and was accepted: GBNF (not Lark) is refused past MAX_GBNF_CHARS, by name."""
+    within = _gbnf_chain(MAX_GBNF_CHARS)
+    out = engine.generate("x", {"ebnf": within, "max_new_tokens": 4})
+    assert out["meta_info"]["finish_reason"]["type"] == "length" and out["text"] == "0123"[:len(out["text"])]
+    with pytest.raises(ValueError, match=f"ebnf in GBNF syntax is {MAX_GBNF_CHARS + 1} characters, more than the "
+                                         f"{MAX_GBNF_CHARS} allowed .* in Lark syntax .* up to 32768$"):
+        engine.generate("x", {"ebnf": _gbnf_chain(MAX_GBNF_CHARS + 1)})
+    # The same size and more in Lark syntax is parsed by the library as it is, and served.
+    lark = 'start: "a" x\nx: "b"\n'.ljust(4 * MAX_GBNF_CHARS)
+    assert engine.generate("x", {"ebnf": lark, "max_new_tokens": 4})["text"] == "ab"
+
+
+def test_telling_gbnf_from_lark_is_linear(engine):
+    """llguidance's own test for Lark syntax backtracked over blank lines: 30000 newlines after a
+    GBNF rule took ~10 s (holding the GIL) before the conversion even began."""
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="ebnf in GBNF syntax is 30012 characters"):
+        engine.generate("x", {"ebnf": 'root ::= "a"' + "\n" * 30000})
+    assert time.perf_counter() - start < 2
+    assert grammar_module.is_lark("\n" * 30000 + ' \t start : "a"') and not grammar_module.is_lark(" x start: a")
 
 
 def test_no_token_left_ends_the_request_with_a_clear_reason(engine):
