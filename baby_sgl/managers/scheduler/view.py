@@ -46,6 +46,7 @@ class SchedulerSnapshot:
     running: dict[str, Any]
     waiting: dict[str, Any]
     activity: dict[str, Any]
+    taken: float  # time.monotonic() when it was taken: a view of it is as of then, whenever built
 
 
 def take_snapshot(memory: KVMemory, queues: RequestQueues, held: list[Req], activity: Activity) -> SchedulerSnapshot:
@@ -65,7 +66,7 @@ def take_snapshot(memory: KVMemory, queues: RequestQueues, held: list[Req], acti
         pool=memory.pool_counts(running, held), page_size=memory.allocator.page_size,
         running={"count": len(running), "reqs": [_req_view(r) for r in running[:MAX_LISTED_REQS]]},
         waiting={"count": len(waiting), "reqs": [_req_view(r) for r in waiting[:MAX_LISTED_REQS]]},
-        activity=activity.snapshot())
+        activity=activity.snapshot(), taken=time.monotonic())
 
 
 def _req_view(req: Req) -> dict[str, Any]:
@@ -153,7 +154,8 @@ def tree_view(nodes: list[NodeInfo], max_nodes: int, hit_path: frozenset[int], n
 
 
 def scheduler_view(snap: SchedulerSnapshot, max_nodes: int = 200, full_rids: bool = True) -> dict[str, Any]:
-    """The view of a snapshot (any thread); request ids shortened unless full_rids."""
+    """The view of a snapshot (any thread), a function of its arguments alone (node ages are as of
+    the snapshot, like its activity), so readers can share it; request ids shortened unless full_rids."""
     def reqs(queue: dict[str, Any]) -> dict[str, Any]:
         return {"count": queue["count"], "reqs": [r | {"rid": shown(r["rid"])} for r in queue["reqs"]]}
 
@@ -164,7 +166,7 @@ def scheduler_view(snap: SchedulerSnapshot, max_nodes: int = 200, full_rids: boo
     activity = snap.activity | {"last_hit": last_hit and last_hit | {"rid": shown(last_hit["rid"])},
                                 "evictions": [dict(e) for e in snap.activity["evictions"]]}  # readers fill in texts
     return {
-        "tree": tree_view(snap.nodes, max_nodes, snap.hit_path, time.monotonic()) if snap.nodes else None,
+        "tree": tree_view(snap.nodes, max_nodes, snap.hit_path, snap.taken) if snap.nodes else None,
         "pool": dict(snap.pool), "page_size": snap.page_size,
         "running": reqs(snap.running), "waiting": reqs(snap.waiting), "activity": activity,
     }
