@@ -9,8 +9,11 @@ import threading
 import pytest
 
 from baby_sgl import Engine
+from baby_sgl.core.req import Req
+from baby_sgl.core.sampling_params import SamplingParams
 from baby_sgl.errors import ServerBusyError
 from baby_sgl.managers import session_controller
+from baby_sgl.managers.io_struct import OpenSessionReqInput, SessionParams
 from helpers import GREEDY
 
 WAIT_S = 10
@@ -107,7 +110,7 @@ def test_the_tokens_sessions_keep_are_bounded(tiny_llama, monkeypatch):
         first = engine.generate(input_ids=list(range(5, 45)), sampling_params=params, session_params={"id": sid})
         engine.generate(input_ids=list(range(5, 45)), sampling_params=params, session_params={"id": sid})
         engine.check_memory()  # two roots of 40 + 2 tokens kept
-        with pytest.raises(ServerBusyError, match="sessions keep 84 tokens of finished turns"):
+        with pytest.raises(ServerBusyError, match="sessions keep 84 tokens of turns"):
             engine.generate(input_ids=list(range(5, 45)), sampling_params=params, session_params={"id": sid})
         # A continuation keeps only its own tokens: one more token and its output fit.
         engine.generate(input_ids=[7], sampling_params=params,
@@ -117,3 +120,29 @@ def test_the_tokens_sessions_keep_are_bounded(tiny_llama, monkeypatch):
         other = engine.open_session(100)
         engine.generate(input_ids=list(range(5, 45)), sampling_params=params, session_params={"id": other})
         engine.check_memory()
+
+
+def test_running_turns_reserve_what_they_may_keep(monkeypatch):
+    """Turns sent together are each checked against the others' reservations (the most each may
+    keep: its own input and max_new_tokens), released when they end; a streaming session's turn
+    keeps its whole context, and counts it."""
+    monkeypatch.setattr(session_controller, "MAX_SESSION_TOKENS", 100)
+    sessions = session_controller.SessionController(None, max_input_len=1000, bos_token_id=None, max_sessions=8)
+    sid = sessions.open(OpenSessionReqInput(capacity_of_str_len=100))
+    first = Req("a", list(range(40)), SamplingParams(max_new_tokens=20))
+    sessions.attach(first, SessionParams(id=sid))
+    assert sessions.stored_tokens == 60
+    with pytest.raises(ServerBusyError, match="sessions keep 60 tokens"):
+        sessions.attach(Req("b", list(range(40)), SamplingParams(max_new_tokens=2)), SessionParams(id=sid))
+    first.output_ids = [1, 2]
+    sessions.turn_ended(first)  # the reservation of 60 gives way to the 42 tokens kept
+    assert sessions.stored_tokens == 42
+    sessions.check()
+    stream = sessions.open(OpenSessionReqInput(capacity_of_str_len=100, streaming=True))
+    for i, new in enumerate(([5] * 10, [6] * 10)):
+        turn = Req(f"s{i}", new, SamplingParams(max_new_tokens=1))
+        sessions.attach(turn, SessionParams(id=stream))
+        turn.output_ids = [7]
+        sessions.turn_ended(turn)
+        sessions.check()
+    assert sessions.stored_tokens == 42 + 22  # the second streaming turn: both inputs and outputs

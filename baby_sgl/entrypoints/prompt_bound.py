@@ -84,6 +84,7 @@ def check_body_size(body: dict[str, Any]) -> None:
 
 
 def _is_ids(value: list[Any]) -> bool:
-    return bool(value) and isinstance(value[0], int) and not isinstance(value[0], bool)
+    """A token-id list: integers only (a list that merely starts with one is walked)."""
+    return bool(value) and all(type(v) is int for v in value)
 
 

@@ -37,7 +37,8 @@ from baby_sgl.mem_cache.base_prefix_cache import BasePrefixCache
 MAX_SESSION_TURNS = 1024
 # Tokens all sessions' finished turns keep (4 bytes each: 64 MB). Turns and sessions are counted
 # too, but 1024 sessions of 1024 turns of a whole 8k context each would keep 32 GB; a turn that
-# would pass this is refused (503) until sessions close.
+# would pass this is refused (503) until sessions close. A running turn holds a reservation of
+# the most it can keep (its own input and max_new_tokens) until it ends.
 MAX_SESSION_TOKENS = 2**24
 
 
@@ -97,6 +98,7 @@ class Session:
     in_flight: set[str] = field(default_factory=set)
     # A running turn's input as the finished turn it continued and the tokens of it kept.
     bases: dict[str, tuple[FinishedTurn, int]] = field(default_factory=dict)
+    reserved: dict[str, int] = field(default_factory=dict)  # a running turn's reservation of kept tokens
     held: Req | None = None  # streaming: the finished turn whose KV row the session keeps
     closing: bool = False
     last_active: float = field(default_factory=time.monotonic)
@@ -118,7 +120,8 @@ class SessionController:
         self.max_sessions = max_sessions
         self.bos_token_id = bos_token_id
         self.sessions: dict[str, Session] = {}
-        self.stored_tokens = 0  # in the finished turns of sessions' `reqs` (MAX_SESSION_TOKENS)
+        # In the finished turns of sessions' `reqs`, plus running turns' reservations (MAX_SESSION_TOKENS).
+        self.stored_tokens = 0
 
     # ---- open and close ------------------------------------------------------------------
     def open(self, params: OpenSessionReqInput) -> str:
@@ -172,8 +175,9 @@ class SessionController:
         """Its own integrity: a held turn keeps its request slot, no two sessions share one, and
         the count of kept tokens is what the sessions keep."""
         kept = sum(len(t.own) for s in self.sessions.values() for t in s.reqs.values() if isinstance(t, FinishedTurn))
+        kept += sum(n for s in self.sessions.values() for n in s.reserved.values())
         if kept != self.stored_tokens:
-            raise MemoryLeakError(f"sessions keep {kept} tokens of finished turns, counted {self.stored_tokens}")
+            raise MemoryLeakError(f"sessions keep and reserve {kept} tokens of turns, counted {self.stored_tokens}")
         held = self.held_reqs()
         if any(r.kv.req_pool_idx is None for r in held):
             raise MemoryLeakError("a streaming session holds a turn without its request slot")
@@ -219,9 +223,17 @@ class SessionController:
         if len(input_ids) > self.max_input_len:
             raise ValueError(f"prompt is too long: the session's context plus the new input is {len(input_ids)} "
                              f"tokens, the limit is {self.max_input_len}")
-        if self.stored_tokens + len(input_ids) - kept > MAX_SESSION_TOKENS:
-            raise ServerBusyError(f"sessions keep {self.stored_tokens} tokens of finished turns, and this turn would "
-                                  f"pass the limit of {MAX_SESSION_TOKENS}; close sessions first")
+        # What the turn keeps when it ends: its input past what it refers to in the turn it
+        # continues (all of it when that is running, or the chain is full, or the session
+        # streams), and its output.
+        chained = isinstance(prev, FinishedTurn) and prev.depth < MAX_TURN_CHAIN and not session.streaming
+        reserve = len(input_ids) - (kept if chained else 0) + min(req.sampling_params.max_new_tokens, self.max_input_len)
+        freed = sum(len(t.own) for r in session.descendants(rid) if isinstance(t := session.reqs[r], FinishedTurn)) \
+            if replace else 0
+        if self.stored_tokens - freed + reserve > MAX_SESSION_TOKENS:
+            raise ServerBusyError(f"sessions keep {self.stored_tokens} tokens of turns (finished, or reserved by "
+                                  f"running ones), and this turn would pass the limit of {MAX_SESSION_TOKENS}; "
+                                  f"close sessions first")
         if replace:
             self._drop_continuations(session, rid)
         req.origin_input_ids = input_ids
@@ -231,7 +243,10 @@ class SessionController:
             session.reqs.clear()
             session.children.clear()
         session.reqs[req.rid] = req
-        if isinstance(prev, FinishedTurn):
+        session.reserved[req.rid] = reserve
+        self.stored_tokens += reserve
+        if chained:
+            assert isinstance(prev, FinishedTurn)
             session.bases[req.rid] = (prev, kept)
         session.children.setdefault(rid, []).append(req.rid)
         session.last_rid = req.rid
@@ -332,6 +347,7 @@ class SessionController:
         session = req.session
         if session is not None:
             base, kept = session.bases.pop(req.rid, (None, 0))
+            self.stored_tokens -= session.reserved.pop(req.rid, 0)
             if session.reqs.get(req.rid) is req:  # (a replaced turn is gone already)
                 turn = session.reqs[req.rid] = FinishedTurn.of(req, base, kept)
                 self.stored_tokens += len(turn.own)

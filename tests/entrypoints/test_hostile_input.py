@@ -135,6 +135,9 @@ BLOCKS = [{"type": "text", "text": ""}] * 1000  # 1000 empty content blocks
     ("/v1/messages", {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": BLOCKS}] * 21},
      "more than 20000 JSON objects"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": BLOCKS}] * 21}, "more than 20000 JSON objects"),
+    # A list that merely starts with an integer is walked too, not taken for token ids.
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [0] + BLOCKS * 21}]},
+     "more than 20000 JSON objects"),
     ("/generate", {"text": "x", "sampling_params": {"logit_bias": {str(i): 1.0 for i in range(200_001)}}},
      "more than 200000 values"),
     # Before: each distinct pattern compiled as the body was validated, on the event loop (~30 ms
