@@ -373,10 +373,3 @@ class JoinedPieces:
             self._texts = ["".join(self._texts)]
         self._piece["text"] = self._texts[0]
         return self._piece
-
-
-def join_pieces(earlier: dict, later: dict) -> dict:
-    """Two consecutive pieces of one request as one, built in `earlier` (see JoinedPieces)."""
-    joined = JoinedPieces(earlier)
-    joined.add(later)
-    return joined.take()

@@ -16,12 +16,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from baby_sgl.core.finish_reason import FinishAbort, FinishReason
 from baby_sgl.engine import Engine
-from baby_sgl.entrypoints.async_bridge import AsyncEngine, join_pieces
+from baby_sgl.entrypoints.async_bridge import AsyncEngine, JoinedPieces
 from baby_sgl.entrypoints.metrics import Metrics
 from baby_sgl.entrypoints.protocol import (AbortRequest, CloseSessionRequest, ConcateAndAppendRequest, GenerateRequest,
                                           OpenSessionRequest)
 from baby_sgl.entrypoints.responses import Chunks, error_response, first_item, sse, sse_stream
 from baby_sgl.managers.io_struct import LogprobOptions
+from baby_sgl.managers.snapshots import VIEW_COST_FACTOR
 from baby_sgl.managers.tokenizer_manager import split_batch
 
 T = TypeVar("T")
@@ -45,13 +46,9 @@ def _native_items(body: GenerateRequest) -> tuple[list[dict], bool]:
     return items, single
 
 
-# A debugging call that runs in the scheduler's thread takes at most 1/this of its time.
-SPACED_CALL_COST_FACTOR = 10
-
-
 class SpacedCalls(Generic[T]):
     """fn in a worker thread for any number of callers: one call at a time, each starting at least
-    (SPACED_CALL_COST_FACTOR - 1) times the last one's duration after it ended. fn runs in the
+    (VIEW_COST_FACTOR - 1) times the last one's duration after it ended. fn runs in the
     scheduler's thread (the memory check walks the free list and the radix tree: ~0.1 s at 512k
     pages), so callers looping on it cannot hold more than a tenth of the scheduler's time."""
 
@@ -69,7 +66,7 @@ class SpacedCalls(Generic[T]):
                 return await asyncio.to_thread(self.fn)
             finally:
                 end = time.monotonic()
-                self._next_at = end + (SPACED_CALL_COST_FACTOR - 1) * (end - start)
+                self._next_at = end + (VIEW_COST_FACTOR - 1) * (end - start)
 
 
 def add_native_routes(app: FastAPI, incremental_streaming_output: bool = False) -> None:
@@ -206,12 +203,17 @@ def _native_sse(first: tuple[int, dict[str, Any]] | None, chunks: Chunks, with_p
     what was held."""
     texts: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
-    held: dict[int, dict] = {}  # pieces not sent yet, joined
+    held: dict[int, JoinedPieces] = {}  # pieces not sent yet
 
     def event(i: int, chunk: dict) -> str | None:
-        piece = join_pieces(held.pop(i), chunk) if i in held else chunk
+        joined = held.pop(i, None)
+        if joined is None:
+            joined = JoinedPieces(chunk)
+        else:
+            joined.add(chunk)
+        piece = joined.take()
         if not piece["text"] and not piece["finished"]:
-            held[i] = piece
+            held[i] = joined
             return None
         text, out_ids = piece["text"], piece["output_ids"]
         if not incremental:

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from baby_sgl.server_args import REASONING_PARSER_NAMES
 
 START, END = "<think>", "</think>"
-# Spaces held at most before an opening tag (each piece rescans them): past this, none is coming.
-HELD_MAX = 1024
+# Characters of output held at most while a parser cannot yet tell what they are (spaces before
+# an opening tag here; before calls, a separator or an end marker in tool_parsers.py): past this
+# they are read as content. Each piece rescans what is held, so this bounds a piece's work (a
+# stream of spaces cost time quadratic in its length).
+UNDECIDED_MAX = 1024
 # parser name -> whether the output starts inside the reasoning block
 REASONING_PARSERS = {"deepseek-r1": True, "qwen3": False}
 assert set(REASONING_PARSERS) == set(REASONING_PARSER_NAMES), "one list of parsers"
@@ -57,7 +60,7 @@ class ReasoningSplitter:
                 break
             if not self._seen_start:  # an opening tag may still come (or, inside, a redundant one)
                 stripped = text.lstrip()
-                if len(stripped) < len(START) and START.startswith(stripped) and len(text) <= HELD_MAX:
+                if len(stripped) < len(START) and START.startswith(stripped) and len(text) <= UNDECIDED_MAX:
                     self._pending = text
                     break
                 self._seen_start = True

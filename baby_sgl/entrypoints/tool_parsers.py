@@ -30,7 +30,7 @@ import tokenize
 from dataclasses import dataclass
 from typing import Any
 
-from baby_sgl.entrypoints.reasoning import partial_suffix
+from baby_sgl.entrypoints.reasoning import UNDECIDED_MAX, partial_suffix
 from baby_sgl.server_args import TOOL_CALL_PARSER_NAMES
 
 
@@ -179,12 +179,6 @@ class _ObjectCall:
         start = self.args_start if self.sent is None else self.sent
         self.sent = self.args_end if self.args_end is not None else len(self.raw)
         return "".join(self.raw[start : self.sent])
-
-
-# Characters of output held while it cannot yet tell what they are (spaces that may precede calls,
-# a separator or an end marker): past this they are read as content. Each piece rescans what is
-# held, so this bounds a piece's work (a stream of spaces cost time quadratic in its length).
-UNDECIDED_MAX = 1024
 
 
 class ToolCallParser:

@@ -63,10 +63,13 @@ class FinishedTurn:
 
     @staticmethod
     def of(req: Req, base: FinishedTurn | None, kept: int) -> FinishedTurn:
-        if base is not None and base.depth + 1 > MAX_TURN_CHAIN:
-            base, kept = None, 0
+        """base: the turn it refers to (one that can_be_referred_to), or None for a whole copy."""
         own = array("i", req.origin_input_ids[kept:] + req.output_ids)
         return FinishedTurn(base, kept, own, len(req.origin_input_ids), req.lora_id, 0 if base is None else base.depth + 1)
+
+    def can_be_referred_to(self) -> bool:
+        """A later turn may keep only its own tokens and refer to this one (MAX_TURN_CHAIN)."""
+        return self.depth < MAX_TURN_CHAIN
 
     def context(self, with_output: bool) -> list[int]:
         return self.prefix(self.kept + len(self.own) if with_output else self.input_len)
@@ -226,10 +229,11 @@ class SessionController:
         # What the turn keeps when it ends: its input past what it refers to in the turn it
         # continues (all of it when that is running, or the chain is full, or the session
         # streams), and its output.
-        chained = isinstance(prev, FinishedTurn) and prev.depth < MAX_TURN_CHAIN and not session.streaming
+        chained = isinstance(prev, FinishedTurn) and prev.can_be_referred_to() and not session.streaming
         reserve = len(input_ids) - (kept if chained else 0) + min(req.sampling_params.max_new_tokens, self.max_input_len)
-        freed = sum(len(t.own) for r in session.descendants(rid) if isinstance(t := session.reqs[r], FinishedTurn)) \
-            if replace else 0
+        freed = 0  # what a replace drops
+        if replace:
+            freed = sum(len(t.own) for t in map(session.reqs.get, session.descendants(rid)) if isinstance(t, FinishedTurn))
         if self.stored_tokens - freed + reserve > MAX_SESSION_TOKENS:
             raise ServerBusyError(f"sessions keep {self.stored_tokens} tokens of turns (finished, or reserved by "
                                   f"running ones), and this turn would pass the limit of {MAX_SESSION_TOKENS}; "

@@ -21,7 +21,9 @@ from typing import Any, Generic, TypeVar
 from baby_sgl.errors import EngineDeadError
 
 VIEW_INTERVAL_S = 0.2  # the dashboard snapshot is taken at most this often
-VIEW_COST_FACTOR = 10  # ... and at most 1/this of the scheduler's time goes to taking it
+# ... and at most 1/this of the scheduler's time goes to taking it (or to a memory check asked over
+# HTTP: entrypoints/native_api.py's SpacedCalls)
+VIEW_COST_FACTOR = 10
 _DEAD_POLL_S = 0.25  # how often a waiting reader checks that the scheduler still runs
 
 T = TypeVar("T")

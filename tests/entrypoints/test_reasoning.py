@@ -9,7 +9,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from baby_sgl.entrypoints.reasoning import HELD_MAX, ReasoningSplitter, prompt_opens_reasoning
+from baby_sgl.entrypoints.reasoning import UNDECIDED_MAX, ReasoningSplitter, prompt_opens_reasoning
 from baby_sgl.server_args import ServerArgs
 from entrypoints.conftest import thinking_server, wait_idle
 
@@ -109,14 +109,14 @@ def test_an_unknown_parser_is_refused():
 
 def test_spaces_before_an_opening_tag_are_held_only_so_far():
     """Spaces that may come before `<think>` were held, each piece rescanning them (8000 pieces:
-    1.25 s of the event loop). Past HELD_MAX of them no opening tag is looked for: the output
+    1.25 s of the event loop). Past UNDECIDED_MAX of them no opening tag is looked for: the output
     has no reasoning."""
     splitter, reasoning, content = ReasoningSplitter(False), "", ""
-    for _ in range(4 * HELD_MAX // 64):
+    for _ in range(4 * UNDECIDED_MAX // 64):
         r, c = splitter.feed(" " * 64)
         reasoning, content = reasoning + r, content + c
-    assert reasoning == "" and 3 * HELD_MAX - 64 <= len(content)
+    assert reasoning == "" and 3 * UNDECIDED_MAX - 64 <= len(content)
     r, c = splitter.feed("<think>x</think>y")
-    assert (reasoning + r, content + c) == ("", " " * 4 * HELD_MAX + "<think>x</think>y")
+    assert (reasoning + r, content + c) == ("", " " * 4 * UNDECIDED_MAX + "<think>x</think>y")
     # Within the bound, an opening tag after spaces still opens the reasoning.
-    assert ReasoningSplitter(False).split(" " * (HELD_MAX // 2) + "<think>x</think>y") == ("x", "y")
+    assert ReasoningSplitter(False).split(" " * (UNDECIDED_MAX // 2) + "<think>x</think>y") == ("x", "y")
