@@ -69,12 +69,28 @@ _LARK_SYNTAX = re.compile(r"(?m)^[^\S\n]*(?:%llguidance\b|start\s*:)")
 # JSON the model writes under a schema: compact separators, no free whitespace. Free whitespace
 # lets a model pad forever (a grammar cannot end while spaces are still allowed).
 _JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
+# The library's names for what a client got wrong, in words a client can act on.
+_PLAIN_WORDS = {
+    # A schema that is only a $ref back to itself ({"$ref": "#"}, two $defs naming each other,
+    # {"anyOf": [{"$ref": "#"}]}): it never says what a value is.
+    "NoExtensionBias": "a $ref leads back to itself before any value is described, so no value fits the schema",
+}
 
 
 class ConstraintError(ValueError):
     """The sampled token does not fit the request's grammar (nothing did: the constraint and
     min_new_tokens, stop_token_ids or logit_bias left no token allowed), or the grammar could not
     go on."""
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled: its kind and the reason (the library's words, its
+    internal names put in plain ones), so a front end that built the grammar can name what the
+    client sent instead."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(f"invalid {kind}: {reason}")
+        self.reason = reason
 
 
 class GrammarMatcher:
@@ -88,14 +104,15 @@ class GrammarMatcher:
 
         llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
         if self._m.is_error():  # the library then allows only EOS: say why instead of ending quietly
-            self._fail(_library_error(self._m))
+            self._fail(_library_error(self._m.get_error()))
 
     def accept_token(self, token: int) -> None:
         """Advances past the sampled token; raises ConstraintError if the grammar does not allow it
         or the library cannot go on."""
         if not self._m.consume_token(token) or self._m.is_error():
-            self._fail(_library_error(self._m) or ("no allowed token was left (min_new_tokens, stop_token_ids or "
-                                                   "logit_bias forbade every token the grammar allows)"))
+            self._fail(_library_error(self._m.get_error())
+                       or "no allowed token was left (min_new_tokens, stop_token_ids or logit_bias forbade every "
+                          "token the grammar allows)")
 
     def _fail(self, reason: str) -> None:
         if self._m.is_error():
@@ -191,7 +208,7 @@ class GrammarCache:
             try:
                 result = self._compile(*key)
             except BaseException as e:  # noqa: BLE001 - the thread must live on
-                result = ValueError(f"invalid {key[0]}: {_short(repr(e))}")
+                result = GrammarError(key[0], _short(repr(e)))
             with self._lock:
                 self._pending.pop(key, None)
                 self._remember(key, result)
@@ -253,11 +270,11 @@ class GrammarCache:
                 llguidance.torch.fill_next_token_bitmask(probe, torch.zeros(1, (self.vocab_size + 31) // 32,
                                                                             dtype=torch.int32, device="cpu"))
                 if probe.is_error():
-                    return ValueError(f"invalid {kind}: {_library_error(probe)}")
+                    return GrammarError(kind, _library_error(probe.get_error()))
         except Exception as e:  # the library's own words for what is wrong with the grammar
-            return ValueError(f"invalid {kind}: {_short(str(e))}")
+            return GrammarError(kind, _library_error(str(e)))
         if matcher.is_error():
-            return ValueError(f"invalid {kind}: {_library_error(matcher)}")
+            return GrammarError(kind, _library_error(matcher.get_error()))
         return CompiledGrammar(matcher)
 
 
@@ -273,9 +290,13 @@ def _done(value) -> Future:
     return future
 
 
-def _library_error(matcher: Any) -> str:
-    """The library's error, its first line only (what follows is the parser's state), cut short."""
-    return _short((matcher.get_error() or "").split("\n")[0])
+def _library_error(message: str | None) -> str:
+    """The library's error, its first line only (what follows is the parser's state), its internal
+    names put in plain words, cut short."""
+    line = (message or "").split("\n")[0]
+    for internal, plain in _PLAIN_WORDS.items():
+        line = line.replace(internal, plain)
+    return _short(line)
 
 
 def _short(message: str) -> str:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from jinja2.exceptions import TemplateError
 
-from baby_sgl.constrained.grammar import GrammarCache
+from baby_sgl.constrained.grammar import CompiledGrammar, GrammarCache, GrammarError
 from baby_sgl.managers.io_struct import MAX_TOKEN_IDS_LOGPROB, LogprobBudget, ReqOptions
 from baby_sgl.core.finish_reason import FinishAbort
 from baby_sgl.core.req import LogprobState, Req, ReqOutput
@@ -131,13 +131,33 @@ class TokenizerManager:
             positions = (len(ids) - start if start is not None else 0) + min(params.max_new_tokens, self.context_len - len(ids))
             width = 1 + opts.top_logprobs_num + len(opts.token_ids_logprob or [])
             budget.take(params.n * max(positions, 0) * width)
-        grammar = self.grammars.get(params.grammar) if params.grammar else None  # compiles here, off the scheduler
+        grammar = self._grammar(params)
         reqs = [Req(r, ids, params) for r in self.copy_rids(opts.rid or uuid.uuid4().hex, params.n)]
         for req in reqs:
             req.logprobs = LogprobState(return_logprob, opts.top_logprobs_num, opts.token_ids_logprob or None,
                                         opts.return_text_in_logprobs, start)
             req.grammar = grammar.matcher() if grammar is not None else None
         return reqs
+
+    def _grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The request's constraint, compiled here (off the scheduler). One the server built is
+        refused in the name of what the client sent for it (a tool's parameters, tools), not as an
+        ebnf it never sent."""
+        if not params.grammar:
+            return None
+        for name, text in params.server_grammar.schemas if params.server_grammar else ():
+            try:
+                self.grammars.get(("json_schema", text))
+            except ValueError as e:
+                reason = e.reason if isinstance(e, GrammarError) else str(e)
+                raise ValueError(f"{name} cannot be compiled: {reason}") from None
+        try:
+            return self.grammars.get(params.grammar)
+        except GrammarError as e:
+            if params.server_grammar is None:
+                raise
+            raise ValueError(f"the constraint built from {params.server_grammar.source} cannot be compiled: "
+                             f"{e.reason}") from None
 
     @staticmethod
     def copy_rids(rid: str, n: int) -> list[str]:

@@ -110,3 +110,15 @@ def test_json_schema_true_and_false(engine):
     assert engine.generate("t", {"json_schema": "true", "max_new_tokens": 8})["meta_info"]["completion_tokens"] >= 1
     with pytest.raises(ValueError, match="false allows no value"):
         engine.generate("t", {"json_schema": "false"})
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#"}, {"anyOf": [{"$ref": "#"}]},
+                                    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                     "$ref": "#/$defs/a"}], ids=["self", "anyOf", "two-defs"])
+def test_a_schema_that_only_refers_to_itself_is_refused_in_plain_words(engine, schema):
+    """A $ref cycle that never says what a value is: the library's own name for it
+    ("NoExtensionBias") told a client nothing; the refusal now says what is wrong."""
+    with pytest.raises(ValueError, match=r"^invalid json_schema: a \$ref leads back to itself") as err:
+        engine.generate("x", {"json_schema": json.dumps(schema), "max_new_tokens": 4})
+    assert "NoExtensionBias" not in str(err.value)
+    assert engine.generate("ok", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2

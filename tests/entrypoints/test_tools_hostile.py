@@ -233,3 +233,17 @@ def test_spaces_the_parser_cannot_place_are_content_past_a_bound(fmt, start):
     sent = sum(len(e.text) for e in events if isinstance(e, Content))
     assert len(start) + 4 * UNDECIDED_MAX - sent <= UNDECIDED_MAX + 64, fmt
     assert collect(events + parser.flush()) == (start + " " * 4 * UNDECIDED_MAX, [])
+
+
+def test_a_tool_schema_the_grammar_refuses_is_named_as_the_tool(qwen25_server):
+    # Before: the call was accepted, and the fault showed only once the output reached the tool's
+    # arguments: the request ended as "abort", with no reason the client could see.
+    looping = {"type": "function", "function": {"name": "loop", "strict": True, "parameters": {"$ref": "#"}}}
+    for choice in ("auto", "required"):
+        body = {"model": "m", "messages": USER, "max_tokens": 200, "tools": [looping, NOW], "tool_choice": choice}
+        r = httpx.post(qwen25_server + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith("the parameters of tool 'loop' cannot be compiled: a $ref leads back to itself"), message
+        assert "ebnf" not in message
+    wait_idle(qwen25_server)
