@@ -14,6 +14,7 @@ served one): `[0-9]{200}` builds a state per digit, and fails at about the 80th.
 from __future__ import annotations
 
 import functools
+import logging
 
 import httpx
 import llguidance
@@ -39,13 +40,15 @@ def served(tiny_llama):
         yield engine, base
 
 
-def test_a_grammar_that_fails_midway_ends_its_request_alone(served, small_lexer):
+def test_a_grammar_that_fails_midway_ends_its_request_alone(served, small_lexer, caplog):
     """Before the error state was checked (constrained/grammar.py: GrammarMatcher.fill_mask and
     accept_token called no is_error()), the library allowed only EOS once in it, and the request
     came back `stop` (EOS matched) with the digits written so far, which the regex forbids. Before
     a failed grammar was dropped (GrammarCache.submit reused every cached one), the same request
-    again got the spent copy's lexer and ended at its first token with no text."""
+    again got the spent copy's lexer and ended at its first token with no text. A client's
+    constraint failing is not a fault of the server's: it is logged without an error's traceback."""
     engine, base = served
+    caplog.set_level(logging.INFO, logger="baby_sgl")
     body = {"text": ["d", "free"], "sampling_params": [{"regex": REGEX, "max_new_tokens": 300, "temperature": 0},
                                                        {"max_new_tokens": 120, "ignore_eos": True}]}
     first = None
@@ -66,3 +69,5 @@ def test_a_grammar_that_fails_midway_ends_its_request_alone(served, small_lexer)
     ok = httpx.post(base + "/generate", json={"text": "d", "sampling_params": {"regex": "[0-9]{20}"}})
     assert len(ok.json()["text"]) == 20
     wait_idle(base)
+    assert any("a constraint left a request no token" in r.message for r in caplog.records)
+    assert not [r.message for r in caplog.records if r.levelno >= logging.ERROR]

@@ -90,6 +90,8 @@ class OutputProcessor:
             for i, token, logprobs in zip(rows, result.tokens, result.logprobs):
                 out[i] = token, logprobs
             return out
+        except ConstraintError as e:  # a client's constraint, not a fault of ours: no traceback
+            logger.info("a constraint left a request no token (%s); sampling row by row", e)
         except Exception:
             logger.exception("batched sampling failed; sampling row by row")
         for i in rows:
