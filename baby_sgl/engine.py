@@ -515,8 +515,11 @@ class Engine:
         """The radix tree (at most max_nodes nodes: the hottest paths), the KV pool by owner, the
         running and waiting requests and recent activity, from a snapshot the scheduler takes at a
         bounded rate however many ask (see managers/snapshots.py), fresh for this call; request
-        ids shortened unless full_rids."""
-        return self.describe_snapshot(self.scheduler.view_snapshot(), max_nodes, full_rids)
+        ids shortened unless full_rids. Ages and times are as of the snapshot, taken
+        `snapshot_age_s` before (an idle scheduler's stands until something changes)."""
+        snapshot = self.scheduler.view_snapshot()
+        return (self.describe_snapshot(snapshot, max_nodes, full_rids)
+                | {"snapshot_age_s": round(time.monotonic() - snapshot.taken, 3)})
 
     async def scheduler_snapshot_async(self) -> SchedulerSnapshot:
         """The snapshot scheduler_view describes, waiting on the running event loop."""

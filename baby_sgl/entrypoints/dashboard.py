@@ -7,6 +7,10 @@ no build step, no library) that polls the JSON routes below once a second; scrip
   the model and the pool's page size);
 - `GET /dashboard/tree?max_nodes=200`: the radix tree alone (what `baby-sgl tree` prints).
 
+Node ages (`idle_s`) and activity times are as of the snapshot, taken `snapshot_age_s` before the
+answer: an idle server's snapshot stands until something changes, and the page adds its age, so
+ages go on growing and the charts go on moving while nothing runs.
+
 The scheduler publishes a snapshot of itself at a bounded rate (managers/snapshots.py) that all
 readers share, so however many poll, it never races the scheduler nor costs it more; the view is
 built from the snapshot outside the scheduler thread, a large tree cut to its hottest paths with a
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -79,7 +84,10 @@ def add_dashboard_routes(app: FastAPI, full_rids: bool) -> None:
     views = ViewCache(lambda snapshot, max_nodes: engine.describe_snapshot(snapshot, max_nodes, full_rids))
 
     async def view(max_nodes: int) -> dict:
-        return await views.get(await engine.scheduler_snapshot_async(), max_nodes)
+        """The shared view, and how long ago its snapshot was taken: an idle scheduler's snapshot
+        stands until something changes, so its ages and times are as of then (a reader adds this)."""
+        snapshot = await engine.scheduler_snapshot_async()
+        return await views.get(snapshot, max_nodes) | {"snapshot_age_s": round(time.monotonic() - snapshot.taken, 3)}
 
     @app.get("/dashboard", response_class=HTMLResponse)
     async def dashboard() -> HTMLResponse:
@@ -92,4 +100,5 @@ def add_dashboard_routes(app: FastAPI, full_rids: bool) -> None:
     @app.get("/dashboard/tree")
     async def tree(max_nodes: int = Query(200, ge=1, le=MAX_NODES)) -> dict:
         state = await view(max_nodes)
-        return {"model": app.state.model_name, "tree": state["tree"], "pool": state["pool"]}
+        return {"model": app.state.model_name, "tree": state["tree"], "pool": state["pool"],
+                "snapshot_age_s": state["snapshot_age_s"]}

@@ -107,13 +107,29 @@ def test_readers_of_one_snapshot_share_its_view(dash_server, monkeypatch):
 
     with ThreadPoolExecutor(4) as pool:
         states = list(pool.map(lambda _: read("/dashboard/state", 7), range(4)))
-    assert builds == [7] and all(s == states[0] for s in states) and states[0]["tree"]["nodes"] > 0
+    shared = [{k: v for k, v in s.items() if k != "snapshot_age_s"} for s in states]  # the age is each reader's
+    assert builds == [7] and all(s == shared[0] for s in shared) and states[0]["tree"]["nodes"] > 0
     assert read("/dashboard/tree", 7)["tree"] == states[0]["tree"] and builds == [7]  # the same view
     assert read("/dashboard/state", 3)["tree"]["shown"] <= 3 and builds == [7, 3]
     _send_shared(base, 1)  # the scheduler moves on: the next reader gets a new snapshot
     wait_idle(base)
     read("/dashboard/state", 7)
     assert builds == [7, 3, 7]
+
+
+def test_an_idle_servers_view_ages_with_the_clock(dash):
+    """An idle scheduler's snapshot stands until something changes: its node ages and activity
+    clock were frozen, so the page showed a node idle 0.1 s and the last minute's throughput
+    however long ago they were. The answer now says how old its snapshot is."""
+    _send_shared(dash, 1)
+    wait_idle(dash)
+    first = httpx.get(dash + "/dashboard/state").json()
+    time.sleep(1.5)
+    second = httpx.get(dash + "/dashboard/state").json()
+    assert second["activity"]["now"] == first["activity"]["now"]  # the same snapshot: nothing ran
+    assert second["snapshot_age_s"] - first["snapshot_age_s"] >= 1.4
+    tree = httpx.get(dash + "/dashboard/tree").json()
+    assert tree["snapshot_age_s"] >= second["snapshot_age_s"]
 
 
 def test_evictions_are_recorded(dash):
@@ -168,6 +184,8 @@ def test_page_renders_in_headless_chromium(dash, tmp_path):
     httpx.post(dash + "/flush_cache").raise_for_status()
     _send_shared(dash)
     wait_idle(dash)
+    httpx.get(dash + "/dashboard/state").raise_for_status()  # the snapshot the page will read, idle since
+    time.sleep(2)
     dom = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=4000",
                           f"--user-data-dir={tmp_path}", "--dump-dom", dash + "/dashboard"],
                          capture_output=True, text=True, timeout=120).stdout
@@ -177,6 +195,8 @@ def test_page_renders_in_headless_chromium(dash, tmp_path):
                      r'.*?The quick brown fox', dom, re.S)
     assert node and int(node.group(1)) >= len(SHARED) - 1
     assert all(f'"{i}?"' in dom for i in range(3))  # the three branches below it
+    idle = [float(x) for x in re.findall(r"· idle ([\d.]+)s", dom)]  # ages as of now, not of the snapshot
+    assert len(idle) >= 4 and min(idle) >= 2.0, idle
     total = int(re.search(r'id="pool" data-total="(\d+)"', dom).group(1))
     counts = [int(c) for c in re.findall(r'class="seg" data-owner="\w+" data-count="(\d+)"', dom)]
     assert len(counts) == 5 and sum(counts) == total == 1024
