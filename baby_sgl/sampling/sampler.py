@@ -40,6 +40,25 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token, as argmax_rows of the logits with NaN read as -inf and +inf as
+    the largest finite value (what Sampler._scale makes of them), without that copy where the
+    row's largest value is finite: then the row holds no NaN (argmax_rows would have chosen it) and
+    no +inf (larger), so the copy would change nothing that decides. The copy was a second pass
+    over logits another core had just written: 0.2 ms of a 12.7 ms batch-1 step (default model,
+    2-core Zen 3)."""
+    ids = argmax_rows(logits)
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        values = logits.numpy()
+        odd = torch.from_numpy(np.flatnonzero(~np.isfinite(values[np.arange(len(values)), ids.numpy()])))
+    else:
+        odd = (~torch.isfinite(logits.gather(1, ids[:, None]).squeeze(1))).nonzero().squeeze(1)
+    if len(odd):
+        finfo = torch.finfo(logits.dtype)
+        ids[odd] = argmax_rows(logits[odd].nan_to_num(nan=float("-inf"), posinf=finfo.max, neginf=float("-inf")))
+    return ids
+
+
 @dataclass(frozen=True)
 class SampleResult:
     tokens: list[int]
@@ -62,6 +81,9 @@ class Sampler:
             logits = self._block_stop_tokens(logits.clone(), batch)
         if any(p.logit_bias for p in params):
             logits = self._apply_logit_bias(logits.clone(), batch)
+        if (all(p.is_greedy for p in params) and not any(g is not None for g in batch.grammars)
+                and not any(q is not None for q in batch.logprobs)):
+            return SampleResult(greedy_rows(logits).tolist(), [None] * len(params))
         logits = self._scale(logits, batch)
         if any(g is not None for g in batch.grammars):
             logits = apply_grammar_masks(logits, batch.grammars)

@@ -234,8 +234,9 @@ def test_greedy_rows_skip_nan_and_take_the_first_largest():
         return SamplingBatch([greedy] * rows, [0] * rows, [None] * rows, [None] * rows, [logprobs] * rows)
 
     sampler = Sampler(vocab_size=6, eos_token_ids=[0], random_seed=0)
-    assert sampler.sample(logits, batch(None)).tokens == [1, 2, 1, 4]
-    assert sampler.sample(logits, batch(LogprobQuery(0, None))).tokens == [1, 2, 1, 4]
+    for dtype in (torch.float32, torch.bfloat16):  # numpy's argmax, and torch's
+        assert sampler.sample(logits.to(dtype), batch(None)).tokens == [1, 2, 1, 4]
+        assert sampler.sample(logits.to(dtype), batch(LogprobQuery(0, None))).tokens == [1, 2, 1, 4]
 
 
 def test_penalty_counts_follow_the_output_a_step_at_a_time():
