@@ -40,13 +40,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a setting out of its range: said as argparse says a bad flag
         parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.dp_size > 1:
-        # This module by its import name: under `python -m` it runs as __main__.
-        from baby_sgl import launch_server as server_process
-        from baby_sgl.entrypoints.data_parallel import launch_data_parallel
+    try:
+        if args.dp_size > 1:
+            # This module by its import name: under `python -m` it runs as __main__.
+            from baby_sgl import launch_server as server_process
+            from baby_sgl.entrypoints.data_parallel import launch_data_parallel
 
-        return launch_data_parallel(args, server_process)
-    return launch_server(args)
+            return launch_data_parallel(args, server_process)
+        return launch_server(args)
+    except (ValueError, FileNotFoundError) as e:  # a missing model, or one that cannot be served: said plainly
+        print(f"baby-sgl serve: error: {e}", file=sys.stderr)
+        return 2
 
 
 def launch_server(server_args: ServerArgs) -> int:

@@ -10,14 +10,13 @@ cache-directory variables in os.environ and renames every SGL_* variable to SGLA
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import threading
-import types
 import traceback
-from pathlib import Path
 from urllib.parse import urlsplit
+
+from baby_sgl.sglang_client import import_sglang
 
 # Programs whose requests use this schema must terminate: every value has a bounded length.
 JSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n", "ok"],
@@ -26,26 +25,6 @@ BATCH_QUESTIONS = ["What is 2+2?", "Capital of Italy?", "Color of grass?"]
 BATCH_PREFIX = "You are a terse assistant. Answer every question with one short sentence only.\n"
 CHAT_SYSTEM = "You are a helpful assistant."
 CHAT_TURNS = {"first": "Hi, who are you?", "second": "Name a color."}
-
-
-def import_sglang() -> types.ModuleType:
-    """`import sglang` calls sglang.srt.utils.hf_transformers_patches.apply_all(); importing that
-    module runs the package file sglang/srt/utils/__init__.py, which star-imports the server's
-    utilities and with them torch and triton. The frontend needs neither: we register that
-    package as a bare module (its real directory as __path__, so its submodules still load) and
-    the patches module as a stub whose apply_all does nothing (transformers stays unpatched)."""
-    spec = importlib.util.find_spec("sglang")  # locates the package without running it
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("sglang is not installed")
-    utils_dir = Path(next(iter(spec.submodule_search_locations))) / "srt" / "utils"
-    utils = types.ModuleType("sglang.srt.utils")
-    utils.__path__ = [str(utils_dir)]
-    patches = types.ModuleType("sglang.srt.utils.hf_transformers_patches")
-    patches.apply_all = lambda: None
-    sys.modules.update({utils.__name__: utils, patches.__name__: patches})
-    import sglang
-
-    return sglang
 
 
 def record_http(wire: list[dict]) -> None:

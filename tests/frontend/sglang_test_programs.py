@@ -27,7 +27,9 @@ import traceback
 import types
 import warnings
 
-from frontend_programs import import_sglang, record_http
+from frontend_programs import record_http
+
+from baby_sgl.sglang_client import import_sglang
 
 
 def stand_ins() -> None:

@@ -49,6 +49,12 @@ def test_hub_id_resolves_from_local_cache_only(tiny_llama, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "baby_sgl.cli", "generate", "hi", "--model-path", "no-org/absent"],
                              env=env, capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "neither a local path nor in the local HF cache" in missing.stderr
+    # the server says it as plainly (it printed a traceback)
+    serve = subprocess.run([sys.executable, "-m", "baby_sgl.cli", "serve", "--model-path", "no-org/absent"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert serve.returncode == 2 and "Traceback" not in serve.stderr, serve.stderr
+    assert serve.stderr.strip() == ("baby-sgl serve: error: model 'no-org/absent' is neither a local path nor in "
+                                    "the local HF cache"), serve.stderr
 
 
 def test_one_cache_directory_holds_what_is_built_once(tiny_llama, tmp_path, monkeypatch):
