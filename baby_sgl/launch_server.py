@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return launch_data_parallel(args, server_process)
         return launch_server(args)
-    except (ValueError, FileNotFoundError) as e:  # a missing model, or one that cannot be served: said plainly
+    except FileNotFoundError as e:  # a missing model: said plainly (anything else keeps its traceback)
         print(f"baby-sgl serve: error: {e}", file=sys.stderr)
         return 2
 

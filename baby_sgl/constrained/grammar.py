@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from baby_sgl.constrained.productive import schema_loop_message, unproductive_part, unproductive_schema
 from baby_sgl.validation import check_nesting
 
 if TYPE_CHECKING:
@@ -71,9 +72,8 @@ _LARK_SYNTAX = re.compile(r"(?m)^[^\S\n]*(?:%llguidance\b|start\s*:)")
 _JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 # The library's names for what a client got wrong, in words a client can act on.
 _PLAIN_WORDS = {
-    # A schema that is only a $ref back to itself ({"$ref": "#"}, two $defs naming each other,
-    # {"anyOf": [{"$ref": "#"}]}): it never says what a value is.
-    "NoExtensionBias": "a $ref leads back to itself before any value is described, so no value fits the schema",
+    # A rule or schema that only leads back to itself (productive.py refuses those it can read).
+    "NoExtensionBias": "a rule or $ref leads back to itself before anything is produced",
 }
 
 
@@ -250,13 +250,18 @@ class GrammarCache:
                     schema = {} if schema is True else closed_objects(schema)
                 except ValueError as e:  # nested too deep
                     return e
+                if (where := unproductive_schema(schema)) is not None:
+                    return GrammarError(kind, schema_loop_message(where))
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_DEFAULTS)
             elif kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(text)
             else:  # ebnf: SGLang's (xgrammar's) GBNF dialect, root rule `root`, converted; or Lark
                 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-                grammar = llguidance.LLMatcher.grammar_from_lark(text if is_lark(text) else gbnf_to_lark(text))
+                lark = text if is_lark(text) else gbnf_to_lark(text)
+                if (fault := unproductive_part("ebnf", lark)) is not None:
+                    return GrammarError(kind, fault)
+                grammar = llguidance.LLMatcher.grammar_from_lark(lark)
             matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0,
                                            limits=llguidance.LLParserLimits(verbose_errors=False))
             # The first mask is where a grammar too complex for the library shows; computing it

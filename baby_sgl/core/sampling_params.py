@@ -79,15 +79,11 @@ def check_grammar_chars(kind: str, text: str) -> None:
 class ServerGrammar:
     """A Lark grammar (`ebnf`, `%llguidance`) this server built from source_chars characters of what
     the client sent as `source` (the field errors name). Bounded by its source's size (see
-    SERVER_GRAMMAR_BASE_CHARS), not by MAX_GRAMMAR_CHARS, which bounds the client's own grammars.
-    schemas: (what the client calls it, json_schema text) of each schema the grammar holds, each
-    compiled on its own first, so that one the library refuses is named (a fault in a schema inside
-    a grammar shows only when the output reaches it)."""
+    SERVER_GRAMMAR_BASE_CHARS), not by MAX_GRAMMAR_CHARS, which bounds the client's own grammars."""
 
     ebnf: str
     source: str
     source_chars: int
-    schemas: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         limit = SERVER_GRAMMAR_BASE_CHARS + SERVER_GRAMMAR_CHARS_PER_SOURCE_CHAR * self.source_chars
@@ -240,12 +236,6 @@ class SamplingParams(StrictModel):
     def stop_regexes(self) -> list[re2._Regexp]:
         """stop_regex compiled, in its order."""
         return self._stop_regexes
-
-    @property
-    def grammar_keys(self) -> list[tuple[str, str]]:
-        """Every grammar the request compiles: its constraint and the schemas a server grammar holds."""
-        schemas = [("json_schema", text) for _, text in self.server_grammar.schemas] if self.server_grammar else []
-        return schemas + ([self.grammar] if self.grammar else [])
 
     @property
     def grammar(self) -> tuple[str, str] | None:

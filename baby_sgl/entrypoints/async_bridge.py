@@ -224,7 +224,7 @@ class AsyncEngine:
             return None
 
     async def _compile_grammars(self, params: list[SamplingParams | None]) -> None:
-        keys = {key for p in params if p is not None for key in p.grammar_keys}
+        keys = {p.grammar for p in params if p is not None and p.grammar is not None}
         # Shielded: a compile may be shared with other requests, and a client leaving must not
         # cancel it for them.
         await asyncio.gather(*(asyncio.shield(asyncio.wrap_future(self.engine.grammars.submit(k))) for k in keys))

@@ -122,9 +122,7 @@ def prepare(engine: Engine, settings: dict[str, Any], req: ChatRequest) -> ChatT
         # a named function is called once; `required` and strict calls may be several, if parallel
         parallel = req.parallel_tool_calls and named is None
         source = sum(len(json.dumps({"name": t.name, "parameters": t.parameters})) for t in tools)
-        schemas = tuple((f"the parameters of tool {t.name!r}", json.dumps(t.parameters)) for t in tools
-                        if forced or t.strict)
-        server_grammar = ServerGrammar(tool_grammar(fmt, tools, forced, parallel, thinking), "tools", source, schemas)
+        server_grammar = ServerGrammar(tool_grammar(fmt, tools, forced, parallel, thinking), "tools", source)
     elif thinking is not None and "json_schema" in constraint:
         schema = constraint.pop("json_schema")
         check_grammar_chars("json_schema", schema)  # the client's own bound on what it sent

@@ -141,16 +141,9 @@ class TokenizerManager:
 
     def _grammar(self, params: SamplingParams) -> CompiledGrammar | None:
         """The request's constraint, compiled here (off the scheduler). One the server built is
-        refused in the name of what the client sent for it (a tool's parameters, tools), not as an
-        ebnf it never sent."""
+        refused in the name of what the client sent for it (tools), not as an ebnf it never sent."""
         if not params.grammar:
             return None
-        for name, text in params.server_grammar.schemas if params.server_grammar else ():
-            try:
-                self.grammars.get(("json_schema", text))
-            except ValueError as e:
-                reason = e.reason if isinstance(e, GrammarError) else str(e)
-                raise ValueError(f"{name} cannot be compiled: {reason}") from None
         try:
             return self.grammars.get(params.grammar)
         except GrammarError as e:

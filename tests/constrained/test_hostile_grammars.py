@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import time
 
 import pytest
@@ -117,8 +119,53 @@ def test_json_schema_true_and_false(engine):
                                      "$ref": "#/$defs/a"}], ids=["self", "anyOf", "two-defs"])
 def test_a_schema_that_only_refers_to_itself_is_refused_in_plain_words(engine, schema):
     """A $ref cycle that never says what a value is: the library's own name for it
-    ("NoExtensionBias") told a client nothing; the refusal now says what is wrong."""
-    with pytest.raises(ValueError, match=r"^invalid json_schema: a \$ref leads back to itself") as err:
+    ("NoExtensionBias") told a client nothing; the refusal now says what is wrong, and where."""
+    with pytest.raises(ValueError, match=r"^invalid json_schema: the JSON schema at # only leads back to itself"):
         engine.generate("x", {"json_schema": json.dumps(schema), "max_new_tokens": 4})
-    assert "NoExtensionBias" not in str(err.value)
     assert engine.generate("ok", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+# Grammars the library's mask computation never returned from (a compile thread, or the scheduler
+# thread once the output reached the part, at 100% CPU for good): a rule or schema that never
+# produces anything, after a regex lexeme.
+LOOPING = [
+    ("start: /\\n*/ a\n" 'a: a "y"\n', "rule 'a' never produces any text"),
+    ('start: "x" /\\n+/ a\n' 'a: b "y"\n' "b: a\n", "rules 'a', 'b' never produce any text"),
+    ("start: /\\n*/ j\n" 'j: %json {"$ref": "#"}\n', "the JSON schema at # only leads back to itself"),
+    ('start: "x" /\\n*/ j\n' 'j: %json {"anyOf": [{"$ref": "#"}]}\n', "the JSON schema at # only leads back"),
+    ("start: /\n*/ a\n" 'a: a "y"\n', "rule 'a' never produces any text"),  # a newline in the regex itself
+]
+
+
+def test_grammars_the_library_would_loop_on_are_refused_first(tiny_llama):
+    """Checked in a child process with a time limit, so that a regression fails instead of hanging
+    the suite: each grammar is refused at compile time, naming the part that produces nothing."""
+    script = (
+        "import json, sys\n"
+        "from transformers import AutoTokenizer\n"
+        "from baby_sgl.constrained.grammar import GrammarCache\n"
+        "tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+        "cache = GrammarCache('llguidance', tokenizer, len(tokenizer), [tokenizer.eos_token_id])\n"
+        "for grammar in json.loads(sys.argv[2]):\n"
+        "    try:\n"
+        "        cache.get(('ebnf', grammar))\n"
+        "        print('compiled', flush=True)\n"
+        "    except ValueError as e:\n"
+        "        print(str(e).replace('\\n', ' '), flush=True)\n"
+    )
+    grammars = ["%llguidance {}\n" + grammar for grammar, _ in LOOPING]
+    done = subprocess.run([sys.executable, "-c", script, tiny_llama, json.dumps(grammars)],
+                          capture_output=True, text=True, timeout=120)
+    lines = done.stdout.splitlines()
+    assert len(lines) == len(LOOPING), (done.stdout, done.stderr[-2000:])
+    for line, (_, reason) in zip(lines, LOOPING):
+        assert line.startswith("invalid ebnf: " + reason), line
+
+
+def test_a_json_schema_after_the_thinking_that_only_refers_to_itself_is_refused(engine):
+    """The reasoning parser's grammar puts the schema after the thinking's end and its newlines (a
+    regex lexeme): a self-referring schema there made the mask after `</think>` spin forever."""
+    from baby_sgl.entrypoints.tool_grammar import json_after_thinking
+
+    with pytest.raises(ValueError, match=r"^invalid ebnf: the JSON schema at # only leads back to itself"):
+        engine.generate("x", {"ebnf": json_after_thinking('{"$ref": "#"}', "open"), "max_new_tokens": 4})

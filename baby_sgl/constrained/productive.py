@@ -1,0 +1,424 @@
+"""Whether every part of a grammar can produce something, checked before the library sees it.
+
+A Lark rule whose every alternative needs itself first (`a: a "y"`), or a JSON schema that only
+refers to itself (`{"$ref": "#"}`, `{"anyOf": [{"$ref": "#"}]}`), never produces any text. The
+grammar library refuses such a part with an internal name when it is reached right after a
+literal, but reached after a regex lexeme (`start: "x" /\\n+/ a`) its mask computation never
+returns: a compile thread, or the scheduler thread once an output gets there, spun at 100% CPU for
+good. So each grammar is checked here first, in time linear in its size: a rule is productive when
+one of its alternatives needs only productive rules (optional and repeated-from-zero items need
+nothing), a schema when it describes a value without a $ref or combinator, or its $ref and allOf
+parts are productive and anyOf/oneOf have a productive choice. Only parts reachable from the start
+(the rule `start`, the schema's root) are reported. A Lark grammar this reader cannot follow is
+refused (it reads the syntax llguidance documents: rules, tokens, literals, regexes, special
+tokens, groups, repetitions, attributes, %json, %regex, %ignore and %import lines; not %lark's
+nested grammars); a JSON schema construct it does not know is taken as productive.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+START_RULE = "start"
+_SCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+                "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SCHEMA_LISTS = ("prefixItems", "items", "anyOf", "oneOf", "allOf")
+_SCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas")
+_DEFINITIONS = ("$defs", "definitions")
+
+# Lark's lexical units: a comment, a string literal (flag i), a regex literal (flags), a special
+# token, a directive, a name, a number, an operator; whitespace apart from newlines is skipped.
+_LARK_TOKEN = re.compile(r"""
+    (?P<comment>//[^\n]*)
+  | (?P<string>"(?:[^"\\]|\\.)*"i?)
+  | (?P<regex>/(?:[^/\\]|\\.)+/[imslux]*)
+  | (?P<special><\|[^\n|]*\|>|<\[[^\]\n]*\]>)
+  | (?P<directive>%[A-Za-z_]+)
+  | (?P<name>[?!]?[A-Za-z_][A-Za-z_0-9]*)
+  | (?P<number>-?[0-9]+)
+  | (?P<newline>\n)
+  | (?P<space>[ \t\r]+)
+  | (?P<op>\.\.|[:|()\[\]?*+~{},&.=<>@-])
+""", re.X)
+
+
+_BLANKS = re.compile(r"[ \t]*")
+
+
+class _Unreadable(Exception):
+    """Lark text this reader does not follow: the check leaves it to the library."""
+
+
+def unproductive_part(kind: str, text: str) -> str | None:
+    """What in a `json_schema` (its text) or a Lark grammar (`ebnf` after any conversion) can
+    never produce anything and is reachable from its start, in words for an error; None if nothing."""
+    if kind == "json_schema":
+        try:
+            return _schema_fault(json.loads(text))
+        except (ValueError, RecursionError):
+            return None  # not JSON: the compile says so
+    try:
+        return _lark_fault(text)
+    except _Unreadable as e:  # what is not checked is not served: the library could loop on it
+        return f"this server reads Lark grammars to check them, and could not read this one ({e})"
+    except RecursionError:
+        return "the grammar's groups or %json are nested too deeply to check"
+
+
+def _schema_fault(schema: Any) -> str | None:
+    where = unproductive_schema(schema)
+    return None if where is None else schema_loop_message(where)
+
+
+def schema_loop_message(where: str) -> str:
+    return (f"the JSON schema at {where} only leads back to itself through $ref, anyOf, oneOf or allOf: "
+            "it never describes a value")
+
+
+# ---- JSON schemas -----------------------------------------------------------------------------------
+def unproductive_schema(root: Any) -> str | None:
+    """The JSON pointer ("#", "#/properties/a", ...) of a subschema reachable from root that
+    describes no value because it only refers to itself; None when there is none."""
+    nodes: list[tuple[str, Any]] = []  # (pointer, subschema) of every schema position, definitions included
+    index: dict[int, int] = {}
+    stack: list[tuple[str, Any]] = [("#", root)]
+    while stack:
+        pointer, node = stack.pop()
+        if not isinstance(node, (dict, bool)) or id(node) in index:
+            continue
+        index[id(node)] = len(nodes)
+        nodes.append((pointer, node))
+        if isinstance(node, dict):
+            stack.extend(_children(pointer, node, definitions=True))
+    # Horn clauses: a node is productive when its `needs` are, and each of its `choices` has one.
+    needs: list[list[int]] = [[] for _ in nodes]
+    choices: list[list[list[int]]] = [[] for _ in nodes]
+    for i, (_, node) in enumerate(nodes):
+        if not isinstance(node, dict):
+            continue
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            target = _resolve(root, ref)
+            if target is not None and id(target) in index:
+                needs[i].append(index[id(target)])
+        for key, group in (("allOf", needs[i]), ("anyOf", None), ("oneOf", None)):
+            parts = node.get(key)
+            if not isinstance(parts, list) or not parts:
+                continue  # an empty anyOf the library names itself
+            ids = [index[id(p)] for p in parts if id(p) in index]
+            if len(ids) < len(parts):
+                continue  # a part this check does not know: taken as productive
+            if group is not None:
+                group.extend(ids)
+            else:
+                choices[i].append(ids)
+    productive = _solve(needs, choices)
+    # Reachable from the root through schema positions and $refs (definitions only through $refs).
+    seen, stack_i = {0}, [0] if nodes else []
+    while stack_i:
+        i = stack_i.pop()
+        pointer, node = nodes[i]
+        if not productive[i]:
+            return pointer
+        if not isinstance(node, dict):
+            continue
+        nexts = [index[id(child)] for _, child in _children(pointer, node, definitions=False) if id(child) in index]
+        ref = node.get("$ref")
+        target = _resolve(root, ref) if isinstance(ref, str) else None
+        if target is not None and id(target) in index:
+            nexts.append(index[id(target)])
+        for j in nexts:
+            if j not in seen:
+                seen.add(j)
+                stack_i.append(j)
+    return None
+
+
+def _children(pointer: str, node: dict, definitions: bool) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key in _SCHEMA_KEYS:
+        if isinstance(node.get(key), (dict, bool)):
+            out.append((f"{pointer}/{key}", node[key]))
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            out.extend((f"{pointer}/{key}/{n}", sub) for n, sub in enumerate(node[key]))
+    for key in _SCHEMA_MAPS + (_DEFINITIONS if definitions else ()):
+        if isinstance(node.get(key), dict):
+            out.extend((f"{pointer}/{key}/{_escape(name)}", sub) for name, sub in node[key].items())
+    return out
+
+
+def _escape(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """The subschema a local JSON pointer names ("#", "#/$defs/a"), or None (another document, an
+    anchor, a path that does not exist: the library's to judge)."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _solve(needs: list[list[int]], choices: list[list[list[int]]]) -> list[bool]:
+    """Which nodes are productive, by unit propagation: a node waits for each of its needs and for
+    one member of each of its choices; linear in the clauses' size."""
+    n = len(needs)
+    waiting = [len(set(needs[i])) + len(choices[i]) for i in range(n)]
+    # who waits on node j: ("need", i) once per distinct need; ("choice", i, c) per choice membership
+    watchers: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    for i in range(n):
+        for j in set(needs[i]):
+            watchers[j].append((i, -1))
+        for c, members in enumerate(choices[i]):
+            for j in set(members):
+                watchers[j].append((i, c))
+    chosen: list[set[int]] = [set() for _ in range(n)]  # the choices of node i already met
+    productive = [False] * n
+    ready = [i for i in range(n) if waiting[i] == 0]
+    for i in ready:
+        productive[i] = True
+    while ready:
+        j = ready.pop()
+        for i, c in watchers[j]:
+            if productive[i]:
+                continue
+            if c >= 0:
+                if c in chosen[i]:
+                    continue
+                chosen[i].add(c)
+            waiting[i] -= 1
+            if waiting[i] == 0:
+                productive[i] = True
+                ready.append(i)
+    return productive
+
+
+# ---- Lark grammars ----------------------------------------------------------------------------------
+def _lark_fault(text: str) -> str | None:
+    rules, schemas = _read_lark(text)
+    for schema in schemas:  # every %json, wherever it is: a schema part the library would reach
+        fault = _schema_fault(schema)
+        if fault is not None:
+            return fault
+    if START_RULE not in rules:
+        return None
+    # Nodes: the rules, their groups, and one per alternative that needs two or more nodes.
+    needs: list[list[int]] = []
+    choices: list[list[list[int]]] = []
+    edges: list[set[int]] = []  # what each rule or group mentions, needed or optional
+
+    def node() -> int:
+        needs.append([])
+        choices.append([])
+        edges.append(set())
+        return len(needs) - 1
+
+    of_rule = {name: node() for name in rules}
+    pending = [(of_rule[name], alternatives) for name, alternatives in rules.items()]
+
+    def requirements(owner: int, item: tuple) -> list[int]:
+        kind = item[0]
+        if kind == "name":
+            target = of_rule.get(item[1])  # a token or an unknown name needs nothing
+            if target is None:
+                return []
+            edges[owner].add(target)
+            return [target]
+        if kind in ("group", "optional"):
+            group = node()
+            pending.append((group, item[1]))
+            edges[owner].add(group)
+            return [group] if kind == "group" else []
+        return []  # a literal, a regex, a %json, a special token
+
+    while pending:
+        owner, alternatives = pending.pop()
+        members: list[int] = []
+        free = False  # an alternative that needs nothing: the node is productive as it is
+        for alternative in alternatives:  # every one, for what it mentions
+            required = [r for item in alternative for r in requirements(owner, item)]
+            if not required:
+                free = True
+            elif len(required) == 1:
+                members.append(required[0])
+            else:
+                both = node()
+                needs[both] = required
+                members.append(both)
+        if not free:
+            choices[owner] = [members]
+    productive = _solve(needs, choices)
+    names = {index: name for name, index in of_rule.items()}
+    seen, stack, broken = {of_rule[START_RULE]}, [of_rule[START_RULE]], []
+    while stack:
+        k = stack.pop()
+        if not productive[k] and k in names:
+            broken.append(names[k])
+        for j in sorted(edges[k] - seen):
+            seen.add(j)
+            stack.append(j)
+    if not broken:
+        return None
+    broken = [name for name in broken if name != START_RULE] or broken  # start only fails through them
+    shown = ", ".join(repr(name) for name in sorted(broken)[:5]) + (", ..." if len(broken) > 5 else "")
+    return (f"{'rule' if len(broken) == 1 else 'rules'} {shown} never {'produces' if len(broken) == 1 else 'produce'} "
+            "any text: each alternative needs one of them first")
+
+
+def _read_lark(text: str) -> tuple[dict[str, list[list[tuple]]], list[Any]]:
+    """The grammar's rules (lowercase names: alternatives of items) and the schemas of its %json
+    directives. Tokens (uppercase names) are regular and left out."""
+    units = _tokens(text)
+    rules: dict[str, list[list[tuple]]] = {}
+    schemas: list[Any] = []
+    starts = [i for i, (kind, _) in enumerate(units) if kind == "name" and _defines(units, i)]
+    for n, s in enumerate(starts):
+        end = starts[n + 1] if n + 1 < len(starts) else len(units)
+        name = units[s][1].lstrip("?!")
+        if not name[0].islower():
+            continue  # a token: regular, so it produces text (or the library says it cannot)
+        body = units[s + 1:end]
+        while body and body[0] != ("op", ":"):
+            body = body[1:]  # the priority (.2) and the attributes ([lazy, max_tokens=3])
+        parsed, rest = _expansions(body[1:], schemas)
+        if rest:
+            raise _Unreadable(f"after rule {name}")
+        rules[name] = parsed
+    return rules, schemas
+
+
+def _defines(units: list[tuple[str, Any]], i: int) -> bool:
+    """Whether the name at i begins a definition: first on its line, then `:` (after a priority and
+    attributes)."""
+    if i > 0 and units[i - 1][0] != "newline":
+        return False
+    j = i + 1
+    if j + 1 < len(units) and units[j] == ("op", ".") and units[j + 1][0] == "number":
+        j += 2
+    if j < len(units) and units[j] == ("op", "["):
+        while j < len(units) and units[j] != ("op", "]"):
+            j += 1
+        j += 1
+    return j < len(units) and units[j] == ("op", ":")
+
+
+def _tokens(text: str) -> list[tuple[str, Any]]:
+    units: list[tuple[str, Any]] = []
+    pos = 0
+    decoder = json.JSONDecoder()
+    while pos < len(text):
+        m = _LARK_TOKEN.match(text, pos)
+        if m is None:
+            raise _Unreadable(f"at {pos}")
+        kind, value = m.lastgroup or "", m.group()
+        pos = m.end()
+        if kind in ("comment", "space"):
+            continue
+        if kind == "directive":
+            if value in ("%json", "%llguidance", "%regex", "%lark"):
+                blanks = _BLANKS.match(text, pos)
+                start = blanks.end() if blanks else pos
+                if value == "%lark":
+                    raise _Unreadable("a nested grammar")
+                try:
+                    data, end = decoder.raw_decode(text, start)
+                except ValueError:
+                    raise _Unreadable(f"{value} without JSON") from None
+                pos = end
+                if value == "%llguidance":
+                    continue
+                units.append(("json" if value == "%json" else "literal", data))
+                continue
+            # %ignore, %import, %declare ...: the rest of the line
+            end = text.find("\n", pos)
+            pos = len(text) if end < 0 else end
+            continue
+        if kind in ("string", "regex", "special"):
+            units.append(("literal", value))
+        elif kind == "newline":
+            if units and units[-1][0] != "newline":
+                units.append(("newline", None))
+        else:
+            units.append((kind, value))
+    return units
+
+
+def _expansions(units: list[tuple[str, Any]], schemas: list[Any]) -> tuple[list[list[tuple]], list]:
+    """Alternatives separated by `|` (newlines inside a definition are blanks), up to a closing
+    bracket or the end; returns them and what is left."""
+    alternatives: list[list[tuple]] = [[]]
+    i = 0
+    while i < len(units):
+        kind, value = units[i]
+        if kind == "newline":
+            i += 1
+            continue
+        if (kind, value) in (("op", ")"), ("op", "]")):
+            break
+        if (kind, value) == ("op", "|"):
+            alternatives.append([])
+            i += 1
+            continue
+        if (kind, value) in (("op", "("), ("op", "[")):
+            inner, rest = _expansions(units[i + 1:], schemas)
+            close = ")" if value == "(" else "]"
+            if not rest or rest[0] != ("op", close):
+                raise _Unreadable("an unclosed group")
+            i = len(units) - len(rest) + 1
+            item: tuple = ("group", inner) if value == "(" else ("optional", inner)
+        elif kind == "name":
+            item = ("name", value.lstrip("?!"))
+            i += 1
+        elif kind == "json":
+            schemas.append(value)
+            item = ("literal", None)
+            i += 1
+        elif kind == "literal":
+            item = ("literal", None)
+            i += 1
+        else:
+            raise _Unreadable(f"{value!r}")
+        i, item = _postfix(units, i, item)
+        alternatives[-1].append(item)
+    return alternatives, units[i:]
+
+
+def _postfix(units: list[tuple[str, Any]], i: int, item: tuple) -> tuple[int, tuple]:
+    """Applies `?`, `*`, `+`, `~ n`, `~ n..m` and `{n}` / `{n,m}` after an item: one that may be
+    repeated zero times needs nothing."""
+    while i < len(units) and units[i][0] == "op":
+        op = units[i][1]
+        if op in ("?", "*"):
+            item, i = ("optional", [[item]]), i + 1
+        elif op == "+":
+            i += 1
+        elif op == "~" and i + 1 < len(units) and units[i + 1][0] == "number":
+            if int(units[i + 1][1]) == 0:
+                item = ("optional", [[item]])
+            i += 2
+            if i + 1 < len(units) and units[i] == ("op", "..") and units[i + 1][0] == "number":
+                i += 2
+        elif op == "{":
+            j = i + 1
+            if j < len(units) and units[j][0] == "number" and int(units[j][1]) == 0:
+                item = ("optional", [[item]])
+            while j < len(units) and units[j] != ("op", "}"):
+                j += 1
+            i = j + 1
+        else:
+            break
+    return i, item

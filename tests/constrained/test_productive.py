@@ -1,0 +1,113 @@
+"""The check that every reachable part of a grammar can produce something (constrained/productive.py),
+which keeps grammars the library would loop on from reaching it: what it refuses, what it lets
+through (every grammar the server builds itself included), and that it reads large grammars in
+linear time."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from baby_sgl.constrained.productive import unproductive_part
+from baby_sgl.entrypoints.tool_grammar import Tool, json_after_thinking, tool_grammar
+
+HEADER = "%llguidance {}\n"
+NEVER = "never produce"
+
+
+@pytest.mark.parametrize("grammar, fault", [
+    ('start: "x" a\na: a "y"\n', "rule 'a' never produces any text"),
+    ('start: "x" a?\na: b\nb: a\n', "rules 'a', 'b' never produce any text"),
+    ('start: "x" (a | "q")\na: b "c"\nb: a\n', "rules 'a', 'b' never produce"),
+    ('start: "x" a*\na: "q" a\n', "rule 'a' never produces"),  # optional where used, broken all the same
+    ("start: a\na: a\n", "rule 'a' never produces"),
+    ('start: "x" | b\nb: "y" b\n', "rule 'b' never produces"),  # beside an alternative that produces
+    ('start: "x" j\nj: %json {"$ref": "#"}\n', "the JSON schema at # only leads back to itself"),
+    ('start: "x" /\\n+/ a\na.2[lazy]: a "y"\n', "rule 'a' never produces"),  # a priority and attributes
+])
+def test_what_never_produces_text_is_named(grammar, fault):
+    assert (unproductive_part("ebnf", HEADER + grammar) or "").startswith(fault)
+
+
+@pytest.mark.parametrize("grammar", [
+    'start: "x" a\na: a "y" | "z"\n',  # left recursion with a way out
+    'start: "x" a\na: "q" a | "r"\nunused: unused\n',  # a broken rule nothing reaches
+    'start: a+ B\na: "q" | a "q"\nB: /[0-9]+/ & ~/0+/\n',  # tokens are regular: not checked
+    'start: "x" a{0,3} b~2..4\na: "a" a?\nb: "b" // a comment\n%ignore /[ \\t]+/\n',  # repetitions
+    'start: <|im_end|> "y"i /z/s "\\"q\\"" %regex {"substring_words": "a b"}\n',
+])
+def test_grammars_that_produce_text_pass(grammar):
+    assert unproductive_part("ebnf", HEADER + grammar) is None
+
+
+@pytest.mark.parametrize("schema, where", [
+    ({"$ref": "#"}, "#"),
+    ({"anyOf": [{"$ref": "#"}]}, "#"),
+    ({"allOf": [{"type": "string"}, {"$ref": "#"}]}, "#"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "$defs": {"x": {"$ref": "#/$defs/x"}}},
+     "#/properties/a"),
+    ({"type": "array", "prefixItems": [{"oneOf": [{"$ref": "#/prefixItems/0"}]}]}, "#/prefixItems/0"),
+])
+def test_schemas_that_only_refer_to_themselves_are_named(schema, where):
+    assert unproductive_part("json_schema", json.dumps(schema)) == (
+        f"the JSON schema at {where} only leads back to itself through $ref, anyOf, oneOf or allOf: it never "
+        "describes a value")
+
+
+@pytest.mark.parametrize("schema", [
+    {"anyOf": [{"$ref": "#"}, {"type": "string"}]},
+    {"type": "array", "items": {"$ref": "#"}},  # recursion through a value: finite values exist
+    {"type": "string", "$defs": {"x": {"$ref": "#/$defs/x"}}},  # a broken definition nothing uses
+    {"$ref": "https://example.com/schema.json"},  # not local: the library's to judge
+    {"enum": [{"$ref": "#"}]},  # data, not a schema
+    True,
+])
+def test_schemas_that_describe_values_pass(schema):
+    assert unproductive_part("json_schema", json.dumps(schema)) is None
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+           "required": ["city"]}
+
+
+@pytest.mark.parametrize("fmt", ["qwen25", "llama3", "mistral", "pythonic"])
+@pytest.mark.parametrize("reasoning", [None, "open", "may"])
+@pytest.mark.parametrize("forced", [True, False])
+def test_the_servers_own_grammars_are_read_and_pass(fmt, reasoning, forced):
+    tools = [Tool("get_weather", None, WEATHER, True), Tool("now", None, {"type": "object", "properties": {}})]
+    assert unproductive_part("ebnf", tool_grammar(fmt, tools, forced, True, reasoning)) is None
+    looping = Tool("loop", None, {"type": "object", "properties": {"x": {"$ref": "#/$defs/y"}}, "required": ["x"],
+                                  "$defs": {"y": {"anyOf": [{"$ref": "#/$defs/y"}]}}}, True)
+    fault = unproductive_part("ebnf", tool_grammar(fmt, [looping], forced, True, reasoning))
+    if fmt != "pythonic":  # the JSON formats embed the whole schema; pythonic each argument's, without $defs
+        assert fault is not None and "only leads back to itself" in fault
+    if reasoning is not None:
+        assert unproductive_part("ebnf", json_after_thinking(json.dumps(WEATHER), reasoning)) is None
+        assert "only leads back" in (unproductive_part("ebnf", json_after_thinking('{"$ref": "#"}', reasoning)) or "")
+
+
+def test_converted_gbnf_is_read():
+    lark = gbnf_to_lark('root ::= "a" item* [0-9]+ (x | "q")?\nitem ::= "b" | "c"{2,3} | item "d"\nx ::= "z" x?\n')
+    assert unproductive_part("ebnf", lark) is None
+    assert NEVER in (unproductive_part("ebnf", gbnf_to_lark('root ::= "a" x\nx ::= x "z"\n')) or "")
+
+
+def test_what_cannot_be_read_is_refused():
+    fault = unproductive_part("ebnf", HEADER + 'start: "a" %lark { start: "b" }\n')
+    assert fault is not None and fault.startswith("this server reads Lark grammars to check them")
+    deep = HEADER + "start: " + "(" * 20000 + '"a"' + ")" * 20000 + "\n"
+    assert unproductive_part("ebnf", deep) == "the grammar's groups or %json are nested too deeply to check"
+
+
+def test_a_large_grammar_is_read_in_linear_time():
+    props = {f"p{i}": {"type": ["string", "integer"][i % 2]} for i in range(3000)}
+    schema = {"type": "object", "properties": props}
+    grammar = tool_grammar("pythonic", [Tool("f", None, schema, True)], True, False, None)
+    chain = HEADER + "start: r0\n" + "".join(f'r{i}: "x" r{i + 1} | r{i + 1} "y"\n' for i in range(20000)) + 'r20000: "z"\n'
+    for text in (grammar, chain):
+        start = time.perf_counter()
+        assert unproductive_part("ebnf", text) is None
+        assert time.perf_counter() - start < 5, len(text)
