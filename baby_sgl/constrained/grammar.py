@@ -70,6 +70,9 @@ _LARK_SYNTAX = re.compile(r"(?m)^[^\S\n]*(?:%llguidance\b|start\s*:)")
 # JSON the model writes under a schema: compact separators, no free whitespace. Free whitespace
 # lets a model pad forever (a grammar cannot end while spaces are still allowed).
 _JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
+# The cache's kind for a grammar the server built (a ServerGrammar): Lark, which may use what only
+# the server's own grammars may (productive.py: tokens that combine regexes with & or ~).
+SERVER_EBNF = "ebnf (built by the server)"
 # The library's names for what a client got wrong, in words a client can act on.
 _PLAIN_WORDS = {
     # A rule or schema that only leads back to itself (productive.py refuses those it can read).
@@ -259,7 +262,7 @@ class GrammarCache:
                 from llguidance.gbnf_to_lark import gbnf_to_lark
 
                 lark = text if is_lark(text) else gbnf_to_lark(text)
-                if (fault := unproductive_part("ebnf", lark)) is not None:
+                if (fault := unproductive_part("ebnf", lark, combined_tokens=kind == SERVER_EBNF)) is not None:
                     return GrammarError(kind, fault)
                 grammar = llguidance.LLMatcher.grammar_from_lark(lark)
             matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0,

@@ -51,16 +51,18 @@ class _Unreadable(Exception):
     """Lark text this reader does not follow: the check leaves it to the library."""
 
 
-def unproductive_part(kind: str, text: str) -> str | None:
+def unproductive_part(kind: str, text: str, combined_tokens: bool = False) -> str | None:
     """What in a `json_schema` (its text) or a Lark grammar (`ebnf` after any conversion) can
-    never produce anything and is reachable from its start, in words for an error; None if nothing."""
+    never produce anything and is reachable from its start, in words for an error; None if nothing.
+    combined_tokens: tokens may intersect or negate regexes (the library's & and ~), whose emptiness
+    this check cannot decide: only in the grammars the server builds itself."""
     if kind == "json_schema":
         try:
             return _schema_fault(json.loads(text))
         except (ValueError, RecursionError):
             return None  # not JSON: the compile says so
     try:
-        return _lark_fault(text)
+        return _lark_fault(text, combined_tokens)
     except _Unreadable as e:  # what is not checked is not served: the library could loop on it
         return f"this server reads Lark grammars to check them, and could not read this one ({e})"
     except RecursionError:
@@ -207,9 +209,59 @@ def _solve(needs: list[list[int]], choices: list[list[list[int]]]) -> list[bool]
     return productive
 
 
+# ---- regexes -------------------------------------------------------------------------------------
+_ALL = (0, 0x10FFFF)
+_CATEGORY_PAIRS = {("CATEGORY_DIGIT", "CATEGORY_NOT_DIGIT"), ("CATEGORY_SPACE", "CATEGORY_NOT_SPACE"),
+                   ("CATEGORY_WORD", "CATEGORY_NOT_WORD")}
+
+
+def matches_nothing(pattern: str) -> bool:
+    """Whether a regex provably matches no text at all (`[^\\s\\S]`, `[^\\x00-\\U0010ffff]`, an
+    alternation of such): read with Python's regex parser; what it cannot read, or cannot decide
+    (lookarounds, the library's own syntax), counts as matching something."""
+    import re._parser as sre_parse  # noqa: PLC0415  (Python's own parser, private but stable since 3.11)
+
+    try:
+        tree = sre_parse.parse(pattern)
+    except Exception:  # noqa: BLE001 - not Python syntax: the library's to judge
+        return False
+    return not _can_match(list(tree))
+
+
+def _can_match(items: list) -> bool:
+    for op, av in items:
+        name = str(op)
+        if name == "IN" and not _class_has_members(av):
+            return False
+        if name == "BRANCH" and not any(_can_match(list(branch)) for branch in av[1]):
+            return False
+        if name == "SUBPATTERN" and not _can_match(list(av[-1])):
+            return False
+        if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") and av[0] > 0 and not _can_match(list(av[2])):
+            return False
+    return True
+
+
+def _class_has_members(items: list) -> bool:
+    negated = any(str(op) == "NEGATE" for op, _ in items)
+    members = [(str(op), av) for op, av in items if str(op) != "NEGATE"]
+    if not negated:
+        return bool(members)
+    categories = {str(av) for op, av in members if op == "CATEGORY"}
+    if any(a in categories and b in categories for a, b in _CATEGORY_PAIRS):
+        return False  # a category and its complement: everything is excluded
+    spans = sorted((av, av) if op == "LITERAL" else av for op, av in members if op in ("LITERAL", "RANGE"))
+    reach = _ALL[0] - 1
+    for lo, hi in spans:
+        if lo > reach + 1:
+            return True  # a gap: that character is a member
+        reach = max(reach, hi)
+    return reach < _ALL[1]
+
+
 # ---- Lark grammars ----------------------------------------------------------------------------------
-def _lark_fault(text: str) -> str | None:
-    rules, schemas = _read_lark(text)
+def _lark_fault(text: str, combined_tokens: bool) -> str | None:
+    rules, schemas = _read_lark(text, combined_tokens)
     for schema in schemas:  # every %json, wherever it is: a schema part the library would reach
         fault = _schema_fault(schema)
         if fault is not None:
@@ -229,6 +281,9 @@ def _lark_fault(text: str) -> str | None:
 
     of_rule = {name: node() for name in rules}
     pending = [(of_rule[name], alternatives) for name, alternatives in rules.items()]
+    nothing = node()  # what a regex that matches no text needs: never met
+    choices[nothing] = [[]]
+    empty_regexes: dict[int, str] = {}  # the rule or group that holds one -> the regex
 
     def requirements(owner: int, item: tuple) -> list[int]:
         kind = item[0]
@@ -243,6 +298,9 @@ def _lark_fault(text: str) -> str | None:
             pending.append((group, item[1]))
             edges[owner].add(group)
             return [group] if kind == "group" else []
+        if kind == "regex" and matches_nothing(item[1]):
+            empty_regexes.setdefault(owner, item[1])
+            return [nothing]
         return []  # a literal, a regex, a %json, a special token
 
     while pending:
@@ -266,6 +324,8 @@ def _lark_fault(text: str) -> str | None:
     seen, stack, broken = {of_rule[START_RULE]}, [of_rule[START_RULE]], []
     while stack:
         k = stack.pop()
+        if k in empty_regexes:
+            return f"the regex /{empty_regexes[k]}/ matches no text"
         if not productive[k] and k in names:
             broken.append(names[k])
         for j in sorted(edges[k] - seen):
@@ -279,7 +339,7 @@ def _lark_fault(text: str) -> str | None:
             "any text: each alternative needs one of them first")
 
 
-def _read_lark(text: str) -> tuple[dict[str, list[list[tuple]]], list[Any]]:
+def _read_lark(text: str, combined_tokens: bool) -> tuple[dict[str, list[list[tuple]]], list[Any]]:
     """The grammar's rules (lowercase names: alternatives of items) and the schemas of its %json
     directives. Tokens (uppercase names) are regular and left out."""
     units = _tokens(text)
@@ -289,16 +349,30 @@ def _read_lark(text: str) -> tuple[dict[str, list[list[tuple]]], list[Any]]:
     for n, s in enumerate(starts):
         end = starts[n + 1] if n + 1 < len(starts) else len(units)
         name = units[s][1].lstrip("?!")
-        if not name[0].islower():
-            continue  # a token: regular, so it produces text (or the library says it cannot)
         body = units[s + 1:end]
         while body and body[0] != ("op", ":"):
             body = body[1:]  # the priority (.2) and the attributes ([lazy, max_tokens=3])
+        if not name[0].islower():  # a token: read where it is plain
+            if _combines_regexes(body):  # & or ~: whether it matches anything is not decided here
+                if not combined_tokens:
+                    raise _Unreadable(f"token {name} combines regexes with & or ~")
+                continue
+            parsed, rest = _expansions(body[1:], [])
+            if rest:
+                raise _Unreadable(f"after token {name}")
+            rules[name] = parsed
+            continue
         parsed, rest = _expansions(body[1:], schemas)
         if rest:
             raise _Unreadable(f"after rule {name}")
         rules[name] = parsed
     return rules, schemas
+
+
+def _combines_regexes(body: list[tuple[str, Any]]) -> bool:
+    """Whether a token's body intersects (&) or negates (~ not followed by a count) regexes."""
+    return any(unit == ("op", "&") or (unit == ("op", "~") and (k + 1 >= len(body) or body[k + 1][0] != "number"))
+               for k, unit in enumerate(body))
 
 
 def _defines(units: list[tuple[str, Any]], i: int) -> bool:
@@ -347,7 +421,9 @@ def _tokens(text: str) -> list[tuple[str, Any]]:
             end = text.find("\n", pos)
             pos = len(text) if end < 0 else end
             continue
-        if kind in ("string", "regex", "special"):
+        if kind == "regex":
+            units.append(("regex", value[1:value.rindex("/")]))
+        elif kind in ("string", "special"):
             units.append(("literal", value))
         elif kind == "newline":
             if units and units[-1][0] != "newline":
@@ -389,6 +465,9 @@ def _expansions(units: list[tuple[str, Any]], schemas: list[Any]) -> tuple[list[
             i += 1
         elif kind == "literal":
             item = ("literal", None)
+            i += 1
+        elif kind == "regex":
+            item = ("regex", value)
             i += 1
         else:
             raise _Unreadable(f"{value!r}")

@@ -15,7 +15,7 @@ import re2
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
-from baby_sgl.constrained.grammar import is_lark
+from baby_sgl.constrained.grammar import SERVER_EBNF, is_lark
 from baby_sgl.validation import (INT64_MAX, INT64_MIN, MAX_N, MAX_STOP, MAX_STOP_LEN, Int32, NonNegInt32,
                                  StrictModel, Text, TokenId, accept_defaults_only, validate)
 
@@ -241,7 +241,7 @@ class SamplingParams(StrictModel):
     def grammar(self) -> tuple[str, str] | None:
         """(kind, text) of the request's constraint, if any: the grammar cache's key."""
         if self.server_grammar is not None:
-            return "ebnf", self.server_grammar.ebnf
+            return SERVER_EBNF, self.server_grammar.ebnf
         return next(((k, getattr(self, k)) for k in GRAMMAR_KINDS if getattr(self, k) is not None), None)
 
     @classmethod

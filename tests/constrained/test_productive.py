@@ -27,6 +27,10 @@ NEVER = "never produce"
     ('start: "x" | b\nb: "y" b\n', "rule 'b' never produces"),  # beside an alternative that produces
     ('start: "x" j\nj: %json {"$ref": "#"}\n', "the JSON schema at # only leads back to itself"),
     ('start: "x" /\\n+/ a\na.2[lazy]: a "y"\n', "rule 'a' never produces"),  # a priority and attributes
+    ('start: "x" /\\n+/ /[^\\s\\S]/\n', "the regex /[^\\s\\S]/ matches no text"),
+    ('start: "x" T\nT: "q" U\nU: /[^\\x00-\\U0010ffff]+/\n', "the regex /[^\\x00-\\U0010ffff]+/ matches no text"),
+    ('start: "x" T\nT: /[0-9]/ & /[a-z]/\n', "this server reads Lark grammars to check them, and could not read "
+                                               "this one (token T combines regexes with & or ~)"),
 ])
 def test_what_never_produces_text_is_named(grammar, fault):
     assert (unproductive_part("ebnf", HEADER + grammar) or "").startswith(fault)
@@ -35,7 +39,7 @@ def test_what_never_produces_text_is_named(grammar, fault):
 @pytest.mark.parametrize("grammar", [
     'start: "x" a\na: a "y" | "z"\n',  # left recursion with a way out
     'start: "x" a\na: "q" a | "r"\nunused: unused\n',  # a broken rule nothing reaches
-    'start: a+ B\na: "q" | a "q"\nB: /[0-9]+/ & ~/0+/\n',  # tokens are regular: not checked
+    'start: a+ B\na: "q" | a "q"\nB: /[0-9]+/ "x" ~ 2\n',  # a token, read as a rule
     'start: "x" a{0,3} b~2..4\na: "a" a?\nb: "b" // a comment\n%ignore /[ \\t]+/\n',  # repetitions
     'start: <|im_end|> "y"i /z/s "\\"q\\"" %regex {"substring_words": "a b"}\n',
 ])
@@ -78,21 +82,35 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": 
 @pytest.mark.parametrize("forced", [True, False])
 def test_the_servers_own_grammars_are_read_and_pass(fmt, reasoning, forced):
     tools = [Tool("get_weather", None, WEATHER, True), Tool("now", None, {"type": "object", "properties": {}})]
-    assert unproductive_part("ebnf", tool_grammar(fmt, tools, forced, True, reasoning)) is None
+    assert unproductive_part("ebnf", tool_grammar(fmt, tools, forced, True, reasoning), combined_tokens=True) is None
     looping = Tool("loop", None, {"type": "object", "properties": {"x": {"$ref": "#/$defs/y"}}, "required": ["x"],
                                   "$defs": {"y": {"anyOf": [{"$ref": "#/$defs/y"}]}}}, True)
-    fault = unproductive_part("ebnf", tool_grammar(fmt, [looping], forced, True, reasoning))
+    fault = unproductive_part("ebnf", tool_grammar(fmt, [looping], forced, True, reasoning), combined_tokens=True)
     if fmt != "pythonic":  # the JSON formats embed the whole schema; pythonic each argument's, without $defs
         assert fault is not None and "only leads back to itself" in fault
     if reasoning is not None:
-        assert unproductive_part("ebnf", json_after_thinking(json.dumps(WEATHER), reasoning)) is None
-        assert "only leads back" in (unproductive_part("ebnf", json_after_thinking('{"$ref": "#"}', reasoning)) or "")
+        thinking = json_after_thinking(json.dumps(WEATHER), reasoning)
+        assert unproductive_part("ebnf", thinking, combined_tokens=True) is None
+        assert "combines regexes" in (unproductive_part("ebnf", thinking) or "")  # not from a client
+        looping_json = json_after_thinking('{"$ref": "#"}', reasoning)
+        assert "only leads back" in (unproductive_part("ebnf", looping_json, combined_tokens=True) or "")
 
 
 def test_converted_gbnf_is_read():
     lark = gbnf_to_lark('root ::= "a" item* [0-9]+ (x | "q")?\nitem ::= "b" | "c"{2,3} | item "d"\nx ::= "z" x?\n')
     assert unproductive_part("ebnf", lark) is None
     assert NEVER in (unproductive_part("ebnf", gbnf_to_lark('root ::= "a" x\nx ::= x "z"\n')) or "")
+
+
+@pytest.mark.parametrize("pattern, nothing", [
+    (r"[^\s\S]", True), (r"[^\d\D]+", True), (r"(?:[^\w\W]|[^\x00-\U0010ffff])", True), (r"a[^\s\S]", True),
+    (r"[^a]", False), (r"\n*", False), (r"x[^\w\W]?", False), (r"(?:[^\s\S]|b)", False), (r"a{0}|[^\s\S]", False),
+    (r"[^\x00-\x09\x0b-\U0010ffff]", False), (r"(?<=a)b", False), (r"[", False),
+])
+def test_a_regex_that_matches_nothing_is_told_apart(pattern, nothing):
+    from baby_sgl.constrained.productive import matches_nothing
+
+    assert matches_nothing(pattern) is nothing
 
 
 def test_what_cannot_be_read_is_refused():

@@ -210,6 +210,18 @@ def test_a_schema_too_deep_after_the_thinking_is_a_400(thinking_base):
     wait_idle(thinking_base)
 
 
+def test_a_json_schema_after_the_thinking_that_only_refers_to_itself_is_a_400(thinking_base):
+    # Before: accepted; the schema sits after the thinking's end and its newlines (a regex lexeme),
+    # and the grammar library's mask after `</think>` spun forever in the scheduler thread.
+    body = {"model": "m", "messages": USER, "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": {"$ref": "#"}}}}
+    r = httpx.post(thinking_base + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("the constraint built from json_schema cannot be compiled: the "
+                                                   "JSON schema at # only leads back to itself"), r.text
+    wait_idle(thinking_base)
+
+
 def test_a_json_schema_string_nested_past_the_parser_after_the_thinking_is_a_400(thinking_base):
     # Before: json_after_thinking caught only JSONDecodeError, and json.loads' RecursionError on
     # SGLang's json_schema string (not response_format) was a 500.
