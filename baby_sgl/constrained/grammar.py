@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from baby_sgl.constrained.productive import schema_loop_message, unproductive_part, unproductive_schema
+from baby_sgl.constrained.productive import unproductive_part
 from baby_sgl.validation import check_nesting
 
 if TYPE_CHECKING:
@@ -64,9 +64,10 @@ _COMPILE_STACK_BYTES = 512 * 2**20
 MAX_SCHEMA_NESTING = 256
 _MAX_ERROR_CHARS = 400  # a library message may quote the whole grammar
 # llguidance's test for Lark syntax (gbnf_to_lark.is_lark_syntax): a line that starts, after blanks,
-# with `%llguidance` or `start:`. Its `^\s*` lets every line start scan all the blank lines after
-# it, quadratic (32 Ki newlines took 13 s); blanks without the newline find the same lines.
-_LARK_SYNTAX = re.compile(r"(?m)^[^\S\n]*(?:%llguidance\b|start\s*:)")
+# with `%llguidance` or `start:` (here also `?start:`, Lark's inlined start rule, which that test
+# sent to the GBNF converter). Its `^\s*` lets every line start scan all the blank lines after it,
+# quadratic (32 Ki newlines took 13 s); blanks without the newline find the same lines.
+_LARK_SYNTAX = re.compile(r"(?m)^[^\S\n]*(?:%llguidance\b|[?!]?start\s*:)")
 # JSON the model writes under a schema: compact separators, no free whitespace. Free whitespace
 # lets a model pad forever (a grammar cannot end while spaces are still allowed).
 _JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
@@ -253,8 +254,8 @@ class GrammarCache:
                     schema = {} if schema is True else closed_objects(schema)
                 except ValueError as e:  # nested too deep
                     return e
-                if (where := unproductive_schema(schema)) is not None:
-                    return GrammarError(kind, schema_loop_message(where))
+                if (fault := unproductive_part("json_schema", json.dumps(schema))) is not None:
+                    return GrammarError(kind, fault)
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_DEFAULTS)
             elif kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(text)

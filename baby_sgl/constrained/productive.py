@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+from urllib.parse import unquote
 
 START_RULE = "start"
 _SCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
@@ -31,12 +32,13 @@ _DEFINITIONS = ("$defs", "definitions")
 # Lark's lexical units: a comment, a string literal (flag i), a regex literal (flags), a special
 # token, a directive, a name, a number, an operator; whitespace apart from newlines is skipped.
 _LARK_TOKEN = re.compile(r"""
-    (?P<comment>//[^\n]*)
+    (?P<comment>(?://|\#)[^\n]*)
   | (?P<string>"(?:[^"\\]|\\.)*"i?)
   | (?P<regex>/(?:[^/\\]|\\.)+/[imslux]*)
   | (?P<special><\|[^\n|]*\|>|<\[[^\]\n]*\]>)
   | (?P<directive>%[A-Za-z_]+)
-  | (?P<name>[?!]?[A-Za-z_][A-Za-z_0-9]*)
+  | (?P<alias>->\s*[?!]?_*[A-Za-z][A-Za-z0-9_]*)
+  | (?P<name>[?!]?_*[a-z](?:[a-z0-9_]|-(?!>))*|[?!]?_*[A-Z][A-Z0-9_]*)
   | (?P<number>-?[0-9]+)
   | (?P<newline>\n)
   | (?P<space>[ \t\r]+)
@@ -45,6 +47,14 @@ _LARK_TOKEN = re.compile(r"""
 
 
 _BLANKS = re.compile(r"[ \t]*")
+
+
+class _UnknownRef(Exception):
+    """A $ref this check cannot follow (another document, a path that is not there)."""
+
+
+class _Empty(Exception):
+    """A regex of the grammar that matches no text (where it is, the library may spin on it)."""
 
 
 class _Unreadable(Exception):
@@ -63,6 +73,8 @@ def unproductive_part(kind: str, text: str, combined_tokens: bool = False) -> st
             return None  # not JSON: the compile says so
     try:
         return _lark_fault(text, combined_tokens)
+    except _Empty as e:
+        return f"the regex /{e}/ matches no text"
     except _Unreadable as e:  # what is not checked is not served: the library could loop on it
         return f"this server reads Lark grammars to check them, and could not read this one ({e})"
     except RecursionError:
@@ -70,7 +82,10 @@ def unproductive_part(kind: str, text: str, combined_tokens: bool = False) -> st
 
 
 def _schema_fault(schema: Any) -> str | None:
-    where = unproductive_schema(schema)
+    try:
+        where = unproductive_schema(schema)
+    except _UnknownRef as e:
+        return f"the JSON schema's $ref {str(e)!r} names no part of the schema (only local references are followed)"
     return None if where is None else schema_loop_message(where)
 
 
@@ -94,6 +109,12 @@ def unproductive_schema(root: Any) -> str | None:
         nodes.append((pointer, node))
         if isinstance(node, dict):
             stack.extend(_children(pointer, node, definitions=True))
+    names: dict[str, Any] = {}  # $anchor and $id values -> their subschemas
+    for _, node in nodes:
+        if isinstance(node, dict):
+            for key in ("$anchor", "$id", "$dynamicAnchor"):
+                if isinstance(node.get(key), str):
+                    names.setdefault("#" + node[key] if key != "$id" else node[key], node)
     # Horn clauses: a node is productive when its `needs` are, and each of its `choices` has one.
     needs: list[list[int]] = [[] for _ in nodes]
     choices: list[list[list[int]]] = [[] for _ in nodes]
@@ -102,9 +123,10 @@ def unproductive_schema(root: Any) -> str | None:
             continue
         ref = node.get("$ref")
         if isinstance(ref, str):
-            target = _resolve(root, ref)
-            if target is not None and id(target) in index:
-                needs[i].append(index[id(target)])
+            target = _resolve(root, ref, names)
+            if target is None or id(target) not in index:
+                raise _UnknownRef(ref)
+            needs[i].append(index[id(target)])
         for key, group in (("allOf", needs[i]), ("anyOf", None), ("oneOf", None)):
             parts = node.get(key)
             if not isinstance(parts, list) or not parts:
@@ -128,7 +150,7 @@ def unproductive_schema(root: Any) -> str | None:
             continue
         nexts = [index[id(child)] for _, child in _children(pointer, node, definitions=False) if id(child) in index]
         ref = node.get("$ref")
-        target = _resolve(root, ref) if isinstance(ref, str) else None
+        target = _resolve(root, ref, names) if isinstance(ref, str) else None
         if target is not None and id(target) in index:
             nexts.append(index[id(target)])
         for j in nexts:
@@ -156,15 +178,17 @@ def _escape(name: str) -> str:
     return name.replace("~", "~0").replace("/", "~1")
 
 
-def _resolve(root: Any, ref: str) -> Any:
-    """The subschema a local JSON pointer names ("#", "#/$defs/a"), or None (another document, an
-    anchor, a path that does not exist: the library's to judge)."""
-    if ref == "#":
+def _resolve(root: Any, ref: str, names: dict[str, Any]) -> Any:
+    """The subschema a $ref names: the root ("", "#"), a JSON pointer ("#/$defs/a", percent-encoded
+    or not), an $anchor ("#a") or an $id; None when it names none of them."""
+    if ref in ("", "#"):
         return root
+    if ref in names:
+        return names[ref]
     if not ref.startswith("#/"):
         return None
     node = root
-    for part in ref[2:].split("/"):
+    for part in unquote(ref[2:]).split("/"):
         part = part.replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
@@ -217,15 +241,48 @@ _CATEGORY_PAIRS = {("CATEGORY_DIGIT", "CATEGORY_NOT_DIGIT"), ("CATEGORY_SPACE", 
 
 def matches_nothing(pattern: str) -> bool:
     """Whether a regex provably matches no text at all (`[^\\s\\S]`, `[^\\x00-\\U0010ffff]`, an
-    alternation of such): read with Python's regex parser; what it cannot read, or cannot decide
-    (lookarounds, the library's own syntax), counts as matching something."""
+    alternation of such): read with Python's regex parser after the library's own escapes are put in
+    its terms; a regex it cannot read is _Unreadable (refused), a lookaround counts as matching."""
     import re._parser as sre_parse  # noqa: PLC0415  (Python's own parser, private but stable since 3.11)
 
+    if _combines_classes(pattern):
+        raise _Unreadable(f"the regex /{pattern}/ combines classes (&&, --, ~~)")
+    python = _RUST_ESCAPES.sub(_as_python, pattern)
     try:
-        tree = sre_parse.parse(pattern)
-    except Exception:  # noqa: BLE001 - not Python syntax: the library's to judge
-        return False
+        tree = sre_parse.parse(python)
+    except Exception:  # noqa: BLE001 - syntax Python's parser does not know
+        raise _Unreadable(f"the regex /{pattern}/") from None
     return not _can_match(list(tree))
+
+
+# The library's regexes are Rust's: classes may be intersected or subtracted (whether the result has
+# members is not decided here), \x{...} is a code point and \p{...} a Unicode class (read as \w,
+# its complement \P{...} as \W: a negated class holding both then has no members, as it should).
+_RUST_ESCAPES = re.compile(r"\\(?:x\{([0-9A-Fa-f]{1,6})\}|([pP])(?:\{[^}]*\}|[A-Za-z]))")
+
+
+def _combines_classes(pattern: str) -> bool:
+    """Whether a class inside the regex intersects, subtracts or symmetrically differs (&&, --, ~~)."""
+    depth, i = 0, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+        elif c == "]" and depth:
+            depth -= 1
+        elif depth and pattern[i:i + 2] in ("&&", "--", "~~"):
+            return True
+        i += 1
+    return False
+
+
+def _as_python(m: re.Match) -> str:
+    if m.group(1) is not None:
+        return f"\\U{int(m.group(1), 16):08x}"
+    return "\\w" if m.group(2) == "p" else "\\W"
 
 
 def _can_match(items: list) -> bool:
@@ -345,19 +402,23 @@ def _read_lark(text: str, combined_tokens: bool) -> tuple[dict[str, list[list[tu
     units = _tokens(text)
     rules: dict[str, list[list[tuple]]] = {}
     schemas: list[Any] = []
+    attribute_regexes: list[str] = []
     starts = [i for i, (kind, _) in enumerate(units) if kind == "name" and _defines(units, i)]
     for n, s in enumerate(starts):
         end = starts[n + 1] if n + 1 < len(starts) else len(units)
         name = units[s][1].lstrip("?!")
+        is_rule = name.lstrip("_")[:1].islower()
         body = units[s + 1:end]
         while body and body[0] != ("op", ":"):
+            if body[0][0] == "regex":  # an attribute's regex (stop=/.../, suffix=/.../)
+                attribute_regexes.append(body[0][1])
             body = body[1:]  # the priority (.2) and the attributes ([lazy, max_tokens=3])
-        if not name[0].islower():  # a token: read where it is plain
+        if not is_rule:  # a token: read where it is plain
             if _combines_regexes(body):  # & or ~: whether it matches anything is not decided here
                 if not combined_tokens:
                     raise _Unreadable(f"token {name} combines regexes with & or ~")
                 continue
-            parsed, rest = _expansions(body[1:], [])
+            parsed, rest = _expansions(body[1:], schemas)
             if rest:
                 raise _Unreadable(f"after token {name}")
             rules[name] = parsed
@@ -366,6 +427,9 @@ def _read_lark(text: str, combined_tokens: bool) -> tuple[dict[str, list[list[tu
         if rest:
             raise _Unreadable(f"after rule {name}")
         rules[name] = parsed
+    for pattern in attribute_regexes:
+        if matches_nothing(pattern):
+            raise _Empty(pattern)
     return rules, schemas
 
 
@@ -400,8 +464,10 @@ def _tokens(text: str) -> list[tuple[str, Any]]:
             raise _Unreadable(f"at {pos}")
         kind, value = m.lastgroup or "", m.group()
         pos = m.end()
-        if kind in ("comment", "space"):
+        if kind in ("comment", "space", "alias"):  # an alias (-> name) renames the tree node only
             continue
+        if kind == "special" and value.startswith("<[^"):
+            raise _Unreadable(f"a negated token set {value}")  # it may exclude every token
         if kind == "directive":
             if value in ("%json", "%llguidance", "%regex", "%lark"):
                 blanks = _BLANKS.match(text, pos)
@@ -466,6 +532,8 @@ def _expansions(units: list[tuple[str, Any]], schemas: list[Any]) -> tuple[list[
         elif kind == "literal":
             item = ("literal", None)
             i += 1
+            if i + 1 < len(units) and units[i] == ("op", "..") and units[i + 1][0] == "literal":
+                i += 2  # a range of characters, "a".."z"
         elif kind == "regex":
             item = ("regex", value)
             i += 1

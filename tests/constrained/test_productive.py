@@ -65,12 +65,17 @@ def test_schemas_that_only_refer_to_themselves_are_named(schema, where):
     {"anyOf": [{"$ref": "#"}, {"type": "string"}]},
     {"type": "array", "items": {"$ref": "#"}},  # recursion through a value: finite values exist
     {"type": "string", "$defs": {"x": {"$ref": "#/$defs/x"}}},  # a broken definition nothing uses
-    {"$ref": "https://example.com/schema.json"},  # not local: the library's to judge
     {"enum": [{"$ref": "#"}]},  # data, not a schema
     True,
 ])
 def test_schemas_that_describe_values_pass(schema):
     assert unproductive_part("json_schema", json.dumps(schema)) is None
+
+
+def test_a_ref_the_check_cannot_follow_is_refused():
+    for ref in ("https://example.com/schema.json", "#/$defs/missing"):
+        assert unproductive_part("json_schema", json.dumps({"$ref": ref})) == (
+            f"the JSON schema's $ref {ref!r} names no part of the schema (only local references are followed)")
 
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -105,12 +110,42 @@ def test_converted_gbnf_is_read():
 @pytest.mark.parametrize("pattern, nothing", [
     (r"[^\s\S]", True), (r"[^\d\D]+", True), (r"(?:[^\w\W]|[^\x00-\U0010ffff])", True), (r"a[^\s\S]", True),
     (r"[^a]", False), (r"\n*", False), (r"x[^\w\W]?", False), (r"(?:[^\s\S]|b)", False), (r"a{0}|[^\s\S]", False),
-    (r"[^\x00-\x09\x0b-\U0010ffff]", False), (r"(?<=a)b", False), (r"[", False),
+    (r"[^\x00-\x09\x0b-\U0010ffff]", False), (r"(?<=a)b", False), (r"--[a-z]+", False),
+    (r"[^\x00-\x{10FFFF}]", True), (r"[^\p{L}\P{L}]", True), (r"\p{L}+[^\p{L}]", False),  # the library's escapes
 ])
 def test_a_regex_that_matches_nothing_is_told_apart(pattern, nothing):
     from baby_sgl.constrained.productive import matches_nothing
 
     assert matches_nothing(pattern) is nothing
+
+
+# Found by an adversarial search: each passed an earlier version of the check, and each made the
+# library spin (in the compile, or in the scheduler thread where it sat behind a choice).
+BYPASSES = [
+    'aB\na: a "y"\nB: "z"\n',  # the library reads `aB` as rule a, then token B
+    '_j\n_j: %json {"$ref": "#"}\n',  # a rule named with a leading underscore
+    "/[a&&b]/\n", "/[\\p{L}&&\\P{L}]/\n", "/[^\\x00-\\x{10FFFF}]/\n",  # the library's regex syntax
+    "<[^0-49151]>\n",  # every token excluded
+    'a\na[suffix=/[^\\s\\S]/]: /y/\n', 'a\na[stop=/[^\\s\\S]/]: /y/\n',  # an attribute's regex
+    'j\nj: %json {"$ref": ""}\n',  # every way a $ref names its own schema
+    'j\nj: %json {"$ref": "#L", "$defs": {"L": {"$anchor": "L", "$ref": "#L"}}}\n',
+    'j\nj: %json {"$ref": "urn:l", "$defs": {"L": {"$id": "urn:l", "$ref": "urn:l"}}}\n',
+    'j\nj: %json {"$ref": "#/%24defs/L", "$defs": {"L": {"$ref": "#/%24defs/L"}}}\n',
+]
+
+
+@pytest.mark.parametrize("tail", BYPASSES)
+@pytest.mark.parametrize("head", ['start: "x" /\\n+/ ', 'start: "q" | "x" /\\n+/ '])
+def test_what_got_past_an_earlier_check_is_refused(head, tail):
+    assert unproductive_part("ebnf", HEADER + head + tail) is not None
+
+
+@pytest.mark.parametrize("grammar", [
+    'start: "a" # a comment\n', "start: my-rule\nmy-rule: \"q\"\n", 'start: LETTER+\nLETTER: "a".."z"\n',
+    'start: a -> renamed\na: "q"\n', '?start: value\nvalue: "v"\n', "start: /--[a-z]+/ /[0-9]{4}-[0-9]{2}/\n",
+])
+def test_ordinary_lark_it_once_refused_passes(grammar):
+    assert unproductive_part("ebnf", HEADER + grammar) is None
 
 
 def test_what_cannot_be_read_is_refused():
