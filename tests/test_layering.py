@@ -21,6 +21,7 @@ LAYERS = [
     "constrained", "core", "layers", "lora", "model_loader", "distributed", "mem_cache", "sampling", "speculative", "attention",
     "models", "cpu.decode_step",
     "model_executor", "distributed.tp_worker", "managers", "engine", "demo", "entrypoints", "launch_server", "cli",
+    "sglang_client",
     "bench", "__init__",
 ]
 
