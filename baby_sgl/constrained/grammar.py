@@ -238,6 +238,19 @@ class GrammarCache:
                                                                    eos_token=self.eos_token_ids or None)
             return self._llg_tokenizer
 
+    def _regex_is_empty(self, pattern: str) -> bool:
+        """Whether a regex matches no text, asked of the library on the regex alone: first in its
+        grammar, an empty one is refused at the first mask, not looped on (productive.py). A regex
+        the library cannot compile at all counts as not empty here: the grammar's compile says why."""
+        import llguidance
+
+        try:
+            matcher = llguidance.LLMatcher(self._tokenizer(), llguidance.LLMatcher.grammar_from_regex(pattern),
+                                           log_level=0)
+        except Exception:  # noqa: BLE001 - the grammar's own compile reports it
+            return False
+        return _first_mask_fails(matcher, self.vocab_size) and "NoExtensionBias" in (matcher.get_error() or "")
+
     def _compile(self, kind: str, text: str) -> CompiledGrammar | ValueError:
         import llguidance
         import llguidance.torch
@@ -263,7 +276,9 @@ class GrammarCache:
                 from llguidance.gbnf_to_lark import gbnf_to_lark
 
                 lark = text if is_lark(text) else gbnf_to_lark(text)
-                if (fault := unproductive_part("ebnf", lark, combined_tokens=kind == SERVER_EBNF)) is not None:
+                fault = unproductive_part("ebnf", lark, combined_tokens=kind == SERVER_EBNF,
+                                          regex_is_empty=self._regex_is_empty)
+                if fault is not None:
                     return GrammarError(kind, fault)
                 grammar = llguidance.LLMatcher.grammar_from_lark(lark)
             matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0,
@@ -285,6 +300,14 @@ class GrammarCache:
         if matcher.is_error():
             return GrammarError(kind, _library_error(matcher.get_error()))
         return CompiledGrammar(matcher)
+
+
+def _first_mask_fails(matcher: Any, vocab_size: int) -> bool:
+    import llguidance.torch
+
+    if not matcher.is_error():
+        llguidance.torch.fill_next_token_bitmask(matcher, torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32))
+    return matcher.is_error()
 
 
 def is_lark(text: str) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote
 
@@ -38,7 +39,7 @@ _LARK_TOKEN = re.compile(r"""
   | (?P<special><\|[^\n|]*\|>|<\[[^\]\n]*\]>)
   | (?P<directive>%[A-Za-z_]+)
   | (?P<alias>->\s*[?!]?_*[A-Za-z][A-Za-z0-9_]*)
-  | (?P<name>[?!]?_*[a-z](?:[a-z0-9_]|-(?!>))*|[?!]?_*[A-Z][A-Z0-9_]*)
+  | (?P<name>[?!]?_*[a-z](?:[a-z0-9_]|-(?!>))*|[?!]?_*[A-Z](?:[A-Z0-9_]|-(?!>))*)
   | (?P<number>-?[0-9]+)
   | (?P<newline>\n)
   | (?P<space>[ \t\r]+)
@@ -46,7 +47,9 @@ _LARK_TOKEN = re.compile(r"""
 """, re.X)
 
 
-_BLANKS = re.compile(r"[ \t]*")
+_BLANKS = re.compile(r"\s*")
+_IMPORTED = re.compile(r"[ \t]+[A-Za-z_][\w.]*(?:[ \t]*->[ \t]*\w+|[ \t]*\([\w, \t]*\))?[ \t]*(?=\n|$)")
+_IGNORED = re.compile(r"""[ \t]*(?:/(?:[^/\\\n]|\\.)+/[imslux]*|"(?:[^"\\\n]|\\.)*"i?|_*[A-Z][A-Z0-9_]*)[ \t]*(?=\n|$)""")
 
 
 class _UnknownRef(Exception):
@@ -61,18 +64,23 @@ class _Unreadable(Exception):
     """Lark text this reader does not follow: the check leaves it to the library."""
 
 
-def unproductive_part(kind: str, text: str, combined_tokens: bool = False) -> str | None:
+def unproductive_part(kind: str, text: str, combined_tokens: bool = False,
+                      regex_is_empty: Callable[[str], bool] | None = None) -> str | None:
     """What in a `json_schema` (its text) or a Lark grammar (`ebnf` after any conversion) can
     never produce anything and is reachable from its start, in words for an error; None if nothing.
     combined_tokens: tokens may intersect or negate regexes (the library's & and ~), whose emptiness
-    this check cannot decide: only in the grammars the server builds itself."""
+    this check cannot decide: only in the grammars the server builds itself. regex_is_empty: whether
+    a regex (flags inline) matches no text, best asked of the library itself on the regex alone
+    (where it is first it is refused, not looped on: grammar.py does that); without it, Python's
+    regex parser decides what it can read (matches_nothing). At most MAX_CHECKED_REGEXES distinct
+    regexes are checked in one grammar."""
     if kind == "json_schema":
         try:
             return _schema_fault(json.loads(text))
         except (ValueError, RecursionError):
             return None  # not JSON: the compile says so
     try:
-        return _lark_fault(text, combined_tokens)
+        return _lark_fault(text, combined_tokens, _Regexes(regex_is_empty or matches_nothing))
     except _Empty as e:
         return f"the regex /{e}/ matches no text"
     except _Unreadable as e:  # what is not checked is not served: the library could loop on it
@@ -85,6 +93,8 @@ def _schema_fault(schema: Any) -> str | None:
     try:
         where = unproductive_schema(schema)
     except _UnknownRef as e:
+        if str(e).startswith("$id at "):
+            return f"the JSON schema sets a {e}: this server does not follow base URIs inside a schema"
         return f"the JSON schema's $ref {str(e)!r} names no part of the schema (only local references are followed)"
     return None if where is None else schema_loop_message(where)
 
@@ -110,7 +120,10 @@ def unproductive_schema(root: Any) -> str | None:
         if isinstance(node, dict):
             stack.extend(_children(pointer, node, definitions=True))
     names: dict[str, Any] = {}  # $anchor and $id values -> their subschemas
-    for _, node in nodes:
+    for pointer, node in nodes:
+        if isinstance(node, dict) and node is not root and "$id" in node:
+            # a new base URI: the library reads the $refs under it from there
+            raise _UnknownRef(f"$id at {pointer}")
         if isinstance(node, dict):
             for key in ("$anchor", "$id", "$dynamicAnchor"):
                 if isinstance(node.get(key), str):
@@ -234,6 +247,24 @@ def _solve(needs: list[list[int]], choices: list[list[list[int]]]) -> list[bool]
 
 
 # ---- regexes -------------------------------------------------------------------------------------
+MAX_CHECKED_REGEXES = 256  # distinct regexes in one grammar (the library's check takes ~1-2 ms each)
+
+
+class _Regexes:
+    """Whether each regex of one grammar matches nothing, each distinct one asked once."""
+
+    def __init__(self, is_empty: Callable[[str], bool]) -> None:
+        self._is_empty = is_empty
+        self._seen: dict[str, bool] = {}
+
+    def empty(self, pattern: str) -> bool:
+        if pattern not in self._seen:
+            if len(self._seen) >= MAX_CHECKED_REGEXES:
+                raise _Unreadable(f"more than {MAX_CHECKED_REGEXES} distinct regexes")
+            self._seen[pattern] = self._is_empty(pattern)
+        return self._seen[pattern]
+
+
 _ALL = (0, 0x10FFFF)
 _CATEGORY_PAIRS = {("CATEGORY_DIGIT", "CATEGORY_NOT_DIGIT"), ("CATEGORY_SPACE", "CATEGORY_NOT_SPACE"),
                    ("CATEGORY_WORD", "CATEGORY_NOT_WORD")}
@@ -317,8 +348,8 @@ def _class_has_members(items: list) -> bool:
 
 
 # ---- Lark grammars ----------------------------------------------------------------------------------
-def _lark_fault(text: str, combined_tokens: bool) -> str | None:
-    rules, schemas = _read_lark(text, combined_tokens)
+def _lark_fault(text: str, combined_tokens: bool, regexes: _Regexes) -> str | None:
+    rules, schemas = _read_lark(text, combined_tokens, regexes)
     for schema in schemas:  # every %json, wherever it is: a schema part the library would reach
         fault = _schema_fault(schema)
         if fault is not None:
@@ -355,7 +386,7 @@ def _lark_fault(text: str, combined_tokens: bool) -> str | None:
             pending.append((group, item[1]))
             edges[owner].add(group)
             return [group] if kind == "group" else []
-        if kind == "regex" and matches_nothing(item[1]):
+        if kind == "regex" and regexes.empty(item[1]):
             empty_regexes.setdefault(owner, item[1])
             return [nothing]
         return []  # a literal, a regex, a %json, a special token
@@ -396,7 +427,7 @@ def _lark_fault(text: str, combined_tokens: bool) -> str | None:
             "any text: each alternative needs one of them first")
 
 
-def _read_lark(text: str, combined_tokens: bool) -> tuple[dict[str, list[list[tuple]]], list[Any]]:
+def _read_lark(text: str, combined_tokens: bool, regexes: _Regexes) -> tuple[dict[str, list[list[tuple]]], list[Any]]:
     """The grammar's rules (lowercase names: alternatives of items) and the schemas of its %json
     directives. Tokens (uppercase names) are regular and left out."""
     units = _tokens(text)
@@ -428,7 +459,7 @@ def _read_lark(text: str, combined_tokens: bool) -> tuple[dict[str, list[list[tu
             raise _Unreadable(f"after rule {name}")
         rules[name] = parsed
     for pattern in attribute_regexes:
-        if matches_nothing(pattern):
+        if regexes.empty(pattern):
             raise _Empty(pattern)
     return rules, schemas
 
@@ -483,12 +514,23 @@ def _tokens(text: str) -> list[tuple[str, Any]]:
                     continue
                 units.append(("json" if value == "%json" else "literal", data))
                 continue
-            # %ignore, %import, %declare ...: the rest of the line
-            end = text.find("\n", pos)
-            pos = len(text) if end < 0 else end
+            if value == "%import":  # a module's names (common.WS), alone on their line
+                line = _IMPORTED.match(text, pos)
+                if line is None:
+                    raise _Unreadable("%import with more than a module's names on its line")
+                pos = line.end()
+                continue
+            if value != "%ignore":  # %if, %declare...: what they bring is not read here
+                raise _Unreadable(f"the directive {value}")
+            line = _IGNORED.match(text, pos)  # one regex, string or token, then the line's end
+            if line is None:
+                raise _Unreadable("%ignore with more than one regex, string or token")
+            pos = line.end()  # what it ignores between lexemes needs nothing (an empty one compiles and holds)
             continue
         if kind == "regex":
-            units.append(("regex", value[1:value.rindex("/")]))
+            end = value.rindex("/")
+            flags = value[end + 1:]
+            units.append(("regex", f"(?{flags}){value[1:end]}" if flags else value[1:end]))
         elif kind in ("string", "special"):
             units.append(("literal", value))
         elif kind == "newline":

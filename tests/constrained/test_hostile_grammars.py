@@ -137,6 +137,12 @@ LOOPING = [
     ('start: "x" /\\n+/ /[^\\s\\S]/\n', "the regex /[^\\s\\S]/ matches no text"),
     ('start: "x" /\\n+/ T\n' "T: /a/ & /b/\n", "this server reads Lark grammars to check them, and could not read this "
                                              "one (token T combines regexes with & or ~)"),
+    # regexes whose emptiness only the library's own syntax shows: asked of the library, each alone
+    ('start: "q" | "x" /\\n+/ /\\P{Any}/\n', "the regex /\\P{Any}/ matches no text"),
+    ('start: "x" /\\n+/ /[[^\\s\\S]]/\n', "the regex /[[^\\s\\S]]/ matches no text"),
+    ('start: "x" /\\n+/ /[^[:ascii:][:^ascii:]]/\n', "the regex /[^[:ascii:][:^ascii:]]/ matches no text"),
+    ('start: "x" /\\n+/ /[^\\s\\S]#|a/x\n', "the regex /(?x)[^\\s\\S]#|a/ matches no text"),
+    ('start: "x" /\\n+/ /[^\\d\\P{Nd}]/\n', "the regex /[^\\d\\P{Nd}]/ matches no text"),
 ]
 
 

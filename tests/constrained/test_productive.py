@@ -131,6 +131,11 @@ BYPASSES = [
     'j\nj: %json {"$ref": "#L", "$defs": {"L": {"$anchor": "L", "$ref": "#L"}}}\n',
     'j\nj: %json {"$ref": "urn:l", "$defs": {"L": {"$id": "urn:l", "$ref": "urn:l"}}}\n',
     'j\nj: %json {"$ref": "#/%24defs/L", "$defs": {"L": {"$ref": "#/%24defs/L"}}}\n',
+    # a second search: what a directive's line hid, and a $ref read from a nested $id
+    'a\n%import common.WS a: a "y"\n', 'T\n%import common.WS T: /a/ & /b/\n', 'a %if true a: a "y"\n',
+    'a\n%ignore WS a: a "y"\n',
+    'j\nj: %json {"$ref": "urn:b", "$defs": {"a": {"type": "string"}, "b": {"$id": "urn:b", "$ref": "#/$defs/a", '
+    '"$defs": {"a": {"$ref": "#/$defs/a"}}}}}\n',
 ]
 
 
@@ -143,6 +148,8 @@ def test_what_got_past_an_earlier_check_is_refused(head, tail):
 @pytest.mark.parametrize("grammar", [
     'start: "a" # a comment\n', "start: my-rule\nmy-rule: \"q\"\n", 'start: LETTER+\nLETTER: "a".."z"\n',
     'start: a -> renamed\na: "q"\n', '?start: value\nvalue: "v"\n', "start: /--[a-z]+/ /[0-9]{4}-[0-9]{2}/\n",
+    'start: MY-TOK\nMY-TOK: "a"\n', 'start: j\nj: %json\n  {"type": "string"}\n',
+    'start: WORD (WS WORD)*\n%import common.WS\n%import common (WORD, NUMBER)\n%ignore WS\n',
 ])
 def test_ordinary_lark_it_once_refused_passes(grammar):
     assert unproductive_part("ebnf", HEADER + grammar) is None
