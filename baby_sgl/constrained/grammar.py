@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from baby_sgl.constrained.productive import unproductive_part
+from baby_sgl.constrained.productive import lark_fault, schema_fault
 from baby_sgl.validation import check_nesting
 
 if TYPE_CHECKING:
@@ -253,7 +253,6 @@ class GrammarCache:
 
     def _compile(self, kind: str, text: str) -> CompiledGrammar | ValueError:
         import llguidance
-        import llguidance.torch
 
         try:
             if kind == "json_schema":
@@ -267,7 +266,7 @@ class GrammarCache:
                     schema = {} if schema is True else closed_objects(schema)
                 except ValueError as e:  # nested too deep
                     return e
-                if (fault := unproductive_part("json_schema", json.dumps(schema))) is not None:
+                if (fault := schema_fault(schema)) is not None:
                     return GrammarError(kind, fault)
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_DEFAULTS)
             elif kind == "regex":
@@ -276,9 +275,7 @@ class GrammarCache:
                 from llguidance.gbnf_to_lark import gbnf_to_lark
 
                 lark = text if is_lark(text) else gbnf_to_lark(text)
-                fault = unproductive_part("ebnf", lark, combined_tokens=kind == SERVER_EBNF,
-                                          regex_is_empty=self._regex_is_empty)
-                if fault is not None:
+                if (fault := lark_fault(lark, self._regex_is_empty, combined_tokens=kind == SERVER_EBNF)) is not None:
                     return GrammarError(kind, fault)
                 grammar = llguidance.LLMatcher.grammar_from_lark(lark)
             matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0,
@@ -291,9 +288,7 @@ class GrammarCache:
                 if matcher.is_error():
                     break
                 probe = matcher.deep_copy()
-                llguidance.torch.fill_next_token_bitmask(probe, torch.zeros(1, (self.vocab_size + 31) // 32,
-                                                                            dtype=torch.int32, device="cpu"))
-                if probe.is_error():
+                if _first_mask_fails(probe, self.vocab_size):
                     return GrammarError(kind, _library_error(probe.get_error()))
         except Exception as e:  # the library's own words for what is wrong with the grammar
             return GrammarError(kind, _library_error(str(e)))
@@ -303,10 +298,13 @@ class GrammarCache:
 
 
 def _first_mask_fails(matcher: Any, vocab_size: int) -> bool:
+    """Computes the matcher's next mask (where a grammar too complex for the library, or a part
+    that produces nothing, shows) and says whether the library failed."""
     import llguidance.torch
 
     if not matcher.is_error():
-        llguidance.torch.fill_next_token_bitmask(matcher, torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32))
+        llguidance.torch.fill_next_token_bitmask(
+            matcher, torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32, device="cpu"))
     return matcher.is_error()
 
 

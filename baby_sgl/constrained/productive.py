@@ -9,10 +9,12 @@ good. So each grammar is checked here first, in time linear in its size: a rule 
 one of its alternatives needs only productive rules (optional and repeated-from-zero items need
 nothing), a schema when it describes a value without a $ref or combinator, or its $ref and allOf
 parts are productive and anyOf/oneOf have a productive choice. Only parts reachable from the start
-(the rule `start`, the schema's root) are reported. A Lark grammar this reader cannot follow is
-refused (it reads the syntax llguidance documents: rules, tokens, literals, regexes, special
-tokens, groups, repetitions, attributes, %json, %regex, %ignore and %import lines; not %lark's
-nested grammars); a JSON schema construct it does not know is taken as productive.
+(the rule `start`, the schema's root) are reported. Whether a regex matches any text is asked of
+the library itself, on the regex alone (first in its grammar, an empty one is refused, not looped
+on). A Lark grammar this reader cannot follow is refused (it reads the syntax llguidance documents:
+rules, tokens, literals, regexes, special tokens, groups, repetitions, attributes, %json, %regex,
+and %ignore and %import lines; not %lark's nested grammars, %if, or a client's tokens that combine
+regexes with & or ~); a JSON schema construct it does not know is taken as productive.
 """
 
 from __future__ import annotations
@@ -61,26 +63,18 @@ class _Empty(Exception):
 
 
 class _Unreadable(Exception):
-    """Lark text this reader does not follow: the check leaves it to the library."""
+    """Lark text this reader does not follow: refused, since the library could loop on it."""
 
 
-def unproductive_part(kind: str, text: str, combined_tokens: bool = False,
-                      regex_is_empty: Callable[[str], bool] | None = None) -> str | None:
-    """What in a `json_schema` (its text) or a Lark grammar (`ebnf` after any conversion) can
-    never produce anything and is reachable from its start, in words for an error; None if nothing.
-    combined_tokens: tokens may intersect or negate regexes (the library's & and ~), whose emptiness
-    this check cannot decide: only in the grammars the server builds itself. regex_is_empty: whether
-    a regex (flags inline) matches no text, best asked of the library itself on the regex alone
-    (where it is first it is refused, not looped on: grammar.py does that); without it, Python's
-    regex parser decides what it can read (matches_nothing). At most MAX_CHECKED_REGEXES distinct
-    regexes are checked in one grammar."""
-    if kind == "json_schema":
-        try:
-            return _schema_fault(json.loads(text))
-        except (ValueError, RecursionError):
-            return None  # not JSON: the compile says so
+def lark_fault(text: str, regex_is_empty: Callable[[str], bool], combined_tokens: bool = False) -> str | None:
+    """What in a Lark grammar (an `ebnf` after any conversion) can never produce anything and is
+    reachable from its start, or what of it cannot be read, in words for an error; None if nothing.
+    regex_is_empty: whether a regex (flags inline) matches no text (GrammarCache asks the library);
+    at most MAX_CHECKED_REGEXES distinct regexes are asked about in one grammar. combined_tokens:
+    tokens may intersect or negate regexes (the library's & and ~), whose emptiness this check does
+    not decide: only in the grammars the server builds itself."""
     try:
-        return _lark_fault(text, combined_tokens, _Regexes(regex_is_empty or matches_nothing))
+        return _lark_fault(text, combined_tokens, _Regexes(regex_is_empty))
     except _Empty as e:
         return f"the regex /{e}/ matches no text"
     except _Unreadable as e:  # what is not checked is not served: the library could loop on it
@@ -89,17 +83,17 @@ def unproductive_part(kind: str, text: str, combined_tokens: bool = False,
         return "the grammar's groups or %json are nested too deeply to check"
 
 
-def _schema_fault(schema: Any) -> str | None:
+def schema_fault(schema: Any) -> str | None:
+    """What in a JSON schema only leads back to itself, reachable from its root, or which of its
+    $refs cannot be followed, in words for an error; None if nothing."""
     try:
         where = unproductive_schema(schema)
     except _UnknownRef as e:
         if str(e).startswith("$id at "):
             return f"the JSON schema sets a {e}: this server does not follow base URIs inside a schema"
         return f"the JSON schema's $ref {str(e)!r} names no part of the schema (only local references are followed)"
-    return None if where is None else schema_loop_message(where)
-
-
-def schema_loop_message(where: str) -> str:
+    if where is None:
+        return None
     return (f"the JSON schema at {where} only leads back to itself through $ref, anyOf, oneOf or allOf: "
             "it never describes a value")
 
@@ -131,6 +125,7 @@ def unproductive_schema(root: Any) -> str | None:
     # Horn clauses: a node is productive when its `needs` are, and each of its `choices` has one.
     needs: list[list[int]] = [[] for _ in nodes]
     choices: list[list[list[int]]] = [[] for _ in nodes]
+    refers: dict[int, int] = {}  # a node with a $ref -> the node it names
     for i, (_, node) in enumerate(nodes):
         if not isinstance(node, dict):
             continue
@@ -139,7 +134,8 @@ def unproductive_schema(root: Any) -> str | None:
             target = _resolve(root, ref, names)
             if target is None or id(target) not in index:
                 raise _UnknownRef(ref)
-            needs[i].append(index[id(target)])
+            refers[i] = index[id(target)]
+            needs[i].append(refers[i])
         for key, group in (("allOf", needs[i]), ("anyOf", None), ("oneOf", None)):
             parts = node.get(key)
             if not isinstance(parts, list) or not parts:
@@ -162,10 +158,8 @@ def unproductive_schema(root: Any) -> str | None:
         if not isinstance(node, dict):
             continue
         nexts = [index[id(child)] for _, child in _children(pointer, node, definitions=False) if id(child) in index]
-        ref = node.get("$ref")
-        target = _resolve(root, ref, names) if isinstance(ref, str) else None
-        if target is not None and id(target) in index:
-            nexts.append(index[id(target)])
+        if i in refers:
+            nexts.append(refers[i])
         for j in nexts:
             if j not in seen:
                 seen.add(j)
@@ -265,93 +259,11 @@ class _Regexes:
         return self._seen[pattern]
 
 
-_ALL = (0, 0x10FFFF)
-_CATEGORY_PAIRS = {("CATEGORY_DIGIT", "CATEGORY_NOT_DIGIT"), ("CATEGORY_SPACE", "CATEGORY_NOT_SPACE"),
-                   ("CATEGORY_WORD", "CATEGORY_NOT_WORD")}
-
-
-def matches_nothing(pattern: str) -> bool:
-    """Whether a regex provably matches no text at all (`[^\\s\\S]`, `[^\\x00-\\U0010ffff]`, an
-    alternation of such): read with Python's regex parser after the library's own escapes are put in
-    its terms; a regex it cannot read is _Unreadable (refused), a lookaround counts as matching."""
-    import re._parser as sre_parse  # noqa: PLC0415  (Python's own parser, private but stable since 3.11)
-
-    if _combines_classes(pattern):
-        raise _Unreadable(f"the regex /{pattern}/ combines classes (&&, --, ~~)")
-    python = _RUST_ESCAPES.sub(_as_python, pattern)
-    try:
-        tree = sre_parse.parse(python)
-    except Exception:  # noqa: BLE001 - syntax Python's parser does not know
-        raise _Unreadable(f"the regex /{pattern}/") from None
-    return not _can_match(list(tree))
-
-
-# The library's regexes are Rust's: classes may be intersected or subtracted (whether the result has
-# members is not decided here), \x{...} is a code point and \p{...} a Unicode class (read as \w,
-# its complement \P{...} as \W: a negated class holding both then has no members, as it should).
-_RUST_ESCAPES = re.compile(r"\\(?:x\{([0-9A-Fa-f]{1,6})\}|([pP])(?:\{[^}]*\}|[A-Za-z]))")
-
-
-def _combines_classes(pattern: str) -> bool:
-    """Whether a class inside the regex intersects, subtracts or symmetrically differs (&&, --, ~~)."""
-    depth, i = 0, 0
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == "[":
-            depth += 1
-        elif c == "]" and depth:
-            depth -= 1
-        elif depth and pattern[i:i + 2] in ("&&", "--", "~~"):
-            return True
-        i += 1
-    return False
-
-
-def _as_python(m: re.Match) -> str:
-    if m.group(1) is not None:
-        return f"\\U{int(m.group(1), 16):08x}"
-    return "\\w" if m.group(2) == "p" else "\\W"
-
-
-def _can_match(items: list) -> bool:
-    for op, av in items:
-        name = str(op)
-        if name == "IN" and not _class_has_members(av):
-            return False
-        if name == "BRANCH" and not any(_can_match(list(branch)) for branch in av[1]):
-            return False
-        if name == "SUBPATTERN" and not _can_match(list(av[-1])):
-            return False
-        if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") and av[0] > 0 and not _can_match(list(av[2])):
-            return False
-    return True
-
-
-def _class_has_members(items: list) -> bool:
-    negated = any(str(op) == "NEGATE" for op, _ in items)
-    members = [(str(op), av) for op, av in items if str(op) != "NEGATE"]
-    if not negated:
-        return bool(members)
-    categories = {str(av) for op, av in members if op == "CATEGORY"}
-    if any(a in categories and b in categories for a, b in _CATEGORY_PAIRS):
-        return False  # a category and its complement: everything is excluded
-    spans = sorted((av, av) if op == "LITERAL" else av for op, av in members if op in ("LITERAL", "RANGE"))
-    reach = _ALL[0] - 1
-    for lo, hi in spans:
-        if lo > reach + 1:
-            return True  # a gap: that character is a member
-        reach = max(reach, hi)
-    return reach < _ALL[1]
-
-
 # ---- Lark grammars ----------------------------------------------------------------------------------
 def _lark_fault(text: str, combined_tokens: bool, regexes: _Regexes) -> str | None:
     rules, schemas = _read_lark(text, combined_tokens, regexes)
     for schema in schemas:  # every %json, wherever it is: a schema part the library would reach
-        fault = _schema_fault(schema)
+        fault = schema_fault(schema)
         if fault is not None:
             return fault
     if START_RULE not in rules:
@@ -428,8 +340,8 @@ def _lark_fault(text: str, combined_tokens: bool, regexes: _Regexes) -> str | No
 
 
 def _read_lark(text: str, combined_tokens: bool, regexes: _Regexes) -> tuple[dict[str, list[list[tuple]]], list[Any]]:
-    """The grammar's rules (lowercase names: alternatives of items) and the schemas of its %json
-    directives. Tokens (uppercase names) are regular and left out."""
+    """The grammar's rules and plain tokens (by name: alternatives of items) and the schemas of its
+    %json directives; attributes' regexes that match nothing raise _Empty."""
     units = _tokens(text)
     rules: dict[str, list[list[tuple]]] = {}
     schemas: list[Any] = []
@@ -439,24 +351,19 @@ def _read_lark(text: str, combined_tokens: bool, regexes: _Regexes) -> tuple[dic
         end = starts[n + 1] if n + 1 < len(starts) else len(units)
         name = units[s][1].lstrip("?!")
         is_rule = name.lstrip("_")[:1].islower()
-        body = units[s + 1:end]
-        while body and body[0] != ("op", ":"):
-            if body[0][0] == "regex":  # an attribute's regex (stop=/.../, suffix=/.../)
-                attribute_regexes.append(body[0][1])
-            body = body[1:]  # the priority (.2) and the attributes ([lazy, max_tokens=3])
-        if not is_rule:  # a token: read where it is plain
-            if _combines_regexes(body):  # & or ~: whether it matches anything is not decided here
-                if not combined_tokens:
-                    raise _Unreadable(f"token {name} combines regexes with & or ~")
-                continue
-            parsed, rest = _expansions(body[1:], schemas)
-            if rest:
-                raise _Unreadable(f"after token {name}")
-            rules[name] = parsed
+        colon = s + 1
+        while units[colon] != ("op", ":"):  # past the priority (.2) and the attributes ([lazy, stop=/x/])
+            if units[colon][0] == "regex":  # an attribute's regex (stop=/.../, suffix=/.../)
+                attribute_regexes.append(units[colon][1])
+            colon += 1
+        body = units[colon + 1:end]
+        if not is_rule and _combines_regexes(body):  # & or ~: whether it matches anything is not decided here
+            if not combined_tokens:
+                raise _Unreadable(f"token {name} combines regexes with & or ~")
             continue
-        parsed, rest = _expansions(body[1:], schemas)
-        if rest:
-            raise _Unreadable(f"after rule {name}")
+        parsed, stop = _expansions(body, 0, schemas)
+        if stop < len(body):
+            raise _Unreadable(f"after {'rule' if is_rule else 'token'} {name}")
         rules[name] = parsed
     for pattern in attribute_regexes:
         if regexes.empty(pattern):
@@ -541,11 +448,10 @@ def _tokens(text: str) -> list[tuple[str, Any]]:
     return units
 
 
-def _expansions(units: list[tuple[str, Any]], schemas: list[Any]) -> tuple[list[list[tuple]], list]:
-    """Alternatives separated by `|` (newlines inside a definition are blanks), up to a closing
-    bracket or the end; returns them and what is left."""
+def _expansions(units: list[tuple[str, Any]], i: int, schemas: list[Any]) -> tuple[list[list[tuple]], int]:
+    """Alternatives separated by `|` (newlines inside a definition are blanks) from units[i], up to
+    a closing bracket or the end; returns them and where they stop."""
     alternatives: list[list[tuple]] = [[]]
-    i = 0
     while i < len(units):
         kind, value = units[i]
         if kind == "newline":
@@ -558,11 +464,10 @@ def _expansions(units: list[tuple[str, Any]], schemas: list[Any]) -> tuple[list[
             i += 1
             continue
         if (kind, value) in (("op", "("), ("op", "[")):
-            inner, rest = _expansions(units[i + 1:], schemas)
-            close = ")" if value == "(" else "]"
-            if not rest or rest[0] != ("op", close):
+            inner, i = _expansions(units, i + 1, schemas)
+            if i >= len(units) or units[i] != ("op", ")" if value == "(" else "]"):
                 raise _Unreadable("an unclosed group")
-            i = len(units) - len(rest) + 1
+            i += 1
             item: tuple = ("group", inner) if value == "(" else ("optional", inner)
         elif kind == "name":
             item = ("name", value.lstrip("?!"))
@@ -583,7 +488,7 @@ def _expansions(units: list[tuple[str, Any]], schemas: list[Any]) -> tuple[list[
             raise _Unreadable(f"{value!r}")
         i, item = _postfix(units, i, item)
         alternatives[-1].append(item)
-    return alternatives, units[i:]
+    return alternatives, i
 
 
 def _postfix(units: list[tuple[str, Any]], i: int, item: tuple) -> tuple[int, tuple]:
