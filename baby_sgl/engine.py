@@ -518,8 +518,7 @@ class Engine:
         ids shortened unless full_rids. Ages and times are as of the snapshot, taken
         `snapshot_age_s` before (an idle scheduler's stands until something changes)."""
         snapshot = self.scheduler.view_snapshot()
-        return (self.describe_snapshot(snapshot, max_nodes, full_rids)
-                | {"snapshot_age_s": round(time.monotonic() - snapshot.taken, 3)})
+        return self.describe_snapshot(snapshot, max_nodes, full_rids) | snapshot.age()
 
     async def scheduler_snapshot_async(self) -> SchedulerSnapshot:
         """The snapshot scheduler_view describes, waiting on the running event loop."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -84,10 +83,9 @@ def add_dashboard_routes(app: FastAPI, full_rids: bool) -> None:
     views = ViewCache(lambda snapshot, max_nodes: engine.describe_snapshot(snapshot, max_nodes, full_rids))
 
     async def view(max_nodes: int) -> dict:
-        """The shared view, and how long ago its snapshot was taken: an idle scheduler's snapshot
-        stands until something changes, so its ages and times are as of then (a reader adds this)."""
+        """The shared view, and how long ago its snapshot was taken (SchedulerSnapshot.age)."""
         snapshot = await engine.scheduler_snapshot_async()
-        return await views.get(snapshot, max_nodes) | {"snapshot_age_s": round(time.monotonic() - snapshot.taken, 3)}
+        return await views.get(snapshot, max_nodes) | snapshot.age()
 
     @app.get("/dashboard", response_class=HTMLResponse)
     async def dashboard() -> HTMLResponse:

@@ -48,6 +48,11 @@ class SchedulerSnapshot:
     activity: dict[str, Any]
     taken: float  # time.monotonic() when it was taken: a view of it is as of then, whenever built
 
+    def age(self) -> dict[str, float]:
+        """What a view of it adds for its reader: how long ago it was taken (an idle scheduler's
+        stands until something changes, so its ages and times are as of then)."""
+        return {"snapshot_age_s": round(time.monotonic() - self.taken, 3)}
+
 
 def take_snapshot(memory: KVMemory, queues: RequestQueues, held: list[Req], activity: Activity) -> SchedulerSnapshot:
     """In the scheduler thread: one pass over the tree, copies of the rest (held: the rows
